@@ -1,0 +1,195 @@
+"""Gradio demo (a Hugging Face Space app): talk to Fun-Audio-Chat and hear the reply while it is generated.
+
+Environment variables:
+    FUNAUDIOCHAT_MODEL      chat model folder / Hub id (default: the tiny offline random-weight model: noise!)
+    FUNAUDIOCHAT_DECODER    CosyVoice3 folder / Hub id, for the official two-repo layout (optional)
+    FUNAUDIOCHAT_SPEAKERS   speaker file for an official CosyVoice3 folder (optional)
+    FUNAUDIOCHAT_DEVICE     "cpu", "cuda", ... (default: CUDA if available)
+    FUNAUDIOCHAT_MAX_INPUT_SECONDS   longest accepted question (default 30)
+    FUNAUDIOCHAT_CONCURRENCY         replies generated at the same time (default 1: one GPU, one stream)
+    FUNAUDIOCHAT_TRUST_REMOTE_CODE   "1" to load one-folder Hub repos without the package installed
+
+Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SERVER_NAME / GRADIO_SERVER_PORT).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+
+
+MAX_TURNS = 8  # earlier turns kept as context, like the official web demo
+INPUT_SAMPLING_RATE = 16000
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def load_pipeline():
+    """The speech-to-speech pipeline described by the environment (see the module docstring)."""
+    import torch
+    from transformers import pipeline
+
+    model = os.environ.get("FUNAUDIOCHAT_MODEL")
+    trust_remote_code = os.environ.get("FUNAUDIOCHAT_TRUST_REMOTE_CODE") == "1"
+    try:  # the package registers the task; a one-folder Hub repo also works without it (trust_remote_code)
+        import funaudiochat_hf  # noqa: F401
+        from funaudiochat_hf.pipeline_speech_to_speech import register_pipeline
+
+        register_pipeline()
+        package = True
+    except ImportError:
+        package = False
+    is_tiny = model is None
+    if is_tiny:
+        if not package:
+            raise RuntimeError("Set FUNAUDIOCHAT_MODEL (the offline tiny model needs `pip install funaudiochat_hf`).")
+        from funaudiochat_hf.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model())
+    device = os.environ.get("FUNAUDIOCHAT_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    pipe = pipeline(
+        "speech-to-speech" if package else None,
+        model=model,
+        decoder=os.environ.get("FUNAUDIOCHAT_DECODER"),
+        speakers_file=os.environ.get("FUNAUDIOCHAT_SPEAKERS"),
+        device=device,
+        trust_remote_code=trust_remote_code or None,
+    )
+    pipe.is_tiny_model = is_tiny
+    return pipe
+
+
+def example_wav() -> str:
+    """A deterministic 2-s voice-like clip written to a temp file (an example input that works offline)."""
+    import soundfile
+
+    t = np.arange(2 * INPUT_SAMPLING_RATE) / INPUT_SAMPLING_RATE
+    pitch = 140.0 + 30.0 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(pitch) / INPUT_SAMPLING_RATE
+    voice = sum(np.sin(k * phase) / k for k in range(1, 8))
+    envelope = 0.5 * (1 - np.cos(2 * np.pi * 3.0 * t)) * np.minimum(1.0, 10 * t) * np.minimum(1.0, 10 * (t[-1] - t))
+    path = Path(tempfile.gettempdir()) / "funaudiochat_demo_example.wav"
+    soundfile.write(path, (0.1 * voice * envelope).astype(np.float32), INPUT_SAMPLING_RATE)
+    return str(path)
+
+
+def _to_int16(audio: np.ndarray) -> np.ndarray:
+    return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
+
+
+def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
+    """The Blocks app around a `SpeechToSpeechPipeline` (call `.queue(...).launch()` on it)."""
+    from funaudiochat_hf.audio_io import load_audio
+
+    max_input_seconds = max_input_seconds or _env_int("FUNAUDIOCHAT_MAX_INPUT_SECONDS", 30)
+    voices = pipe.speakers
+
+    def respond(audio_path, history, messages, voice, temperature, top_p, max_new_tokens, system_prompt):
+        """Stream one reply: yields (audio chunk, transcript, chat messages, history) updates."""
+        if not audio_path:
+            raise gr.Error("Record or upload a question first.")
+        try:
+            clip = load_audio(audio_path, target_sampling_rate=INPUT_SAMPLING_RATE)
+        except ValueError as error:
+            raise gr.Error(f"Could not read that audio: {error}") from None
+        seconds = len(clip) / INPUT_SAMPLING_RATE
+        if seconds > max_input_seconds:
+            raise gr.Error(
+                f"That recording is {seconds:.0f} s long; please keep questions under {max_input_seconds:.0f} s."
+            )
+        turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
+        chat = list(history[-2 * (MAX_TURNS - 1) :]) + [turn]
+        messages = list(messages) + [
+            {"role": "user", "content": f"🎤 ({seconds:.1f} s)"},
+            {"role": "assistant", "content": ""},
+        ]
+        text = ""
+        kwargs = dict(
+            speaker=voice or None,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=int(max_new_tokens),
+            system_prompt=system_prompt or None,
+        )
+        for event in pipe.stream(chat, **kwargs):
+            text += event["text"]
+            messages[-1] = {"role": "assistant", "content": text}
+            audio = (event["sampling_rate"], _to_int16(event["audio"])) if event["audio"].size else gr.skip()
+            yield audio, text, messages, history
+        history = chat + [{"role": "assistant", "content": text}]
+        yield gr.skip(), text, messages, history
+
+    def reset():
+        return None, "", [], [], None
+
+    with gr.Blocks(title="Fun-Audio-Chat speech-to-speech") as app:
+        gr.Markdown(
+            "# Fun-Audio-Chat: talk, and hear the answer\n"
+            "Record or upload a spoken question; the spoken reply streams back while it is generated."
+        )
+        if getattr(pipe, "is_tiny_model", False):
+            gr.Markdown(
+                "⚠️ **Offline demo model**: tiny and random-weight, so its replies are noise and gibberish. "
+                "Set `FUNAUDIOCHAT_MODEL=FunAudioLLM/Fun-Audio-Chat-8B` and `FUNAUDIOCHAT_DECODER=<CosyVoice3 folder>` "
+                "for real answers.",
+                elem_id="tiny-model-warning",
+            )
+        history = gr.State([])
+        with gr.Row():
+            with gr.Column():
+                question = gr.Audio(
+                    sources=["microphone", "upload"], type="filepath", label="Your question", elem_id="question"
+                )
+                with gr.Row():
+                    submit = gr.Button("Send", variant="primary", elem_id="submit")
+                    clear = gr.Button("New conversation", elem_id="reset")
+                with gr.Accordion("Voice and sampling", open=False):
+                    voice = gr.Dropdown(
+                        choices=voices, value=voices[0] if voices else None, label="Voice", allow_custom_value=False
+                    )
+                    temperature = gr.Slider(0.1, 1.5, value=0.8, step=0.05, label="Temperature")
+                    top_p = gr.Slider(0.1, 1.0, value=0.9, step=0.05, label="Top-p")
+                    max_new_tokens = gr.Slider(
+                        8, 1024, value=64 if getattr(pipe, "is_tiny_model", False) else 512, step=8,
+                        label="Max reply length (LLM steps, 0.2 s of speech each)",
+                    )
+                    system_prompt = gr.Textbox(label="System prompt (empty: the official spoken-chat prompt)", lines=2)
+                gr.Examples(examples=[[example_wav()]], inputs=[question], label="Example question")
+            with gr.Column():
+                reply_audio = gr.Audio(
+                    label="Spoken reply", streaming=True, autoplay=True, interactive=False, elem_id="reply-audio"
+                )
+                transcript = gr.Textbox(label="Reply text", interactive=False, elem_id="transcript")
+                chatbot = gr.Chatbot(label="Conversation", height=300, elem_id="conversation")
+
+        submit.click(
+            respond,
+            inputs=[question, history, chatbot, voice, temperature, top_p, max_new_tokens, system_prompt],
+            outputs=[reply_audio, transcript, chatbot, history],
+        )
+        clear.click(reset, outputs=[question, transcript, chatbot, history, reply_audio])
+    return app
+
+
+def main() -> None:
+    pipe = load_pipeline()
+    if getattr(pipe, "is_tiny_model", False):
+        print("note: FUNAUDIOCHAT_MODEL not set: serving the tiny offline model (its output is noise).", file=sys.stderr)
+    app = create_app(pipe)
+    app.queue(default_concurrency_limit=_env_int("FUNAUDIOCHAT_CONCURRENCY", 1), max_size=32)
+    app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+
+
+if __name__ == "__main__":
+    main()

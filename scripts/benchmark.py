@@ -1,0 +1,1313 @@
+#!/usr/bin/env python
+"""Speed benchmark for Fun-Audio-Chat speech-to-speech: the chat loop (LLM + CRQ) and the CosyVoice3 decoder.
+
+Builds the full-size architectures with random weights directly on the device (weight values do not change the cost of
+a step), feeds processor-shaped random inputs (a spoken "question" of `--input-seconds`), and measures:
+
+chat part (`FunAudioChatForConditionalGeneration.generate_speech`), per mode (eager / compiled) x batch size:
+    * ms per LLM step = slope between two runs with different `max_new_tokens` (prefill, compile and other one-off costs
+      cancel), text EOS disabled so every run does the full number of steps; one LLM step = 1 text + 5 speech tokens =
+      0.2 s of output audio, so real-time factor = step ms / 200 ms and aggregate x real time = batch * 200 / step ms;
+    * the floor = bytes read per step (LLM weights without the input embedding + 5 x (CRQ body + input/output matching
+      + speech head) + pre_matching + the KV cache read at the mean context) / measured device copy bandwidth (the
+      gpt-fast KPI: achieved GB/s = weight bytes / step time);
+    * compile time (first call minus a warm call), peak memory, the CRQ share of a step (`disable_speech=True` vs
+      normal), time to the first audio chunk of `generate_speech_stream` with the full-size decoder (hop 15), and
+      memory before/after 100 consecutive short calls.
+decoder part (`CosyVoice3Token2Wav`, float32): offline RTF for 10 s and 30 s of tokens (25 tokens/s), streaming at hop
+15 (RTF, first chunk latency after its tokens arrive, max per-chunk time), peak memory; eager and compiled.
+
+Every measurement is isolated: a failure is recorded in the table as "failed: <reason>" and the run goes on. Work is
+ordered by importance and stops when `--time-budget` seconds are spent. Results are printed as markdown tables, appended
+to BENCHMARKS.md (unless --no-write), and written as JSON + markdown to $OUT/benchmark.{json,md} when OUT is set.
+`--from-json FILE` appends the section rendered from a JSON written on another machine to BENCHMARKS.md.
+
+    python scripts/benchmark.py                                  # full size, on cuda
+    python scripts/benchmark.py --tiny --device cpu --steps 4 --no-write   # smoke test of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+REPO = Path(__file__).resolve().parents[1]
+# Benchmark the working tree's package even where it is not pip-installed (the GPU machine runs a plain copy).
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+
+FUNAUDIOCHAT_TINY = REPO / "tests" / "fixtures" / "funaudiochat_tiny"
+COSYVOICE3_TINY = REPO / "tests" / "fixtures" / "cosyvoice3_tiny"
+BENCHMARKS_MD = REPO / "BENCHMARKS.md"
+
+STEP_SECONDS = 0.2  # one LLM step = 5 speech tokens at 25 Hz
+TOKENS_PER_SECOND = 25  # CosyVoice3 speech tokens
+SPEECH_VOCAB = 6561  # valid CosyVoice3 token ids are [0, 6561)
+
+# Official numbers (spec/performance.md, one H200, batch 1), quoted as context for the ratios.
+OFFICIAL_CHAT_MS = {"default SDPA": 390.0, "cuDNN SDPA off": 189.0}
+OFFICIAL_CHAT_PEAK_GB = 23.3
+OFFICIAL_DECODER = {
+    "offline 10 s": {"wall_s": 0.32, "rtf": 0.032},
+    "offline 30 s": {"wall_s": 0.65, "rtf": 0.022},
+    "stream 10 s": {"wall_s": 9.4, "rtf": 0.94, "first_chunk_ms": 600.0},
+    "stream 30 s": {"wall_s": 24.6, "rtf": 0.82, "first_chunk_ms": 460.0},
+}
+OFFICIAL_DECODER_PEAK_GB = 19.3
+
+
+def log(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Time budget and results
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class BudgetExceeded(Exception):
+    pass
+
+
+class Budget:
+    """Wall-clock budget of the whole run; a SIGALRM hard stop interrupts a measurement that overruns it."""
+
+    def __init__(self, seconds: float, hard_margin: float = 30.0):
+        self.start = time.perf_counter()
+        self.seconds = seconds
+        if hasattr(signal, "SIGALRM") and seconds > 0:
+            signal.signal(signal.SIGALRM, self._alarm)
+            signal.alarm(int(math.ceil(seconds + hard_margin)))
+
+    @staticmethod
+    def _alarm(signum, frame):
+        raise BudgetExceeded("hard time limit hit (time budget + margin)")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def cancel_alarm(self) -> None:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
+
+
+class Results:
+    """Everything measured, kept JSON-serialisable so it can be rendered on another machine."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        self.data: dict[str, Any] = {
+            "meta": environment_info(args, argv),
+            "bandwidth": {},
+            "chat_model": {},
+            "chat": [],
+            "crq_share": [],
+            "ttfa": [],
+            "repeat_calls": [],
+            "decoder_model": {},
+            "decoder": [],
+            "log": [],
+        }
+
+    def add(self, section: str, row: dict) -> dict:
+        self.data[section].append(row)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        out = os.environ.get("OUT")
+        if not out:
+            return
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "benchmark.json").write_text(json.dumps(self.data, indent=1, default=str))
+            (Path(out) / "benchmark.md").write_text(render_markdown(self.data))
+        except OSError as error:  # never let bookkeeping abort the benchmark
+            log(f"[warn] could not write $OUT: {error}")
+
+
+def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python scripts/benchmark.py " + " ".join(shlex.quote(a) for a in argv),
+        "device": args.device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "tiny": args.tiny,
+    }
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(args.device)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = f"none (cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    try:
+        import funaudiochat_hf
+
+        info["funaudiochat_hf"] = getattr(funaudiochat_hf, "__version__", "?")
+    except Exception as error:  # recorded, the measurements will fail with the real reason
+        info["funaudiochat_hf"] = f"import failed: {one_line(error)}"
+    try:
+        import subprocess
+
+        info["git"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except Exception:
+        info["git"] = "?"
+    return info
+
+
+def one_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line[:200]
+
+
+def run_measurement(results: Results, budget: Budget, label: str, fn: Callable[[], Any], device: str) -> Any:
+    """Runs one measurement; returns its value, or a dict with "status" on skip/failure (never raises)."""
+    if budget.left() <= 0:
+        status = f"skipped: time budget ({budget.seconds:.0f} s) spent"
+        log(f"[skip] {label}: {status}")
+        results.data["log"].append({"label": label, "status": status})
+        return {"status": status}
+    log(f"[run ] {label} (t={budget.elapsed():.0f}s)")
+    start = time.perf_counter()
+    try:
+        value = fn()
+        status = "ok"
+    except BudgetExceeded as error:
+        value, status = {"status": f"failed: {one_line(error)}"}, "timeout"
+    except Exception as error:  # record and continue with the next measurement
+        import traceback
+
+        traceback.print_exc()
+        value, status = {"status": f"failed: {one_line(error)}"}, "failed"
+    finally:
+        cleanup(device)
+    took = time.perf_counter() - start
+    log(f"[done] {label}: {status} in {took:.1f}s")
+    results.data["log"].append({"label": label, "status": status, "seconds": round(took, 1)})
+    results.save()
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def synchronize(device: str) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def cleanup(device: str) -> None:
+    gc.collect()
+    if is_cuda(device):
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    """Wall-clock seconds of `fn()` with the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def reset_peak(device: str) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gb(device: str) -> float | None:
+    if is_cuda(device):
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return None
+
+
+def allocated_gb(device: str) -> float | None:
+    if is_cuda(device):
+        return torch.cuda.memory_allocated(device) / 1e9
+    return None
+
+
+def measure_copy_bandwidth(device: str, megabytes: int, iterations: int = 20) -> dict:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written (the METHOD.md ceiling)."""
+    n = megabytes * 2**20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(iterations)], device)
+    del src, dst
+    return {"copy_gb_per_s": 2 * n * iterations / seconds / 1e9, "buffer_mb": megabytes, "iterations": iterations}
+
+
+def call_with_supported_kwargs(fn: Callable, kwargs: dict, notes: list[str] | None = None):
+    """Calls `fn(**kwargs)`, dropping (and noting) kwargs its signature does not accept, unless it takes **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(**kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    dropped = [k for k in kwargs if k not in params]
+    if dropped and notes is not None:
+        note = "unsupported kwargs dropped: " + ", ".join(dropped)
+        if note not in notes:
+            notes.append(note)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Chat model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def reinit_small_(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights drawn small so activations stay finite through 36 + 28 layers (values do not change step cost).
+
+    Matrices/convs/embeddings ~ N(0, std); 1-D norm weights = 1, biases = 0; other 1-D parameters ~ N(0, std).
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, std)
+            elif name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name or "ln_" in name or name.endswith("layer_norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std)
+
+
+def check_buffers_finite(model: torch.nn.Module) -> list[str]:
+    bad = []
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point() and buf.numel() and not bool(torch.isfinite(buf).all()):
+            bad.append(name)
+    return bad
+
+
+def build_chat_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    from funaudiochat_hf import FunAudioChatConfig, FunAudioChatForConditionalGeneration
+
+    if args.tiny:
+        config = FunAudioChatConfig.from_pretrained(FUNAUDIOCHAT_TINY)
+    else:
+        config = FunAudioChatConfig()
+    dtype = resolve_dtype(args.chat_dtype, args.device)
+    start = time.perf_counter()
+    # Construct directly on the device: no CPU copy, and non-persistent buffers (rotary inv_freq, the encoder sinusoid)
+    # are computed by the constructors as usual (a meta-device build would leave them empty).
+    with torch.device(args.device):
+        model = FunAudioChatForConditionalGeneration._from_config(config, dtype=dtype)
+    reinit_small_(model)
+    model.eval()
+    model.requires_grad_(False)
+    synchronize(args.device)
+    info = {
+        "build_s": round(time.perf_counter() - start, 1),
+        "dtype": str(dtype).replace("torch.", ""),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+    bad = check_buffers_finite(model)
+    if bad:
+        info["non_finite_buffers"] = bad[:10]
+    info.update(step_bytes(model))
+    return model, info
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if is_cuda(device) else torch.float32
+    return getattr(torch, name)
+
+
+def nbytes(module_or_tensor) -> int:
+    if module_or_tensor is None:
+        return 0
+    if isinstance(module_or_tensor, torch.Tensor):
+        return module_or_tensor.numel() * module_or_tensor.element_size()
+    seen, total = set(), 0
+    for p in module_or_tensor.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def step_bytes(model: torch.nn.Module) -> dict:
+    """Weight bytes one LLM step must read (gpt-fast style: the input embedding is gathered, not read) + KV sizes."""
+    cfg = model.config
+    text_cfg = cfg.text_config
+    audio_cfg = cfg.audio_config
+    crq_cfg = audio_cfg.crq_transformer_config
+    group = int(audio_cfg.group_size)
+    lm = model.language_model
+    embed = lm.get_input_embeddings().weight
+    head = lm.get_output_embeddings().weight if lm.get_output_embeddings() is not None else None
+    llm = nbytes(lm) - (nbytes(embed) if head is None or head.data_ptr() != embed.data_ptr() else 0)
+    crq = model.audio_invert_tower
+    crq_sub = nbytes(crq.crq_transformer) + nbytes(crq.input_matching) + nbytes(crq.output_matching)
+    crq_sub += nbytes(crq.lm_head.weight)
+    pre = nbytes(crq.pre_matching)
+    elem = embed.element_size()
+
+    def kv_per_position(c) -> int:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * elem
+
+    return {
+        "group_size": group,
+        "llm_bytes": llm,
+        "crq_substep_bytes": crq_sub,
+        "pre_matching_bytes": pre,
+        "weight_bytes_per_step": llm + group * crq_sub + pre,
+        "llm_kv_bytes_per_position": kv_per_position(text_cfg),
+        "crq_kv_bytes_per_position": kv_per_position(crq_cfg),
+    }
+
+
+def kv_bytes_per_step(info: dict, batch: int, context: float) -> float:
+    """KV read by one step at LLM context `context`: LLM once; each of the K CRQ sub-steps reads K*context positions."""
+    k = info["group_size"]
+    llm = batch * context * info["llm_kv_bytes_per_position"]
+    crq = batch * k * (k * context) * info["crq_kv_bytes_per_position"]
+    return llm + crq
+
+
+def chat_token_ids(config) -> dict:
+    text_cfg = config.text_config
+    audio_cfg = config.audio_config
+    audio_token = getattr(config, "audio_token_index", None)
+    if audio_token is None:
+        audio_token = config.audio_token_id
+    specials = {
+        int(x)
+        for x in (
+            audio_token,
+            text_cfg.audio_bos_index,
+            text_cfg.audio_eos_index,
+            text_cfg.sil_index,
+            text_cfg.bos_token_id,
+            text_cfg.pad_token_id,
+            151643,
+            151644,
+            151645,
+        )
+        if x is not None
+    }
+    eos = text_cfg.eos_token_id
+    specials |= set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    # Plain "text" ids for the chat-template part of the prompt: below every special id.
+    text_high = min([s for s in specials if s > 16] + [int(text_cfg.vocab_size)])
+    return {
+        "audio_token": int(audio_token),
+        "audio_bos": int(text_cfg.audio_bos_index),
+        "audio_eos": int(text_cfg.audio_eos_index),
+        "speech_pad": int(audio_cfg.pad_token_id),
+        "group_size": int(audio_cfg.group_size),
+        "num_mel_bins": int(audio_cfg.num_mel_bins),
+        "text_high": int(text_high),
+        "vocab_size": int(text_cfg.vocab_size),
+    }
+
+
+def make_chat_inputs(model: torch.nn.Module, batch: int, seconds: float, device: str, seed: int = 0) -> dict:
+    """Processor-shaped tensors for a `seconds`-long spoken question (no tokenizer needed).
+
+    input_ids (batch, L): ~30 chat-template ids + <|audio_bos|> + ceil(25*seconds/5) <|AUDIO|> + <|audio_eos|> + 5 ids;
+    speech_ids (batch, S) all <|audio_pad|>, S = 25*seconds rounded up to a multiple of 5; input_features
+    (batch, 128, 100*seconds) random log-mel-like values with a full feature_attention_mask; feature_exist_mask all true.
+    """
+    ids = chat_token_ids(model.config)
+    group = ids["group_size"]
+    g = torch.Generator().manual_seed(seed)
+    speech_len = max(1, int(seconds * TOKENS_PER_SECOND))
+    padded = math.ceil(speech_len / group) * group
+    placeholders = math.ceil(speech_len / group)
+    mel_frames = max(1, int(round(seconds * 100)))
+    prefix = torch.randint(20, ids["text_high"], (batch, 30), generator=g)
+    suffix = torch.randint(20, ids["text_high"], (batch, 5), generator=g)
+    audio = torch.cat(
+        [
+            torch.full((batch, 1), ids["audio_bos"]),
+            torch.full((batch, placeholders), ids["audio_token"]),
+            torch.full((batch, 1), ids["audio_eos"]),
+        ],
+        dim=1,
+    )
+    input_ids = torch.cat([prefix, audio, suffix], dim=1)
+    speech_attention_mask = torch.zeros(batch, padded, dtype=torch.long)
+    speech_attention_mask[:, :speech_len] = 1
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "speech_ids": torch.full((batch, padded), ids["speech_pad"], dtype=torch.long),
+        "speech_attention_mask": speech_attention_mask,
+        "input_features": torch.randn(batch, ids["num_mel_bins"], mel_frames, generator=g) * 0.5 - 0.5,
+        "feature_attention_mask": torch.ones(batch, mel_frames, dtype=torch.long),
+        "feature_exist_mask": torch.ones(batch, dtype=torch.bool),
+    }
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def compile_argument(mode: str, args: argparse.Namespace):
+    if mode == "eager":
+        return False
+    if args.compile_config:
+        return json.loads(args.compile_config)
+    if is_cuda(args.device):
+        return True  # generate_speech's default: torch.compile(mode="reduce-overhead") -> CUDA graphs
+    # CPU smoke runs: trace with dynamo (proves the step is capturable) without slow C++ codegen.
+    return {"backend": "eager", "fullgraph": True}
+
+
+def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens: int, **extra) -> dict:
+    ids = chat_token_ids(model.config)
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        # performance.md setting: text greedy, speech sampled T=0.8 / top-p 0.9 / repetition penalty 1.2
+        "do_sample": True,
+        "text_greedy": True,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "repetition_penalty": 1.2,
+        # An id the text head can never produce (== vocab size): every run does exactly max_new_tokens steps.
+        "eos_token_id": ids["vocab_size"],
+        "compile": compile_argument(mode, args),
+        "cache_implementation": "static",
+        "return_audio": False,
+    }
+    kwargs.update(extra)
+    return kwargs
+
+
+def generated_steps(output, prompt_len: int) -> int | None:
+    sequences = getattr(output, "sequences", None)
+    if sequences is None and isinstance(output, (tuple, list)) and output:
+        sequences = output[0]
+    if isinstance(sequences, torch.Tensor):
+        return int(sequences.shape[-1]) - prompt_len
+    return None
+
+
+def generate(model, inputs: dict, kwargs: dict, notes: list[str]):
+    with torch.inference_mode():
+        return call_with_supported_kwargs(model.generate_speech, {**inputs, **kwargs}, notes)
+
+
+def measure_step_time(
+    model, inputs: dict, mode: str, args: argparse.Namespace, device: str, short: int, long: int, **extra
+) -> dict:
+    """ms per LLM step as the slope between runs of `short` and `long` steps (after a warm-up of each).
+
+    Both runs use the same cache size (`cache_max_length`), hence the same workspace and compiled graph.
+    """
+    notes: list[str] = []
+    prompt_len = inputs["input_ids"].shape[1]
+    extra = {"cache_max_length": prompt_len + long, **extra}
+    runs = {}
+    reset_peak(device)
+    first = {}
+    for n in (short, long):  # warm-up: compilation / CUDA-graph capture happens here, for each cache size
+        seconds, out = timed(lambda: generate(model, inputs, generation_kwargs(model, mode, args, n, **extra), notes), device)
+        first[n] = seconds
+        steps = generated_steps(out, prompt_len)
+        if steps is not None and steps != n:
+            notes.append(f"{n}-step run stopped after {steps} steps (EOS not disabled?)")
+        runs[n] = {"steps": steps if steps is not None else n, "times": []}
+    for _ in range(args.repeats):
+        for n in (short, long):
+            seconds, _ = timed(lambda: generate(model, inputs, generation_kwargs(model, mode, args, n, **extra), notes), device)
+            runs[n]["times"].append(seconds)
+    t_short = statistics.median(runs[short]["times"])
+    t_long = statistics.median(runs[long]["times"])
+    d_steps = runs[long]["steps"] - runs[short]["steps"]
+    if d_steps <= 0:
+        raise RuntimeError(f"runs of {short} and {long} new tokens did the same number of steps")
+    step_s = (t_long - t_short) / d_steps
+    spread = [
+        (max(runs[n]["times"]) - min(runs[n]["times"])) / d_steps * 1e3 for n in (short, long)
+    ]
+    return {
+        "ms_per_step": step_s * 1e3,
+        "spread_ms": max(spread),  # run-to-run spread of the slope's inputs, in ms/step
+        "fixed_s": t_short - runs[short]["steps"] * step_s,  # prefill + per-call overhead
+        "first_call_s": first[short],
+        "compile_s": max(0.0, first[short] - t_short) + max(0.0, first[long] - t_long),
+        "steps": [runs[short]["steps"], runs[long]["steps"]],
+        "peak_gb": peak_gb(device),
+        "notes": notes,
+    }
+
+
+def chat_step_row(model, info: dict, bandwidth: dict, mode: str, batch: int, args: argparse.Namespace) -> dict:
+    device = args.device
+    inputs = make_chat_inputs(model, batch, args.input_seconds, device)
+    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
+    short = max(1, long // 4)
+    m = measure_step_time(model, inputs, mode, args, device, short, long)
+    row = {"mode": mode, "batch": batch, **m, "prompt_len": int(inputs["input_ids"].shape[1])}
+    step_s = m["ms_per_step"] / 1e3
+    row["rtf"] = step_s / STEP_SECONDS
+    row["x_realtime_aggregate"] = batch * STEP_SECONDS / step_s if step_s > 0 else None
+    row["achieved_gb_per_s"] = info["weight_bytes_per_step"] / step_s / 1e9 if step_s > 0 else None
+    copy_bw = bandwidth.get("copy_gb_per_s")
+    if copy_bw:
+        context = row["prompt_len"] + (short + long) / 2
+        floor_bytes = info["weight_bytes_per_step"] + kv_bytes_per_step(info, batch, context)
+        row["floor_ms"] = floor_bytes / (copy_bw * 1e9) * 1e3
+        row["x_floor"] = m["ms_per_step"] / row["floor_ms"]
+    return row
+
+
+def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_ms: float | None) -> dict:
+    """Step time with `disable_speech=True` (LLM only) against the normal step: the CRQ's share of a step."""
+    device = args.device
+    inputs = make_chat_inputs(model, batch, args.input_seconds, device)
+    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
+    short = max(1, long // 4)
+    m = measure_step_time(model, inputs, mode, args, device, short, long, disable_speech=True)
+    row = {"mode": mode, "batch": batch, "llm_only_ms_per_step": m["ms_per_step"], "notes": m["notes"]}
+    if full_ms:
+        row["full_ms_per_step"] = full_ms
+        row["crq_share"] = (full_ms - m["ms_per_step"]) / full_ms
+    return row
+
+
+def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
+    """Time to the first non-empty audio chunk of `generate_speech_stream` (batch 1, full decoder, hop 15)."""
+    device = args.device
+    inputs = make_chat_inputs(model, 1, args.input_seconds, device)
+    notes: list[str] = []
+    kwargs = generation_kwargs(model, mode, args, args.ttfa_steps)
+    kwargs.pop("return_audio")
+    kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
+
+    def first_audio() -> dict:
+        synchronize(device)
+        start = time.perf_counter()
+        events, result = 0, None
+        with torch.inference_mode():
+            stream = call_with_supported_kwargs(model.generate_speech_stream, {**inputs, **kwargs}, notes)
+            try:
+                for event in stream:
+                    events += 1
+                    audio = getattr(event, "audio", None)
+                    if audio is not None and audio.numel() > 0:
+                        synchronize(device)
+                        result = {"seconds": time.perf_counter() - start, "events": events, "samples": audio.numel()}
+                        break
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+        if result is None:
+            raise RuntimeError(f"no audio in {events} stream events ({args.ttfa_steps} steps)")
+        return result
+
+    reset_peak(device)
+    cold = first_audio()  # compiles / captures
+    warm = [first_audio() for _ in range(max(1, args.repeats))]
+    best = statistics.median(w["seconds"] for w in warm)
+    return {
+        "mode": mode,
+        "input_seconds": args.input_seconds,
+        "ttfa_ms": best * 1e3,
+        "first_call_ttfa_ms": cold["seconds"] * 1e3,
+        "events_before_audio": warm[0]["events"],
+        "first_chunk_samples": warm[0]["samples"],
+        "peak_gb": peak_gb(device),
+        "notes": notes,
+    }
+
+
+def repeat_calls_row(model, mode: str, args: argparse.Namespace) -> dict:
+    """`--repeat-calls` consecutive short generate_speech calls: memory before/after (a leak shows here) and time."""
+    device = args.device
+    inputs = make_chat_inputs(model, 1, args.input_seconds, device)
+    notes: list[str] = []
+    kwargs = generation_kwargs(model, mode, args, args.repeat_steps)
+    generate(model, inputs, kwargs, notes)  # warm
+    cleanup(device)
+    before = allocated_gb(device)
+    reset_peak(device)
+    times = []
+    for _ in range(args.repeat_calls):
+        seconds, _ = timed(lambda: generate(model, inputs, kwargs, notes), device)
+        times.append(seconds)
+    cleanup(device)
+    after = allocated_gb(device)
+    return {
+        "mode": mode,
+        "calls": args.repeat_calls,
+        "steps_per_call": args.repeat_steps,
+        "median_call_ms": statistics.median(times) * 1e3,
+        "max_call_ms": max(times) * 1e3,
+        "allocated_before_gb": before,
+        "allocated_after_gb": after,
+        "peak_gb": peak_gb(device),
+        "notes": notes,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CosyVoice3 decoder
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_decoder(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    from funaudiochat_hf import CosyVoice3Config, CosyVoice3Token2Wav
+
+    start = time.perf_counter()
+    if args.tiny:
+        try:
+            from funaudiochat_hf.tiny_model import tiny_token2wav_config
+
+            with torch.device(args.device):
+                model = CosyVoice3Token2Wav._from_config(tiny_token2wav_config(SPEECH_VOCAB), dtype=torch.float32)
+            source = "tiny_model.tiny_token2wav_config, random init"
+        except ImportError:
+            model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).to(args.device)
+            source = "tests/fixtures/cosyvoice3_tiny"
+    else:
+        with torch.device(args.device):
+            model = CosyVoice3Token2Wav._from_config(CosyVoice3Config(), dtype=torch.float32)
+        source = "CosyVoice3Config() defaults, random init"
+    if not args.tiny or source.endswith("random init"):
+        init_fixed_tables_(model)
+    model.eval()
+    model.requires_grad_(False)
+    synchronize(args.device)
+    info = {
+        "build_s": round(time.perf_counter() - start, 1),
+        "source": source,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": "float32",
+    }
+    bad = check_buffers_finite(model)
+    if bad:
+        info["non_finite_buffers"] = bad[:10]
+    return model, info
+
+
+def init_fixed_tables_(model: torch.nn.Module) -> None:
+    """Fill the decoder's fixed non-persistent tables (ODE start noise, HiFT source tables) explicitly: a model built
+    from a config must not depend on whether the constructor's weight initialisation reached them."""
+    for module in model.modules():
+        for name in ("init_noise", "init_source_tables"):
+            fill = getattr(module, name, None)
+            if callable(fill):
+                fill()
+
+
+def speaker_embedding(device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(1, 192, generator=g)
+    return (emb / emb.norm(dim=-1, keepdim=True)).to(device)
+
+
+def random_speech_tokens(seconds: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SPEECH_VOCAB, (1, int(seconds * TOKENS_PER_SECOND)), generator=g)
+
+
+def waveform_of(output) -> torch.Tensor:
+    for name in ("waveform", "audio", "waveforms"):
+        value = getattr(output, name, None)
+        if value is not None:
+            output = value
+            break
+    if isinstance(output, (list, tuple)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"decoder returned {type(output).__name__}, expected a waveform tensor")
+    return output
+
+
+def compile_decoder(decoder, args: argparse.Namespace) -> str:
+    """Uses the decoder's own compile helper; returns its name (raises if it has none)."""
+    kwargs = json.loads(args.decoder_compile_config) if args.decoder_compile_config else {}
+    if not is_cuda(args.device) and not kwargs:
+        kwargs = {"backend": "eager"}
+    for name in ("compile_estimator", "compile_decoder", "compile_flow", "setup_compile"):
+        helper = getattr(decoder, name, None)
+        if callable(helper):
+            helper(**kwargs)
+            return name
+    raise RuntimeError("decoder offers no compile helper (compile_estimator / compile_decoder / ...)")
+
+
+def decoder_offline_row(decoder, mode: str, seconds: float, args: argparse.Namespace) -> dict:
+    device = args.device
+    tokens = random_speech_tokens(seconds, seed=int(seconds)).to(device)
+    emb = speaker_embedding(device)
+    reset_peak(device)
+
+    def run():
+        with torch.inference_mode():
+            return waveform_of(decoder(tokens, speaker_embedding=emb))
+
+    first_s, wav = timed(run, device)
+    times = [timed(run, device)[0] for _ in range(max(1, args.repeats))]
+    wall = statistics.median(times)
+    expected = tokens.shape[1] * 960
+    notes = []
+    if wav.shape[-1] != expected:
+        notes.append(f"{wav.shape[-1]} samples, expected {expected}")
+    if not bool(torch.isfinite(wav).all()):
+        notes.append("non-finite audio")
+    name = f"offline {seconds:g} s"
+    row = {
+        "mode": mode,
+        "test": name,
+        "audio_s": seconds,
+        "wall_s": wall,
+        "first_call_s": first_s,
+        "rtf": wall / seconds,
+        "peak_gb": peak_gb(device),
+        "notes": notes,
+    }
+    if name in OFFICIAL_DECODER:
+        row["x_vs_official"] = OFFICIAL_DECODER[name]["wall_s"] / wall
+    return row
+
+
+def stream_once(decoder, tokens: torch.Tensor, emb: torch.Tensor, hop: int, device: str, arrival: int) -> dict:
+    """Pushes tokens `arrival` at a time (the chat loop emits 5 per LLM step); times every push that returns audio."""
+    with torch.inference_mode():
+        stream = decoder.streaming_decoder(speaker_embedding=emb, token_hop_len=hop)
+        chunk_ms, total, samples = [], 0.0, 0
+        flat = tokens.reshape(-1)
+        for i in range(0, flat.numel(), arrival):
+            seconds, audio = timed(lambda: stream.push(flat[i : i + arrival]), device)
+            total += seconds
+            if audio is not None and audio.numel() > 0:
+                chunk_ms.append(seconds * 1e3)
+                samples += audio.numel()
+        seconds, audio = timed(stream.finalize, device)
+        total += seconds
+        samples += audio.numel() if audio is not None else 0
+    return {"total_s": total, "chunk_ms": chunk_ms, "finalize_ms": seconds * 1e3, "samples": samples}
+
+
+def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namespace) -> dict:
+    device = args.device
+    tokens = random_speech_tokens(seconds, seed=100 + int(seconds)).to(device)
+    emb = speaker_embedding(device)
+    reset_peak(device)
+    warm = stream_once(decoder, tokens[:, : 4 * args.hop + 3], emb, args.hop, device, 5)  # compile / allocator warm-up
+    run = stream_once(decoder, tokens, emb, args.hop, device, 5)
+    chunks = run["chunk_ms"]
+    if not chunks:
+        raise RuntimeError("streaming decoder returned no audio before finalize()")
+    expected = tokens.shape[1] * 960
+    notes = []
+    if run["samples"] != expected:
+        notes.append(f"{run['samples']} samples, expected {expected}")
+    name = f"stream {seconds:g} s"
+    row = {
+        "mode": mode,
+        "test": f"{name} (hop {args.hop})",
+        "audio_s": seconds,
+        "wall_s": run["total_s"],
+        "rtf": run["total_s"] / seconds,
+        "first_chunk_ms": chunks[0],
+        "max_chunk_ms": max(chunks),
+        "last_chunk_ms": chunks[-1],
+        "chunks": len(chunks),
+        "finalize_ms": run["finalize_ms"],
+        "warmup_first_chunk_ms": warm["chunk_ms"][0] if warm["chunk_ms"] else None,
+        "peak_gb": peak_gb(device),
+        "notes": notes,
+    }
+    if name in OFFICIAL_DECODER:
+        row["x_vs_official"] = OFFICIAL_DECODER[name]["wall_s"] / run["total_s"]
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def fmt(value, digits: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 10 ** (-digits):
+            return f"{value:.2g}{suffix}"
+        return f"{value:,.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def row_status(row: dict) -> str | None:
+    return row.get("status")
+
+
+def notes_of(row: dict) -> str:
+    parts = list(row.get("notes") or [])
+    if row.get("status"):
+        parts.insert(0, row["status"])
+    return "; ".join(parts).replace("|", "/")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_chat(data: dict) -> str:
+    rows = []
+    for r in data["chat"]:
+        if row_status(r):
+            rows.append([r["mode"], str(r["batch"])] + ["–"] * 10 + [notes_of(r)])
+            continue
+        rows.append(
+            [
+                r["mode"],
+                str(r["batch"]),
+                fmt(r["ms_per_step"], 2) + f" ±{fmt(r.get('spread_ms'), 2)}",
+                fmt(r["rtf"], 4),
+                fmt(r["x_realtime_aggregate"], 0) + "×",
+                fmt(r.get("floor_ms"), 2),
+                fmt(r.get("x_floor"), 2) + "×",
+                fmt(r.get("achieved_gb_per_s"), 0),
+                fmt(OFFICIAL_CHAT_MS["default SDPA"] / r["ms_per_step"], 0) + "×"
+                if r["batch"] == 1
+                else "–",
+                fmt(r.get("compile_s"), 1),
+                fmt(r.get("fixed_s"), 3),
+                fmt(r.get("peak_gb"), 1),
+                notes_of(r),
+            ]
+        )
+    header = [
+        "mode",
+        "batch",
+        "ms / LLM step",
+        "RTF",
+        "aggregate × real time",
+        "floor ms",
+        "× floor",
+        "weights GB/s",
+        "× faster than official (390 ms)",
+        "compile s",
+        "prefill+overhead s",
+        "peak GB",
+        "notes",
+    ]
+    out = [table(header, rows)]
+    # eager vs compiled, measured in this run
+    by_key = {(r["mode"], r["batch"]): r for r in data["chat"] if not row_status(r)}
+    ratios = [
+        f"batch {b}: compiled is {by_key[('eager', b)]['ms_per_step'] / by_key[('compiled', b)]['ms_per_step']:.1f}× "
+        f"faster than eager"
+        for b in sorted({k[1] for k in by_key})
+        if ("eager", b) in by_key and ("compiled", b) in by_key
+    ]
+    if ratios:
+        out.append("\n" + "; ".join(ratios) + ".")
+    return "\n".join(out)
+
+
+def render_extras(data: dict) -> str:
+    lines = []
+    bw = data.get("bandwidth") or {}
+    if bw.get("copy_gb_per_s"):
+        lines.append(
+            f"- Device copy bandwidth (read + write): **{bw['copy_gb_per_s']:.0f} GB/s** "
+            f"({bw['buffer_mb']} MiB buffers)."
+        )
+    elif bw.get("status"):
+        lines.append(f"- Copy bandwidth: {bw['status']}")
+    cm = data.get("chat_model") or {}
+    if cm.get("weight_bytes_per_step"):
+        lines.append(
+            f"- Chat model: {cm['parameters'] / 1e9:.3f} B parameters ({cm['dtype']}, attention "
+            f"{cm.get('attn_implementation')}), built in {cm['build_s']} s; bytes read per step: LLM "
+            f"{cm['llm_bytes'] / 1e9:.2f} GB + {cm['group_size']} × CRQ {cm['crq_substep_bytes'] / 1e9:.3f} GB + "
+            f"pre_matching {cm['pre_matching_bytes'] / 1e9:.3f} GB = {cm['weight_bytes_per_step'] / 1e9:.2f} GB "
+            "(floor also counts the KV cache read at the mean context)."
+        )
+    elif cm.get("status"):
+        lines.append(f"- Chat model: {cm['status']}")
+    if cm.get("non_finite_buffers"):
+        lines.append(f"- WARNING non-finite buffers: {cm['non_finite_buffers']}")
+    for r in data.get("crq_share", []):
+        if row_status(r):
+            lines.append(f"- CRQ share ({r['mode']}, batch {r['batch']}): {r['status']}")
+        else:
+            share = r.get("crq_share")
+            lines.append(
+                f"- CRQ share ({r['mode']}, batch {r['batch']}): LLM-only step (`disable_speech=True`) "
+                f"{r['llm_only_ms_per_step']:.2f} ms vs full {fmt(r.get('full_ms_per_step'), 2)} ms → CRQ "
+                f"{'–' if share is None else f'{share * 100:.0f} %'} of the step."
+                + (f" ({notes_of(r)})" if notes_of(r) else "")
+            )
+    for r in data.get("ttfa", []):
+        if row_status(r):
+            lines.append(f"- Time to first audio ({r['mode']}): {r['status']}")
+        else:
+            lines.append(
+                f"- Time to first audio chunk ({r['mode']}, {r['input_seconds']:g} s question, full decoder, hop 15): "
+                f"**{r['ttfa_ms']:.0f} ms** warm (first call {r['first_call_ttfa_ms']:.0f} ms), after "
+                f"{r['events_before_audio']} stream events; peak {fmt(r.get('peak_gb'), 1)} GB."
+                + (f" ({notes_of(r)})" if notes_of(r) else "")
+            )
+    for r in data.get("repeat_calls", []):
+        if row_status(r):
+            lines.append(f"- Repeated calls ({r.get('mode')}): {r['status']}")
+        else:
+            lines.append(
+                f"- {r['calls']} consecutive `generate_speech` calls ({r['mode']}, {r['steps_per_call']} steps each): "
+                f"median {r['median_call_ms']:.0f} ms, max {r['max_call_ms']:.0f} ms; allocated memory "
+                f"{fmt(r.get('allocated_before_gb'), 3)} GB before → {fmt(r.get('allocated_after_gb'), 3)} GB after; "
+                f"peak {fmt(r.get('peak_gb'), 1)} GB." + (f" ({notes_of(r)})" if notes_of(r) else "")
+            )
+    return "\n".join(lines)
+
+
+def render_decoder(data: dict) -> str:
+    rows = []
+    for r in data["decoder"]:
+        if row_status(r):
+            rows.append([r["mode"], r["test"]] + ["–"] * 7 + [notes_of(r)])
+            continue
+        official = OFFICIAL_DECODER.get(r["test"].split(" (")[0], {})
+        rows.append(
+            [
+                r["mode"],
+                r["test"],
+                fmt(r["wall_s"], 3),
+                fmt(r["rtf"], 4),
+                fmt(r.get("first_chunk_ms"), 1),
+                fmt(r.get("max_chunk_ms"), 1),
+                f"{fmt(r.get('first_chunk_ms'), 1)} → {fmt(r.get('last_chunk_ms'), 1)}" if r.get("chunks") else "–",
+                fmt(r.get("peak_gb"), 2),
+                (f"{official['wall_s']} s / RTF {official['rtf']} → {fmt(r.get('x_vs_official'), 1)}×")
+                if official
+                else "–",
+                notes_of(r),
+            ]
+        )
+    header = [
+        "mode",
+        "test",
+        "wall s",
+        "RTF",
+        "first chunk ms",
+        "max chunk ms",
+        "first → last chunk ms",
+        "peak GB",
+        "official (performance.md) → ours ×",
+        "notes",
+    ]
+    out = [table(header, rows)]
+    dm = data.get("decoder_model") or {}
+    if dm.get("parameters"):
+        out.append(
+            f"\nDecoder: {dm['parameters'] / 1e6:.0f} M parameters ({dm['dtype']}, {dm['source']}), built in "
+            f"{dm['build_s']} s. Streaming pushes 5 tokens at a time (one LLM step); a chunk's time is the push that "
+            "returned it, i.e. its latency after its tokens arrived."
+        )
+    elif dm.get("status"):
+        out.append(f"\nDecoder: {dm['status']}")
+    return "\n".join(out)
+
+
+def render_markdown(data: dict) -> str:
+    meta = data["meta"]
+    parts = [
+        f"## {meta['date']} — {meta.get('gpu')}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"torch {meta['torch']}, transformers {meta['transformers']}, CUDA {meta.get('cuda', '–')}, python "
+        f"{meta['python']}, funaudiochat_hf {meta.get('funaudiochat_hf')} (git {meta.get('git')})"
+        + (" — **tiny random configs, numbers are not meaningful**" if meta.get("tiny") else ""),
+        "",
+    ]
+    if data["chat"] or data.get("chat_model"):
+        parts += ["### Chat loop (LLM + CRQ), random weights", "", render_chat(data), "", render_extras(data), ""]
+    elif data.get("bandwidth"):
+        parts += [render_extras(data), ""]
+    if data["decoder"] or data.get("decoder_model"):
+        parts += ["### CosyVoice3 decoder (float32), random weights", "", render_decoder(data), ""]
+    skipped = [entry for entry in data.get("log", []) if entry["status"].startswith("skipped")]
+    if skipped:
+        parts += ["Skipped (time budget): " + ", ".join(e["label"] for e in skipped) + ".", ""]
+    parts.append(
+        "Context (performance.md, official code, H200, batch 1): 390 ms/step default SDPA, 189–205 ms with cuDNN SDPA "
+        "off, 23.3 GB peak; floor ≈ 4.7 ms/step. Targets: ≤ 7 ms/step at batch 1, first audio ≤ 150 ms, batch 16 ≥ "
+        "300× real time; decoder offline RTF ≤ 0.01, streaming RTF ≤ 0.02 with first chunk ≤ 30 ms."
+    )
+    return "\n".join(parts) + "\n"
+
+
+BENCHMARKS_HEADER = """# Benchmarks
+
+Speed of `funaudiochat_hf` on real hardware: the speech-to-speech chat loop (`generate_speech`: Qwen3-8B LLM + 28-layer
+CRQ speech head, 5 speech tokens per LLM step) and the CosyVoice3 token-to-wav decoder. Models are the full-size
+architectures with random weights (weight values do not change the cost of a step); inputs are processor-shaped random
+tensors for a 10 s spoken question.
+
+How to read the numbers:
+- **ms / LLM step**: slope between two `generate_speech` runs with different `max_new_tokens` (prefill, compile and
+  per-call overhead cancel), text EOS disabled so both do every step. One LLM step = 1 text token + 5 speech tokens =
+  0.2 s of audio: RTF = ms / 200, aggregate × real time = batch × 200 / ms.
+- **floor**: bytes a step must read (LLM weights without the input embedding + 5 × (CRQ body + matching layers + speech
+  head) + pre_matching + KV cache at the mean context) / the device copy bandwidth measured in the same run.
+  **weights GB/s** = weight bytes / step time (gpt-fast's KPI).
+- **CRQ share**: 1 − (step with `disable_speech=True`) / (normal step).
+- Decoder: offline = one call on 10 s / 30 s of tokens (25 tokens/s); streaming = `streaming_decoder(token_hop_len=15)`
+  fed 5 tokens per push, the chunk time being the push that returned it.
+
+Reproduce (one GPU, ~10 min): `python scripts/benchmark.py` (defaults: `--batch-sizes 1,4,16 --modes eager,compiled
+--parts chat,decoder --steps 128 --input-seconds 10 --time-budget 540`). It appends a section below; with `OUT` set it
+also writes `$OUT/benchmark.json` and `$OUT/benchmark.md`; `python scripts/benchmark.py --from-json benchmark.json`
+appends the section of a run made elsewhere. Smoke test of the script on CPU:
+`python scripts/benchmark.py --tiny --device cpu --steps 4 --no-write`.
+
+The official implementation's numbers on the same GPU are in `spec/performance.md` (390 ms per LLM step, decoder
+streaming RTF 0.82–0.94) and are quoted in each section for the ratios.
+"""
+
+
+def append_to_benchmarks_md(markdown: str) -> None:
+    if not BENCHMARKS_MD.exists():
+        BENCHMARKS_MD.write_text(BENCHMARKS_HEADER)
+    with BENCHMARKS_MD.open("a") as f:
+        f.write("\n" + markdown)
+    log(f"appended results to {BENCHMARKS_MD}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny random configs from tests/fixtures (smoke test)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=128, help="LLM steps of the long timing run (short run: steps // 4)")
+    p.add_argument("--eager-steps", type=int, default=32, help="cap on --steps in eager mode (slow per step)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each run (median)")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--parts", default="chat,decoder")
+    p.add_argument("--input-seconds", type=float, default=10.0, help="length of the spoken question")
+    p.add_argument("--chat-dtype", default="auto", help="auto = bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--compile-config", default=None, help='JSON for generate_speech(compile=...), e.g. \'{"mode": "max-autotune"}\'')
+    p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
+    p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
+    p.add_argument("--decoder-seconds", default="10,30", help="reply lengths for the decoder tests")
+    p.add_argument("--ttfa-steps", type=int, default=40, help="max_new_tokens of the time-to-first-audio stream")
+    p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (default 100; 5 with --tiny)")
+    p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
+    p.add_argument("--time-budget", type=float, default=540.0, help="seconds; remaining measurements are skipped")
+    p.add_argument("--bandwidth-mb", type=int, default=None, help="copy buffer size (default 2048 cuda, 64 cpu)")
+    p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
+    p.add_argument("--from-json", default=None, help="render a results JSON and append it to BENCHMARKS.md, then exit")
+    args = p.parse_args(argv)
+    if args.repeat_calls is None:
+        args.repeat_calls = 5 if args.tiny else 100
+    if args.bandwidth_mb is None:
+        args.bandwidth_mb = 2048 if is_cuda(args.device) else 64
+    return args
+
+
+def csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """(kind, label, params) in priority order: the most important numbers first."""
+    modes = csv(args.modes)
+    batches = [int(b) for b in csv(args.batch_sizes)]
+    parts = csv(args.parts)
+    compiled = [m for m in ("compiled", "eager") if m in modes]  # compiled first
+    items: list[tuple[str, str, dict]] = []
+    if "chat" in parts:
+        first_batch = 1 if 1 in batches else batches[0]
+        for mode in compiled:
+            items.append(("chat", f"chat {mode} batch {first_batch}", {"mode": mode, "batch": first_batch}))
+        if "eager" in modes:
+            items.append(("crq", f"CRQ share eager batch {first_batch}", {"mode": "eager", "batch": first_batch}))
+    if "decoder" in parts:
+        seconds = [float(s) for s in csv(args.decoder_seconds)]
+        for mode in ("eager", "compiled"):
+            if mode not in modes:
+                continue
+            if mode == "compiled":
+                items.append(("decoder_compile", "decoder compile", {"mode": mode}))
+            for s in seconds:
+                items.append(("decoder_offline", f"decoder {mode} offline {s:g} s", {"mode": mode, "seconds": s}))
+            for s in seconds:
+                items.append(("decoder_stream", f"decoder {mode} stream {s:g} s", {"mode": mode, "seconds": s}))
+    if "chat" in parts:
+        rest = sorted([b for b in batches if b != first_batch], reverse=True)  # batch 16 before batch 4
+        for b in rest:
+            for mode in compiled:
+                items.append(("chat", f"chat {mode} batch {b}", {"mode": mode, "batch": b}))
+        best = compiled[0] if compiled else "eager"
+        if "decoder" in parts:
+            items.append(("ttfa", f"time to first audio ({best})", {"mode": best}))
+        items.append(("repeat", f"{args.repeat_calls} consecutive calls ({best})", {"mode": best}))
+        if "compiled" in modes:
+            items.append(("crq", f"CRQ share compiled batch {first_batch}", {"mode": "compiled", "batch": first_batch}))
+    return items
+
+
+def raise_recompile_limits() -> None:
+    """Several batch sizes / cache sizes / disable_speech each make a graph: never fall back to eager silently."""
+    with contextlib.suppress(Exception):
+        from torch import _dynamo
+
+        config = _dynamo.config
+        for name, value in (("cache_size_limit", 64), ("recompile_limit", 64), ("accumulated_cache_size_limit", 512)):
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), value))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        append_to_benchmarks_md(render_markdown(data))
+        return 0
+    if is_cuda(args.device) and not torch.cuda.is_available():
+        log("CUDA is not available; use --device cpu")
+        return 2
+    budget = Budget(args.time_budget)
+    results = Results(args, argv)
+    meta = results.data["meta"]
+    log(f"benchmark: {meta['gpu']} | torch {meta['torch']} | transformers {meta['transformers']} | {meta['command']}")
+    torch.manual_seed(0)
+    raise_recompile_limits()
+
+    device = args.device
+    bandwidth = run_measurement(results, budget, "copy bandwidth", lambda: measure_copy_bandwidth(device, args.bandwidth_mb), device)
+    results.data["bandwidth"] = bandwidth
+    if bandwidth.get("copy_gb_per_s"):
+        log(f"copy bandwidth: {bandwidth['copy_gb_per_s']:.0f} GB/s")
+
+    state: dict[str, Any] = {}
+
+    def chat_model():
+        if "chat" not in state:
+            value = run_measurement(results, budget, "build chat model", lambda: build_chat_model(args), device)
+            if isinstance(value, tuple):
+                state["chat"], results.data["chat_model"] = value
+                log(f"chat model: {json.dumps(results.data['chat_model'], default=str)}")
+            else:
+                state["chat"], results.data["chat_model"] = None, value
+        if state["chat"] is None:
+            raise RuntimeError(f"chat model unavailable ({results.data['chat_model'].get('status')})")
+        return state["chat"]
+
+    def decoder_model():
+        if "decoder" not in state:
+            value = run_measurement(results, budget, "build decoder", lambda: build_decoder(args), device)
+            if isinstance(value, tuple):
+                state["decoder"], results.data["decoder_model"] = value
+                log(f"decoder: {json.dumps(results.data['decoder_model'], default=str)}")
+            else:
+                state["decoder"], results.data["decoder_model"] = None, value
+        if state["decoder"] is None:
+            raise RuntimeError(f"decoder unavailable ({results.data['decoder_model'].get('status')})")
+        return state["decoder"]
+
+    full_step_ms: dict[tuple[str, int], float] = {}
+    try:
+        run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state, full_step_ms)
+    except BudgetExceeded as error:  # the hard stop fired between two measurements: keep what was measured
+        log(f"[stop] {one_line(error)}")
+    budget.cancel_alarm()
+    markdown = render_markdown(results.data)
+    log("\n" + markdown)
+    results.save()
+    if not args.no_write:
+        append_to_benchmarks_md(markdown)
+    return 0
+
+
+def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state, full_step_ms) -> None:
+    device = args.device
+    for kind, label, p in plan(args):
+        mode = p.get("mode")
+        if kind == "chat":
+            row = run_measurement(
+                results, budget, label, lambda: chat_step_row(chat_model(), results.data["chat_model"], bandwidth, mode, p["batch"], args), device
+            )
+            row = {"mode": mode, "batch": p["batch"], **row}
+            if "ms_per_step" in row:
+                full_step_ms[(mode, p["batch"])] = row["ms_per_step"]
+                log(f"  -> {row['ms_per_step']:.2f} ms/step, RTF {row['rtf']:.4f}, peak {fmt(row.get('peak_gb'), 1)} GB")
+            results.add("chat", row)
+        elif kind == "crq":
+            full = full_step_ms.get((mode, p["batch"]))
+            row = run_measurement(results, budget, label, lambda: crq_share_row(chat_model(), mode, p["batch"], args, full), device)
+            results.add("crq_share", {"mode": mode, "batch": p["batch"], **row})
+        elif kind == "ttfa":
+            row = run_measurement(results, budget, label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args), device)
+            results.add("ttfa", {"mode": mode, "input_seconds": args.input_seconds, **row})
+        elif kind == "repeat":
+            row = run_measurement(results, budget, label, lambda: repeat_calls_row(chat_model(), mode, args), device)
+            results.add("repeat_calls", {"mode": mode, **row})
+        elif kind == "decoder_compile":
+            value = run_measurement(results, budget, label, lambda: compile_decoder(decoder_model(), args), device)
+            if isinstance(value, dict):  # failed or skipped: no compiled decoder rows
+                state["decoder_compile_failed"] = value["status"]
+            else:
+                log(f"  -> decoder compiled with {value}()")
+        elif kind in ("decoder_offline", "decoder_stream"):
+            name = f"{'offline' if kind == 'decoder_offline' else 'stream'} {p['seconds']:g} s"
+            if mode == "compiled" and state.get("decoder_compile_failed"):
+                row = {"status": state["decoder_compile_failed"]}
+            else:
+                fn = decoder_offline_row if kind == "decoder_offline" else decoder_stream_row
+                row = run_measurement(results, budget, label, lambda: fn(decoder_model(), mode, p["seconds"], args), device)
+            results.add("decoder", {"mode": mode, "test": name, **row})
+        log(f"  (elapsed {budget.elapsed():.0f} s of {args.time_budget:.0f} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""`funaudiochat-s2s`: answer a spoken question with a spoken reply.
+
+    funaudiochat-s2s question.wav -o reply.wav                       # tiny offline model (noise!), no download
+    funaudiochat-s2s question.wav -o reply.wav \\
+        --model FunAudioLLM/Fun-Audio-Chat-8B --decoder path/to/Fun-CosyVoice3-0.5B-2512 --stream
+
+Prints the text reply on stdout; progress and notes go to stderr. Errors are one line with a non-zero exit code
+(`--debug` shows the traceback). Also runnable as `python -m funaudiochat_hf.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="funaudiochat-s2s",
+        description="Fun-Audio-Chat speech-to-speech: reply to a spoken question with text and 24 kHz speech.",
+    )
+    parser.add_argument("input", nargs="?", help="the spoken question: an audio file (wav, flac, mp3, ogg; any rate, mono/stereo)")
+    parser.add_argument("-o", "--output", default="reply.wav", help="where to write the spoken reply (default: %(default)s)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="chat model folder or Hub id, e.g. FunAudioLLM/Fun-Audio-Chat-8B or a one-folder repo from "
+        "scripts/build_hub_repo.py (default: a tiny random-weight offline model whose output is noise)",
+    )
+    parser.add_argument(
+        "--decoder",
+        default=None,
+        help="CosyVoice3 speech decoder (official Fun-CosyVoice3-0.5B-2512 folder, a converted folder or a Hub id); "
+        "needed when the chat model has none, as in the official two-repo layout",
+    )
+    parser.add_argument("--speakers", default=None, help="speaker embeddings file (spk2info.pt) for an official decoder folder")
+    parser.add_argument("--voice", default=None, help="voice name stored in the decoder, e.g. 中文女 (see --list-voices)")
+    parser.add_argument("--list-voices", action="store_true", help="print the available voices and exit")
+    parser.add_argument("--stream", action="store_true", help="stream: print text and write audio while they are generated")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit in LLM steps (0.2 s of speech each)")
+    parser.add_argument("--temperature", type=float, default=None, help="speech sampling temperature")
+    parser.add_argument("--top-p", type=float, default=None, help="speech nucleus sampling threshold")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    parser.add_argument("--system-prompt", default=None, help="system prompt (default: the official spoken-chat prompt)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    return parser
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu.")
+    return name
+
+
+def _generate_kwargs(args) -> dict:
+    kwargs = {}
+    if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
+        kwargs["max_new_tokens"] = args.max_new_tokens
+    if args.temperature is not None:
+        if args.temperature <= 0:
+            raise ValueError(f"--temperature must be positive, got {args.temperature} (use --greedy for greedy).")
+        kwargs["temperature"] = args.temperature
+    if args.top_p is not None:
+        kwargs["top_p"] = args.top_p
+    if args.greedy:
+        kwargs["do_sample"] = False
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    if args.voice is not None:
+        kwargs["speaker"] = args.voice
+    if args.system_prompt is not None:
+        kwargs["system_prompt"] = args.system_prompt
+    return kwargs
+
+
+def _load_pipeline(args):
+    from transformers import pipeline
+    from transformers.utils import logging as hf_logging
+
+    from .pipeline_speech_to_speech import register_pipeline
+    from .tiny_model import NOISE_WARNING, build_tiny_model
+
+    hf_logging.enable_progress_bar()  # "Loading checkpoint shards" / download bars on stderr
+    register_pipeline()
+    model = args.model
+    if model is None:
+        _note("note: no --model given: using the tiny offline model (built once, then cached).")
+        _note(f"note: {NOISE_WARNING}")
+        started = time.perf_counter()
+        model = str(build_tiny_model())
+        _note(f"tiny model ready at {model} ({time.perf_counter() - started:.1f} s)")
+    device = _device(args.device)
+    _note(f"loading chat model {model} on {device} ...")
+    if args.decoder is not None:
+        _note(f"loading speech decoder {args.decoder} ...")
+    started = time.perf_counter()
+    pipe = pipeline(
+        "speech-to-speech",
+        model=model,
+        decoder=args.decoder,
+        speakers_file=args.speakers,
+        device=device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code or None,
+    )
+    _note(f"models loaded in {time.perf_counter() - started:.1f} s")
+    return pipe
+
+
+def _check_voice(pipe, voice: str | None) -> None:
+    if voice is None or not pipe.speakers:
+        return
+    if voice not in pipe.speakers:
+        raise ValueError(f"unknown voice {voice!r}; this decoder has: {', '.join(pipe.speakers)}.")
+
+
+def _write_wav(path: Path, audio: np.ndarray, sampling_rate: int) -> None:
+    import soundfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    soundfile.write(str(path), audio, sampling_rate, subtype="PCM_16")
+
+
+def _run_offline(pipe, args, kwargs) -> None:
+    started = time.perf_counter()
+    reply = pipe(args.input, **kwargs)
+    elapsed = time.perf_counter() - started
+    print(reply["text"], flush=True)
+    _write_wav(Path(args.output), reply["audio"], reply["sampling_rate"])
+    seconds = len(reply["audio"]) / reply["sampling_rate"]
+    _note(f"wrote {args.output}: {seconds:.2f} s of audio at {reply['sampling_rate']} Hz in {elapsed:.1f} s")
+
+
+def _run_streaming(pipe, args, kwargs) -> None:
+    import soundfile
+
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    first_audio = None
+    samples = 0
+    sink = None
+    try:
+        for event in pipe.stream(args.input, **kwargs):
+            if event["text"]:
+                print(event["text"], end="", flush=True)
+            if event["audio"].size:
+                if sink is None:  # the file is created with the first chunk, so the sampling rate is known
+                    sink = soundfile.SoundFile(
+                        str(output), mode="w", samplerate=event["sampling_rate"], channels=1, subtype="PCM_16"
+                    )
+                    first_audio = time.perf_counter() - started
+                sink.write(event["audio"])
+                sink.flush()
+                samples += event["audio"].size
+        print(flush=True)
+    finally:
+        if sink is not None:
+            sink.close()
+    if sink is None:  # no speech at all: still leave a valid (empty) wav behind
+        _write_wav(output, np.zeros(0, dtype=np.float32), pipe.sampling_rate)
+    elapsed = time.perf_counter() - started
+    first = f", first audio after {first_audio:.2f} s" if first_audio is not None else ""
+    _note(f"wrote {output}: {samples / pipe.sampling_rate:.2f} s of audio in {elapsed:.1f} s{first}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if not args.list_voices:
+            if args.input is None:
+                raise ValueError("no input: pass the spoken question as an audio file, e.g. funaudiochat-s2s question.wav")
+            if not Path(args.input).expanduser().is_file():
+                raise ValueError(f"input file not found: {args.input}")
+        kwargs = _generate_kwargs(args)
+        pipe = _load_pipeline(args)
+        if args.list_voices:
+            print("\n".join(pipe.speakers) if pipe.speakers else "(this decoder stores no named voices)")
+            return 0
+        _check_voice(pipe, args.voice)
+        if args.stream:
+            _run_streaming(pipe, args, kwargs)
+        else:
+            _run_offline(pipe, args, kwargs)
+        if args.model is None:
+            _note("note: the reply above came from the tiny random-weight model: noise by design.")
+        return 0
+    except KeyboardInterrupt:
+        _note("interrupted")
+        return 130
+    except Exception as error:  # one line for users; --debug for developers
+        if args.debug:
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        _note(f"error: {message}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

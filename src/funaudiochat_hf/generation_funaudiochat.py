@@ -1,0 +1,884 @@
+"""Speech-to-speech decoding for Fun-Audio-Chat: joint text + speech tokens, static caches, one compiled step.
+
+One LLM step emits one text token and, from the same final hidden state, the CRQ ("Speech Refined Head") emits a group
+of `group_size` (K = 5) speech tokens autoregressively with its own KV cache spanning the whole conversation. The
+group and the text token are fed back (averaged) as the next LLM input. The loop reproduces the reference `_sample`
+(spec funaudiochat.md §6.3a) bit for bit at batch 1:
+
+* the prefill runs the LLM over the prompt and the CRQ over `K * L0 - (K - 1)` sub-positions in one pass, with the
+  speech-bos embedding as "previous speech token" (its 5 tokens are discarded unless the prompt ends in speech mode);
+* the CRQ runs at *every* step, so its cache covers prompt + answer; the last sampled token's embedding is carried on;
+* the first text token is forced to `<|audio_bos|>` (`force_text_abos`), which switches speech on from the next step;
+* a group containing the speech EOS becomes K x EOS, the step's text token is overwritten by `<|audio_eos|>`, and
+  speech stops; the text EOS ends the reply (checked before that overwrite); `<|audio_eos|>` is not a stop token.
+
+Beyond the reference: per-row state for left-padded batches (each row decodes exactly as if alone), two
+`StaticCache`s reused across calls, the whole decode step (LLM + K CRQ sub-steps + sampling + feedback + stop
+bookkeeping) as one function that `torch.compile` can capture as a single CUDA graph (no host syncs inside), and a
+streaming iterator that vocodes audio while decoding.
+"""
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, StaticCache
+from transformers.utils import ModelOutput, logging
+
+from .compat import cache_kwargs
+from .sampling_funaudiochat import SamplingSettings, mark_seen, select_tokens
+
+
+logger = logging.get_logger(__name__)
+
+# Offline vocoding splits the speech stream into independent 30-s segments (spec funaudiochat.md §8).
+SEGMENT_TOKENS = 750
+MIN_LAST_SEGMENT_TOKENS = 50
+# Decode-step buffers are sized to a multiple of this many LLM positions, so calls with slightly different prompt
+# lengths reuse the same caches and the same compiled graph.
+CACHE_LENGTH_MULTIPLE = 128
+# How many workspaces (caches + state buffers for one batch size / length) a model keeps for reuse.
+MAX_CACHED_WORKSPACES = 2
+
+
+@dataclass
+class FunAudioChatSpeechOutput(ModelOutput):
+    """Output of [`~FunAudioChatSpeechGenerationMixin.generate_speech`].
+
+    Args:
+        sequences (`torch.LongTensor` of shape `(batch, prompt_len + new_tokens)`):
+            Prompt ids followed by the generated text ids (rows that stopped early are padded with `pad_token_id`).
+        speech_ids (`torch.LongTensor` of shape `(batch, group_size * groups)`):
+            Raw speech-token stream per row (speech-bos delay tokens and the EOS group included), padded with the
+            speech pad id after the row's stream ends.
+        audio (`list[torch.FloatTensor]`, *optional*):
+            One 1-D waveform per row at `sampling_rate`, when a speech decoder was available.
+        sampling_rate (`int`, *optional*): Sample rate of `audio`.
+        text_logits (`torch.FloatTensor` of shape `(batch, new_tokens, vocab)`, *optional*):
+            Raw text logits of every step (`output_logits=True`).
+        speech_logits (`torch.FloatTensor` of shape `(batch, new_tokens, group_size, codebook)`, *optional*):
+            Raw CRQ logits of the K sub-steps of every step (`output_logits=True`), also for steps whose speech
+            tokens were discarded.
+    """
+
+    sequences: torch.LongTensor | None = None
+    speech_ids: torch.LongTensor | None = None
+    audio: list[torch.Tensor] | None = None
+    sampling_rate: int | None = None
+    text_logits: torch.FloatTensor | None = None
+    speech_logits: torch.FloatTensor | None = None
+
+
+@dataclass
+class SpeechStreamEvent:
+    """One increment of [`~FunAudioChatSpeechGenerationMixin.generate_speech_stream`] (batch 1).
+
+    Attributes:
+        text: new text since the previous event (needs a tokenizer, else "").
+        text_ids: `(n,)` new text token ids (special tokens included).
+        speech_ids: `(m,)` new raw speech ids (delay/EOS tokens included).
+        audio: `(samples,)` new waveform samples at `sampling_rate` (may be empty).
+        sampling_rate: sample rate of `audio`.
+        finished: True on the last event.
+    """
+
+    text: str
+    text_ids: torch.LongTensor
+    speech_ids: torch.LongTensor
+    audio: torch.FloatTensor
+    sampling_rate: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class _StepConfig:
+    """Python constants of one decoding run (hashable: `torch.compile` specialises on them)."""
+
+    text: SamplingSettings
+    speech: SamplingSettings
+    disable_speech: bool
+    group_size: int
+    speech_bos_id: int
+    speech_eos_id: int
+    audio_bos_index: int
+    audio_eos_index: int
+    pad_token_id: int
+    output_logits: bool
+
+
+class _DecodeWorkspace:
+    """KV caches and per-row decoding state of one run, as fixed-address buffers.
+
+    The decode step only mutates these tensors in place, so a compiled step sees the same addresses every call (a
+    requirement of CUDA graphs). A workspace is reused by later runs with the same batch size and cache length; the
+    lock keeps two concurrent runs from sharing one.
+    """
+
+    def __init__(self, model, batch_size: int, max_length: int, static: bool, output_logits: bool):
+        text_config = model.config.text_config
+        audio_config = model.config.audio_config
+        self.device = model.language_model.get_input_embeddings().weight.device
+        self.dtype = model.language_model.get_input_embeddings().weight.dtype
+        self.batch_size, self.max_length, self.static = batch_size, max_length, static
+        self.lock = threading.Lock()
+        k = audio_config.group_size
+        vocab = model.language_model.get_output_embeddings().weight.shape[0]
+        codebook = audio_config.codebook_size
+        hidden = text_config.hidden_size
+        b, dev = batch_size, self.device
+
+        crq_config = model.audio_invert_tower.crq_transformer.config if model.audio_invert_tower is not None else None
+        if static:
+            self.llm_cache = StaticCache(config=text_config, max_cache_len=max_length)
+            self.crq_cache = StaticCache(config=crq_config, max_cache_len=k * max_length) if crq_config else None
+        else:
+            self.llm_cache = DynamicCache(config=text_config)
+            self.crq_cache = DynamicCache(config=crq_config) if crq_config else None
+
+        long = dict(dtype=torch.long, device=dev)
+        self.llm_mask = torch.ones(b, max_length, dtype=torch.bool, device=dev)
+        self.crq_mask = torch.ones(b, k * max_length, dtype=torch.bool, device=dev)
+        self.step = torch.zeros((), **long)
+        self.llm_position = torch.zeros(b, **long)
+        self.crq_position = torch.zeros(b, **long)
+        self.next_embeds = torch.zeros(b, 1, hidden, dtype=self.dtype, device=dev)
+        self.next_ids = torch.zeros(b, **long)
+        self.prev_speech_embed = torch.zeros(b, hidden, dtype=self.dtype, device=dev)
+        self.speaking = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.done = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.finish_step = torch.zeros(b, **long)
+        self.groups = torch.zeros(b, **long)  # speech groups appended per row
+        self.last_group = torch.zeros(b, k, **long)
+        self.speech_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
+        self.text_seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)
+        self.eos_ids = torch.zeros(1, **long)
+        self.text_out = torch.zeros(b, max_length, **long)
+        # K extra columns at the end receive the (discarded) groups of rows that are not speaking.
+        self.speech_out = torch.zeros(b, k * max_length + k, **long)
+        self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
+        self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
+        self.text_logits = torch.zeros(b, max_length, vocab, dtype=torch.float32, device=dev) if output_logits else None
+        self.speech_logits = (
+            torch.zeros(b, max_length, k, codebook, dtype=torch.float32, device=dev) if output_logits else None
+        )
+        for tensor in self._buffers():
+            torch._dynamo.mark_static_address(tensor)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+
+    def reset(self, eos_ids: torch.Tensor, speech_pad_id: int) -> None:
+        for cache in (self.llm_cache, self.crq_cache):
+            if cache is not None and self.static:
+                cache.reset()
+        self.step.zero_()
+        self.done.zero_()
+        self.speaking.zero_()
+        self.groups.zero_()
+        self.speech_seen.zero_()
+        self.text_seen.zero_()
+        self.finish_step.fill_(self.max_length)
+        self.speech_out.fill_(speech_pad_id)
+        if self.eos_ids.shape != eos_ids.shape:
+            # A different number of stop ids is a different graph anyway; re-allocate and re-mark.
+            self.eos_ids = eos_ids.clone()
+            torch._dynamo.mark_static_address(self.eos_ids)
+        else:
+            self.eos_ids.copy_(eos_ids)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The decoding step. Module-level functions of (model, workspace, config) so `torch.compile` can capture them.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _crq_group(model, ws: _DecodeWorkspace, cfg: _StepConfig, first_inputs, first_positions, later_inputs):
+    """Run the K CRQ sub-steps of one LLM step and sample a group of speech tokens.
+
+    Args:
+        first_inputs: `(batch, n0, hidden)` pre-matched sub-positions of sub-step 0 (n0 = 1 when decoding,
+            `K * L0 - (K - 1)` at the prefill, where the same previous-token embedding is added to all of them).
+        first_positions: `(batch, n0)` CRQ rotary positions of those sub-positions.
+        later_inputs: `(batch, K - 1, hidden)` the sub-positions of sub-steps 1..K-1.
+
+    Returns:
+        tokens `(batch, K)` and raw float32 logits `(batch, K, codebook)`.
+    """
+    tower = model.audio_invert_tower
+    speech_embeddings = tower.lm_head.weight  # (codebook, hidden), tied to audio_tower.embed_tokens
+    prev = ws.prev_speech_embed
+    seen = ws.speech_seen
+    tokens, all_logits = [], []
+    for k in range(cfg.group_size):
+        if k == 0:
+            inputs, positions = first_inputs + prev[:, None], first_positions
+        else:
+            inputs, positions = later_inputs[:, k - 1 : k] + prev[:, None], ws.crq_position[:, None]
+        hidden = tower.crq_transformer(
+            inputs_embeds=tower.input_matching(inputs),
+            attention_mask=ws.crq_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(ws.crq_cache),
+        ).last_hidden_state
+        logits = tower.lm_head(tower.output_matching(hidden[:, -1])).float().to(ws.device)
+        noise = ws.speech_noise[:, k] if cfg.speech.do_sample else None
+        token = select_tokens(logits, cfg.speech, seen if cfg.speech.uses_history else None, noise)
+        if cfg.speech.uses_history:
+            # The reference penalises the speech history *and* the tokens already chosen in this group.
+            seen = mark_seen(seen, token[:, None])
+        prev = F.embedding(token.to(speech_embeddings.device), speech_embeddings).to(ws.device)
+        ws.crq_position.copy_(positions[:, -1] + 1)
+        tokens.append(token)
+        all_logits.append(logits)
+    ws.prev_speech_embed.copy_(prev)
+    return torch.stack(tokens, dim=1), torch.stack(all_logits, dim=1)
+
+
+def _finish_step(model, ws: _DecodeWorkspace, cfg: _StepConfig, text_logits, group, speech_logits, force_token=None):
+    """Choose the text token, do the per-row speech/stop bookkeeping and build the next LLM input (all in place)."""
+    k = cfg.group_size
+    noise = ws.text_noise if cfg.text.do_sample else None
+    token = select_tokens(text_logits, cfg.text, ws.text_seen if cfg.text.uses_history else None, noise)
+    if force_token is not None:
+        token = torch.full_like(token, force_token)
+    done = ws.done
+    token = torch.where(done, cfg.pad_token_id, token)
+    # Stopping is decided on the chosen token, before the speech-EOS overwrite (as the reference).
+    stop = ~done & (token[:, None] == ws.eos_ids[None, :]).any(-1)
+
+    speaking = None
+    if group is not None:
+        speaking = ws.speaking & ~done
+        finish = speaking & (group == cfg.speech_eos_id).any(-1)
+        group = torch.where(finish[:, None], cfg.speech_eos_id, group)
+        token = torch.where(finish, cfg.audio_eos_index, token)
+        offsets = torch.arange(k, device=ws.device)
+        trash = ws.speech_out.shape[1] - k
+        slots = torch.where(speaking[:, None], ws.groups[:, None] * k + offsets, trash + offsets)
+        ws.speech_out.scatter_(1, slots, group)
+        ws.last_group.copy_(torch.where(speaking[:, None], group, ws.last_group))
+        ws.groups.add_(speaking.long())
+        if cfg.speech.uses_history:
+            ws.speech_seen.copy_(mark_seen(ws.speech_seen, group, speaking))
+        speaking = (speaking & ~finish) | (token == cfg.audio_bos_index)
+        ws.speaking.copy_(speaking)
+
+    step = ws.step.view(1)
+    ws.text_out.index_copy_(1, step, token[:, None])
+    if cfg.output_logits:
+        ws.text_logits.index_copy_(1, step, text_logits[:, None])
+        if speech_logits is not None:
+            ws.speech_logits.index_copy_(1, step, speech_logits[:, None])
+    ws.finish_step.copy_(torch.where(stop, ws.step, ws.finish_step))
+    ws.done.copy_(done | stop)
+    if cfg.text.uses_history:
+        ws.text_seen.copy_(mark_seen(ws.text_seen, token[:, None]))
+
+    # Next LLM input: the text embedding, averaged with the last speech group's encoding while speaking.
+    embeds = model.language_model.get_input_embeddings()(token[:, None]).to(ws.device)
+    if speaking is not None:
+        feedback = model.audio_tower.encode_groups(ws.last_group).to(ws.device)
+        use_feedback = speaking & (ws.groups > 0)
+        embeds = torch.where(use_feedback[:, None, None], (embeds + feedback) / 2, embeds)
+    ws.next_embeds.copy_(embeds)
+    ws.next_ids.copy_(token)
+    ws.step.add_(1)
+
+
+def _decode_step(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
+    """One LLM step (+ K CRQ sub-steps) of every row; only mutates `ws`. Free of host syncs, compilable whole."""
+    language_model = model.language_model
+    hidden = language_model.model(
+        inputs_embeds=ws.next_embeds,
+        attention_mask=ws.llm_mask,
+        position_ids=ws.llm_position[:, None],
+        use_cache=True,
+        **cache_kwargs(ws.llm_cache),
+    ).last_hidden_state.to(ws.device)
+    ws.llm_position.add_(1)
+    text_logits = language_model.lm_head(hidden[:, -1]).float().to(ws.device)
+    group = speech_logits = None
+    if not cfg.disable_speech:
+        text_embeds = language_model.get_input_embeddings()(ws.next_ids[:, None]).to(ws.device)
+        sub_positions = _split_sub_positions(model, hidden + text_embeds, cfg.group_size)  # (B, K, H)
+        group, speech_logits = _crq_group(
+            model, ws, cfg, sub_positions[:, :1], ws.crq_position[:, None], sub_positions[:, 1:]
+        )
+    _finish_step(model, ws, cfg, text_logits, group, speech_logits)
+
+
+def _split_sub_positions(model, speech_head_inputs: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`pre_matching` `(B, L, H)` -> `(B, L * K, H)`; sub-position `t * K + k` is slice k of position t."""
+    batch, length, hidden = speech_head_inputs.shape
+    projected = model.audio_invert_tower.pre_matching(speech_head_inputs)
+    return projected.reshape(batch, length * group_size, hidden)
+
+
+def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding, force_token) -> None:
+    """The first step: LLM over the prompt and CRQ over `K * L0 - (K - 1)` sub-positions, each in one pass."""
+    batch, length = input_ids.shape
+    k = cfg.group_size
+    language_model = model.language_model
+    positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
+    hidden = language_model.model(
+        inputs_embeds=inputs_embeds,
+        attention_mask=ws.llm_mask,
+        position_ids=positions,
+        use_cache=True,
+        **cache_kwargs(ws.llm_cache),
+    ).last_hidden_state.to(ws.device)
+    ws.llm_position.copy_(length - padding)
+    text_logits = language_model.lm_head(hidden[:, -1]).float().to(ws.device)
+    group = speech_logits = None
+    if not cfg.disable_speech:
+        # The speech head adds the raw embedding of the input ids (`<|AUDIO|>` rows included), not the audio features.
+        text_embeds = language_model.get_input_embeddings()(input_ids).to(ws.device)
+        sub_positions = _split_sub_positions(model, hidden + text_embeds, k)
+        first = length * k - (k - 1)
+        crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
+        group, speech_logits = _crq_group(
+            model, ws, cfg, sub_positions[:, :first], crq_positions, sub_positions[:, first:]
+        )
+    _finish_step(model, ws, cfg, text_logits, group, speech_logits, force_token=force_token)
+
+
+_COMPILED_STEPS: dict = {}
+
+
+def _compiled_decode_step(options: dict):
+    key = tuple(sorted((name, repr(value)) for name, value in options.items()))
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = torch.compile(_decode_step, **options)
+    return _COMPILED_STEPS[key]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Vocoding
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def split_speech_segments(
+    tokens: torch.Tensor, segment_tokens: int = SEGMENT_TOKENS, min_last: int = MIN_LAST_SEGMENT_TOKENS
+) -> list[torch.Tensor]:
+    """Split a 1-D token stream into consecutive 30-s segments (spec funaudiochat.md §8).
+
+    If there is more than one segment and the last is shorter than `min_last`, the last two are merged and split
+    into two halves (first half `n // 2` tokens), so no segment is vocoded from a very short context.
+    """
+    segments = list(torch.split(tokens, segment_tokens))
+    if len(segments) > 1 and len(segments[-1]) < min_last:
+        merged = torch.cat(segments[-2:])
+        half = len(merged) // 2
+        segments[-2:] = [merged[:half], merged[half:]]
+    return segments
+
+
+def _decoder_speaker_kwargs(speaker) -> dict:
+    if speaker is None:
+        return {}
+    if isinstance(speaker, torch.Tensor):
+        return {"speaker_embedding": speaker}
+    return {"speaker": speaker}
+
+
+def _decoder_device(decoder) -> torch.device:
+    try:
+        return next(decoder.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def _decoder_sampling_rate(decoder) -> int:
+    rate = getattr(getattr(decoder, "config", None), "sampling_rate", None)
+    return int(rate if rate is not None else getattr(decoder, "sampling_rate", 24000))
+
+
+def _valid_speech_tokens(speech_ids: torch.Tensor, speech_bos_id: int) -> torch.Tensor:
+    """Keep only codec tokens (drops the bos delay tokens, EOS and padding)."""
+    return speech_ids[(speech_ids >= 0) & (speech_ids < speech_bos_id)]
+
+
+@torch.no_grad()
+def decode_speech_offline(decoder, speech_ids: torch.Tensor, speech_bos_id: int, speaker=None) -> torch.Tensor:
+    """Vocode one row's raw speech stream `(n,)` into a 1-D waveform on the decoder's own device (returned on CPU)."""
+    tokens = _valid_speech_tokens(speech_ids, speech_bos_id)
+    device = _decoder_device(decoder)
+    pieces = [
+        decoder(segment[None].to(device), **_decoder_speaker_kwargs(speaker)).reshape(-1).float().cpu()
+        for segment in split_speech_segments(tokens)
+        if len(segment) > 0
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The mixin
+# --------------------------------------------------------------------------------------------------------------------
+
+_WORKSPACES_LOCK = threading.Lock()
+
+
+def _as_id_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+class _SpeechRun:
+    """One `generate_speech` call: validated inputs, settings, workspace, and the step loop."""
+
+    def __init__(self, model, *, input_ids, attention_mask, prompt_inputs, options: dict):
+        self.model = model
+        self.options = options
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError(f"`input_ids` must be a (batch, length) LongTensor, got {type(input_ids)}.")
+        batch, length = input_ids.shape
+        if length == 0:
+            raise ValueError("`input_ids` is empty: the prompt needs at least one token.")
+        max_new_tokens = options["max_new_tokens"]
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}.")
+        device = model.language_model.get_input_embeddings().weight.device
+        input_ids = input_ids.to(device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"`attention_mask` shape {tuple(attention_mask.shape)} != `input_ids` shape {tuple(input_ids.shape)}."
+            )
+        mask = attention_mask.bool()
+        if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+            raise ValueError(
+                "generate_speech needs left-padded prompts (padding_side='left'): every row's tokens must end at the "
+                "last column."
+            )
+        self.input_ids, self.mask = input_ids, mask
+        self.padding = length - mask.long().sum(-1)
+
+        config = model.config
+        text_config, audio_config = config.text_config, config.audio_config
+        disable_speech = bool(options["disable_speech"])
+        if not disable_speech and getattr(model, "audio_invert_tower", None) is None:
+            raise ValueError("This model has no speech decoder (`audio_invert_tower`); pass `disable_speech=True`.")
+
+        generation_config = getattr(model, "generation_config", None)
+        eos = options["eos_token_id"]
+        if eos is None and generation_config is not None:
+            eos = generation_config.eos_token_id
+        if eos is None:
+            eos = text_config.eos_token_id
+        eos_ids = _as_id_tuple(eos)
+        pad = options["pad_token_id"]
+        if pad is None and generation_config is not None:
+            pad = generation_config.pad_token_id
+        if pad is None:
+            pad = getattr(text_config, "pad_token_id", None)
+        if pad is None:
+            pad = eos_ids[0] if eos_ids else 0
+        self.eos_ids = torch.tensor(eos_ids if eos_ids else (-1,), dtype=torch.long, device=device)
+
+        self.cfg = _StepConfig(
+            text=options["text_settings"],
+            speech=options["speech_settings"],
+            disable_speech=disable_speech,
+            group_size=audio_config.group_size,
+            speech_bos_id=audio_config.bos_token_id,
+            speech_eos_id=audio_config.eos_token_id,
+            audio_bos_index=text_config.audio_bos_index,
+            audio_eos_index=text_config.audio_eos_index,
+            pad_token_id=int(pad),
+            output_logits=bool(options["output_logits"]),
+        )
+        self.speech_pad_id = audio_config.pad_token_id
+        self.max_new_tokens = max_new_tokens
+
+        cache_implementation = options["cache_implementation"]
+        if cache_implementation not in ("static", "dynamic"):
+            raise ValueError(f"`cache_implementation` must be 'static' or 'dynamic', got {cache_implementation!r}.")
+        self.static = cache_implementation == "static"
+        needed = length + max_new_tokens
+        cache_max_length = options["cache_max_length"]
+        if cache_max_length is None:
+            cache_max_length = -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+        elif needed > cache_max_length:
+            raise ValueError(
+                f"The request needs {needed} LLM cache positions (prompt {length} + max_new_tokens {max_new_tokens}) "
+                f"and {config.audio_config.group_size * needed} CRQ positions, but the caches hold only "
+                f"`cache_max_length`={cache_max_length} LLM positions. Raise `cache_max_length` or lower "
+                "`max_new_tokens`."
+            )
+        self.cache_max_length = cache_max_length
+        self.step_fn = self._pick_step_function(options["compile"], device)
+        self.prompt_inputs = prompt_inputs
+        self.generator = self._make_generator(options["generator"], options["seed"], device)
+        self._owned_lock = None
+
+    # ------------------------------------------------------------------ setup
+    def _pick_step_function(self, compile_option, device):
+        if compile_option is False or compile_option is None:
+            return _decode_step
+        if not self.static:
+            logger.warning("`compile` needs `cache_implementation='static'`; running the dynamic-cache loop eagerly.")
+            return _decode_step
+        device_map = getattr(self.model, "hf_device_map", None)
+        if device_map and (
+            len(set(map(str, device_map.values()))) > 1 or {"cpu", "disk"} & set(map(str, device_map.values()))
+        ):
+            logger.warning(
+                "The model is dispatched over several devices (device_map); the compiled decode step cannot capture "
+                "it, so the loop runs eagerly."
+            )
+            return _decode_step
+        if compile_option is True:
+            options = {"fullgraph": True, "dynamic": False}
+            if device.type == "cuda":
+                options["mode"] = "reduce-overhead"
+        elif isinstance(compile_option, dict):
+            options = dict(compile_option)
+        else:
+            raise ValueError(f"`compile` must be a bool or a dict of torch.compile options, got {compile_option!r}.")
+        return _compiled_decode_step(options)
+
+    @staticmethod
+    def _make_generator(generator, seed, device):
+        if generator is not None:
+            return generator
+        generator = torch.Generator(device=device)
+        if seed is None:
+            # Follow the global RNG so `torch.manual_seed(...)` before the call makes it reproducible.
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator.manual_seed(int(seed))
+        return generator
+
+    def _acquire_workspace(self) -> _DecodeWorkspace:
+        batch = self.input_ids.shape[0]
+        if not self.static:
+            return _DecodeWorkspace(self.model, batch, self.cache_max_length, False, self.cfg.output_logits)
+        key = (batch, self.cache_max_length, self.cfg.output_logits)
+        with _WORKSPACES_LOCK:
+            workspaces = self.model.__dict__.setdefault("_speech_workspaces", OrderedDict())
+            workspace = workspaces.get(key)
+            if workspace is not None and workspace.lock.acquire(blocking=False):
+                workspaces.move_to_end(key)
+                self._owned_lock = workspace.lock
+                return workspace
+        # Not cached, or in use by another thread: build one (only a free one is cached for reuse).
+        workspace = _DecodeWorkspace(self.model, batch, self.cache_max_length, True, self.cfg.output_logits)
+        workspace.lock.acquire()
+        self._owned_lock = workspace.lock
+        with _WORKSPACES_LOCK:
+            workspaces = self.model.__dict__.setdefault("_speech_workspaces", OrderedDict())
+            if key not in workspaces:
+                workspaces[key] = workspace
+                while len(workspaces) > MAX_CACHED_WORKSPACES:
+                    workspaces.popitem(last=False)
+        return workspace
+
+    def release(self) -> None:
+        if self._owned_lock is not None:
+            self._owned_lock.release()
+            self._owned_lock = None
+
+    def _draw_noise(self, ws: _DecodeWorkspace) -> None:
+        streams = [(self.cfg.text, ws.text_noise)]
+        if not self.cfg.disable_speech:
+            streams.append((self.cfg.speech, ws.speech_noise))
+        for settings, noise in streams:
+            if settings.do_sample:
+                if self.generator.device == noise.device:
+                    noise.exponential_(generator=self.generator)
+                else:
+                    noise.copy_(torch.empty(noise.shape, device=self.generator.device).exponential_(generator=self.generator))
+
+    # ------------------------------------------------------------------ loop
+    def prefill(self) -> _DecodeWorkspace:
+        model, cfg = self.model, self.cfg
+        ws = self._acquire_workspace()
+        self.ws = ws
+        ws.reset(self.eos_ids, self.speech_pad_id)
+        length = self.input_ids.shape[1]
+        k = cfg.group_size
+        ws.llm_mask.fill_(True)
+        ws.llm_mask[:, :length] = self.mask
+        ws.crq_mask.fill_(True)
+        ws.crq_mask[:, : length * k] = self.mask.repeat_interleave(k, dim=1)
+        if not cfg.disable_speech:
+            bos = model.audio_invert_tower.lm_head.weight[cfg.speech_bos_id]
+            ws.prev_speech_embed.copy_(bos.to(ws.device).expand_as(ws.prev_speech_embed))
+            ws.speaking.copy_(self.input_ids[:, -1] == cfg.audio_bos_index)
+        if cfg.text.uses_history:
+            # The text repetition penalty covers the prompt too (as the reference), but not the left padding.
+            vocab = ws.text_seen.shape[1]
+            prompt_ids = self.input_ids.masked_fill(~self.mask, vocab)
+            seen = torch.zeros(ws.text_seen.shape[0], vocab + 1, dtype=torch.bool, device=ws.device)
+            ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
+        inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
+        self._draw_noise(ws)
+        force = cfg.audio_bos_index if self.options["force_text_abos"] else None
+        _prefill(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force)
+        self.steps = 1
+        return ws
+
+    def decode(self) -> None:
+        self._draw_noise(self.ws)
+        self.step_fn(self.model, self.ws, self.cfg)
+        self.steps += 1
+
+    def all_done(self) -> bool:
+        return bool(self.ws.done.all())
+
+    def result(self) -> FunAudioChatSpeechOutput:
+        ws, cfg = self.ws, self.cfg
+        new_tokens = self.steps
+        if self.all_done():
+            new_tokens = int(ws.finish_step.max()) + 1
+        sequences = torch.cat([self.input_ids, ws.text_out[:, :new_tokens]], dim=1).clone()
+        groups = int(ws.groups.max())
+        speech_ids = ws.speech_out[:, : cfg.group_size * groups].clone()
+        output = FunAudioChatSpeechOutput(sequences=sequences, speech_ids=speech_ids)
+        if cfg.output_logits:
+            output.text_logits = ws.text_logits[:, :new_tokens].clone()
+            if not cfg.disable_speech:
+                output.speech_logits = ws.speech_logits[:, :new_tokens].clone()
+        return output
+
+
+class FunAudioChatSpeechGenerationMixin:
+    """Adds `generate_speech` (text + speech tokens + optional audio) and `generate_speech_stream` to the model."""
+
+    def _speech_run(self, input_ids, attention_mask, prompt_inputs, kwargs) -> _SpeechRun:
+        options = _resolve_options(kwargs)
+        return _SpeechRun(
+            self, input_ids=input_ids, attention_mask=attention_mask, prompt_inputs=prompt_inputs, options=options
+        )
+
+    def _speech_decoder(self, speech_decoder, return_audio):
+        decoder = speech_decoder if speech_decoder is not None else getattr(self, "token2wav", None)
+        if return_audio is True and decoder is None:
+            raise ValueError("`return_audio=True` needs a speech decoder: pass `speech_decoder=` or set `model.token2wav`.")
+        return None if return_audio is False else decoder
+
+    @torch.no_grad()
+    def generate_speech(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        speech_ids: torch.LongTensor | None = None,
+        speech_attention_mask: torch.Tensor | None = None,
+        input_features: torch.FloatTensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+        *,
+        speech_decoder=None,
+        speaker=None,
+        return_audio: bool | None = None,
+        streamer=None,
+        sync_every: int = 8,
+        **generation_kwargs,
+    ) -> FunAudioChatSpeechOutput:
+        """Answer a (spoken) prompt with text and speech tokens, and optionally the vocoded waveform.
+
+        Args:
+            input_ids: `(batch, length)` prompt ids, left-padded for batches (the processor's output).
+            attention_mask: `(batch, length)`, 0 on left padding.
+            speech_ids, speech_attention_mask, input_features, feature_attention_mask, feature_exist_mask:
+                user-audio inputs exactly as the processor returns them.
+            speech_decoder: a `CosyVoice3Token2Wav` (defaults to `self.token2wav`); may live on another device.
+            speaker: speaker name or `(192,)` embedding for the decoder.
+            return_audio: None = vocode when a decoder is available; False = never; True = required.
+            streamer: transformers-style streamer (`put`/`end`) receiving the prompt then each text token (batch 1).
+            sync_every: check for "all rows finished" every this many steps (each check is a host sync).
+            **generation_kwargs: `max_new_tokens` (512), `do_sample` (True), `temperature` (0.8), `top_p` (0.9),
+                `top_k` (0), `repetition_penalty` (1.2), `text_greedy` (True), `force_text_abos` (True),
+                `disable_speech` (False), `eos_token_id`, `pad_token_id` (default: `generation_config`),
+                `text_`/`speech_` prefixed overrides of do_sample/temperature/top_p/top_k/repetition_penalty,
+                `generator` or `seed`, `compile` (False | True | dict of torch.compile options),
+                `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
+
+        Returns:
+            [`FunAudioChatSpeechOutput`]: `sequences` `(batch, length + new)`, `speech_ids` `(batch, K * groups)`,
+            `audio` (list of 1-D tensors or None) and `sampling_rate`.
+        """
+        if sync_every < 1:
+            raise ValueError(f"`sync_every` must be >= 1, got {sync_every}.")
+        decoder = self._speech_decoder(speech_decoder, return_audio)
+        prompt_inputs = dict(
+            speech_ids=speech_ids,
+            speech_attention_mask=speech_attention_mask,
+            input_features=input_features,
+            feature_attention_mask=feature_attention_mask,
+            feature_exist_mask=feature_exist_mask,
+        )
+        run = self._speech_run(input_ids, attention_mask, prompt_inputs, generation_kwargs)
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError("`streamer` supports batch size 1 only.")
+        try:
+            ws = run.prefill()
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+                streamer.put(ws.text_out[:, 0].cpu())
+            while run.steps < run.max_new_tokens:
+                if streamer is not None:
+                    if run.all_done():
+                        break
+                elif (run.steps - 1) % sync_every == 0 and run.all_done():
+                    break
+                run.decode()
+                if streamer is not None and not bool(ws.finish_step[0] < run.steps - 1):
+                    streamer.put(ws.text_out[:, run.steps - 1].cpu())
+            output = run.result()
+        finally:
+            run.release()
+        if streamer is not None:
+            streamer.end()
+        if decoder is not None and not run.cfg.disable_speech:
+            output.audio = [
+                decode_speech_offline(decoder, row, run.cfg.speech_bos_id, speaker) for row in output.speech_ids
+            ]
+            output.sampling_rate = _decoder_sampling_rate(decoder)
+        return output
+
+    @torch.no_grad()
+    def generate_speech_stream(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        speech_ids: torch.LongTensor | None = None,
+        speech_attention_mask: torch.Tensor | None = None,
+        input_features: torch.FloatTensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+        *,
+        tokenizer=None,
+        speech_decoder=None,
+        speaker=None,
+        return_audio: bool | None = None,
+        token_hop_len: int = 15,
+        pre_lookahead_len: int = 3,
+        **generation_kwargs,
+    ) -> Iterator[SpeechStreamEvent]:
+        """Like `generate_speech`, but yields a [`SpeechStreamEvent`] after every LLM step (0.2 s of speech).
+
+        Audio is vocoded while decoding by the decoder's `streaming_decoder(speaker, token_hop_len,
+        pre_lookahead_len)`, so the first chunk arrives after about `(token_hop_len + pre_lookahead_len) / K + 2`
+        steps. Batch size 1 only. `tokenizer` (the processor's tokenizer) turns the text ids into `text`.
+        """
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"generate_speech_stream supports batch size 1, got input_ids of shape {tuple(input_ids.shape)}.")
+        decoder = self._speech_decoder(speech_decoder, return_audio)
+        prompt_inputs = dict(
+            speech_ids=speech_ids,
+            speech_attention_mask=speech_attention_mask,
+            input_features=input_features,
+            feature_attention_mask=feature_attention_mask,
+            feature_exist_mask=feature_exist_mask,
+        )
+        run = self._speech_run(input_ids, attention_mask, prompt_inputs, generation_kwargs)
+        if run.cfg.disable_speech:
+            decoder = None
+        sampling_rate = _decoder_sampling_rate(decoder) if decoder is not None else int(getattr(self.config, "sampling_rate", 24000))
+        stream = (
+            decoder.streaming_decoder(
+                **_decoder_speaker_kwargs(speaker), token_hop_len=token_hop_len, pre_lookahead_len=pre_lookahead_len
+            )
+            if decoder is not None
+            else None
+        )
+        k = run.cfg.group_size
+        text_ids_so_far: list[int] = []
+        emitted_text = ""
+        empty_audio = torch.zeros(0)
+
+        def text_delta(final: bool) -> str:
+            nonlocal emitted_text
+            if tokenizer is None:
+                return ""
+            text = tokenizer.decode(text_ids_so_far, skip_special_tokens=True)
+            if not final and text.endswith("\ufffd"):
+                return ""  # an incomplete multi-byte character: wait for the next token
+            delta = text[len(emitted_text) :] if text.startswith(emitted_text) else text
+            emitted_text = text
+            return delta
+
+        try:
+            ws = run.prefill()
+            groups_seen = 0
+            while True:
+                step = run.steps - 1
+                done_before = bool(ws.finish_step[0] < step)
+                new_text = ws.text_out[0, step : step + 1].cpu() if not done_before else torch.zeros(0, dtype=torch.long)
+                text_ids_so_far.extend(new_text.tolist())
+                groups = int(ws.groups[0])
+                new_speech = ws.speech_out[0, groups_seen * k : groups * k].cpu()
+                groups_seen = groups
+                audio = empty_audio
+                if stream is not None:
+                    valid = _valid_speech_tokens(new_speech, run.cfg.speech_bos_id)
+                    if len(valid):
+                        audio = stream.push(valid.to(_decoder_device(decoder))).reshape(-1).float().cpu()
+                finished = run.all_done() or run.steps >= run.max_new_tokens
+                if not finished:
+                    yield SpeechStreamEvent(text_delta(False), new_text, new_speech, audio, sampling_rate, False)
+                    run.decode()
+                    continue
+                tail = stream.finalize().reshape(-1).float().cpu() if stream is not None else empty_audio
+                audio = torch.cat([audio, tail])
+                yield SpeechStreamEvent(text_delta(True), new_text, new_speech, audio, sampling_rate, True)
+                break
+        finally:
+            run.release()
+
+
+_DEFAULTS = {
+    "max_new_tokens": 512,
+    "do_sample": True,
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 0,
+    "repetition_penalty": 1.2,
+    "text_greedy": True,
+    "force_text_abos": True,
+    "disable_speech": False,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "generator": None,
+    "seed": None,
+    "compile": False,
+    "cache_implementation": "static",
+    "cache_max_length": None,
+    "output_logits": False,
+}
+_STREAM_KNOBS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _resolve_options(kwargs: dict) -> dict:
+    """Merge user kwargs with the official S2S defaults and build the text/speech `SamplingSettings`."""
+    known = set(_DEFAULTS) | {f"{p}_{n}" for p in ("text", "speech") for n in _STREAM_KNOBS}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"Unknown generate_speech arguments: {unknown}. Known: {sorted(known)}.")
+    options = {name: kwargs.get(name, default) for name, default in _DEFAULTS.items()}
+
+    def stream(prefix: str, base: dict) -> SamplingSettings:
+        values = {name: kwargs.get(f"{prefix}_{name}", base[name]) for name in _STREAM_KNOBS}
+        return SamplingSettings(**values)
+
+    shared = {name: options[name] for name in _STREAM_KNOBS}
+    # Speech uses the shared knobs (the reference applies the text processors to the CRQ logits).
+    options["speech_settings"] = stream("speech", shared)
+    if options["text_greedy"]:
+        # text_greedy: plain argmax of the raw text logits, no processors (the reference bypasses them).
+        text_base = dict(shared, do_sample=False, repetition_penalty=1.0)
+    else:
+        text_base = shared
+    options["text_settings"] = stream("text", text_base)
+    return options

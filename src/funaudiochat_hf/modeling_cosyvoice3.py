@@ -1,0 +1,716 @@
+"""CosyVoice3 token2wav in plain PyTorch: speech tokens (25 Hz, vocab 6561) -> 80-bin log-mel (flow) -> 24 kHz audio (HiFT).
+
+The flow embeds the tokens, adds a 3-token look-ahead conv, repeats every token twice (50 Hz mel rate) and integrates a
+conditional flow-matching ODE with a DiT velocity estimator (10 Euler steps on a cosine time grid, classifier-free
+guidance with a packed [conditional, unconditional] batch), starting from a fixed noise tensor. HiFT
+(`modeling_cosyvoice3_hift.py`) turns the mel into a waveform. Module paths mirror the official `flow.pt` / `hift.pt`
+keys (`flow.input_embedding`, `flow.decoder.estimator.transformer_blocks.0.attn.to_q`, `hift.conv_pre`, ...).
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_cosyvoice3 import CosyVoice3Config
+from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DiT velocity estimator
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class CosyVoice3TimestepEmbedding(nn.Module):
+    """Flow time t (batch,) -> (batch, dim): sinusoid (sin first, scale 1000) -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, dim: int, freq_embed_dim: int = 256):
+        super().__init__()
+        self.freq_embed_dim = freq_embed_dim
+        self.time_mlp = nn.Sequential(nn.Linear(freq_embed_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        half_dim = self.freq_embed_dim // 2
+        exponent = math.log(10000) / (half_dim - 1)
+        freqs = torch.exp(torch.arange(half_dim, device=timestep.device).float() * -exponent)
+        angles = 1000 * timestep.unsqueeze(1) * freqs.unsqueeze(0)
+        sinusoid = torch.cat((angles.sin(), angles.cos()), dim=-1).to(timestep.dtype)
+        return self.time_mlp(sinusoid)
+
+
+class CosyVoice3CausalConvPositionEmbedding(nn.Module):
+    """Two left-padded grouped convs with Mish; (batch, frames, dim) -> (batch, frames, dim). Looks only left."""
+
+    def __init__(self, dim: int, kernel_size: int = 31, groups: int = 16):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.transpose(1, 2)
+        hidden = self.conv1(F.pad(hidden, (self.kernel_size - 1, 0)))
+        hidden = self.conv2(F.pad(hidden, (self.kernel_size - 1, 0)))
+        return hidden.transpose(1, 2)
+
+
+class CosyVoice3InputEmbedding(nn.Module):
+    """concat[noisy mel, prompt mel, token condition, speaker] (batch, frames, 320) -> (batch, frames, dim) + conv pos."""
+
+    def __init__(self, mel_dim: int, mu_dim: int, spk_dim: int, dim: int, kernel_size: int, groups: int):
+        super().__init__()
+        self.proj = nn.Linear(mel_dim * 2 + mu_dim + spk_dim, dim)
+        self.conv_pos_embed = CosyVoice3CausalConvPositionEmbedding(dim, kernel_size, groups)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
+        spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        hidden = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
+        return self.conv_pos_embed(hidden) + hidden
+
+
+class CosyVoice3RotaryEmbedding(nn.Module):
+    """x-transformers rotary table: angles duplicated in adjacent pairs, (frames,) -> cos, sin (frames, dim_head)."""
+
+    def __init__(self, dim_head: int, theta: float = 10000.0):
+        super().__init__()
+        # Persistent because the official flow.pt stores it (`decoder.estimator.rotary_embed.inv_freq`).
+        self.register_buffer("inv_freq", self.compute_inv_freq(dim_head, theta), persistent=True)
+
+    @staticmethod
+    def compute_inv_freq(dim_head: int, theta: float) -> torch.Tensor:
+        return 1.0 / (theta ** (torch.arange(0, dim_head, 2).float() / dim_head))
+
+    def forward(self, num_frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(num_frames, device=device).type_as(self.inv_freq)
+        angles = positions[:, None] * self.inv_freq[None, :]
+        angles = torch.stack((angles, angles), dim=-1).flatten(-2)  # [t0, t0, t1, t1, ...]
+        return angles.cos(), angles.sin()
+
+
+def _rotate_pairs(hidden: torch.Tensor) -> torch.Tensor:
+    """GPT-J style: (a, b) pairs -> (-b, a)."""
+    pairs = hidden.unflatten(-1, (-1, 2))
+    first, second = pairs.unbind(-1)
+    return torch.stack((-second, first), dim=-1).flatten(-2)
+
+
+def apply_partial_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` channels of the UN-split projection (batch, frames, heads*dim_head).
+
+    As in x-transformers (which the reference DiT uses), the table is applied before the head split, so only head 0
+    gets rotary positions; the other heads pass unchanged.
+    """
+    rot_dim = cos.shape[-1]
+    rotated, passthrough = hidden[..., :rot_dim], hidden[..., rot_dim:]
+    rotated = rotated * cos + _rotate_pairs(rotated) * sin
+    return torch.cat((rotated, passthrough), dim=-1)
+
+
+class CosyVoice3AdaLayerNormZero(nn.Module):
+    """AdaLN-Zero: 6 modulation vectors (shift/scale/gate for attention and feed-forward) from the time embedding."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * 6)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, hidden: torch.Tensor, temb: torch.Tensor):
+        modulation = self.linear(F.silu(temb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
+        normed = self.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        return normed, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class CosyVoice3AdaLayerNormFinal(nn.Module):
+    """Final AdaLN: 2 modulation vectors in the order (scale, shift)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * 2)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = torch.chunk(self.linear(F.silu(temb)), 2, dim=1)
+        return self.norm(hidden) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class CosyVoice3Attention(nn.Module):
+    """Multi-head self-attention with biased projections and partial (head-0) rotary positions."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int, dropout: float = 0.0):
+        super().__init__()
+        inner_dim = heads * dim_head
+        self.heads = heads
+        self.dim_head = dim_head
+        self.to_q = nn.Linear(dim, inner_dim)
+        self.to_k = nn.Linear(dim, inner_dim)
+        self.to_v = nn.Linear(dim, inner_dim)
+        self.to_out = nn.ModuleList([nn.Linear(inner_dim, dim), nn.Dropout(dropout)])
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        batch, frames, _ = hidden.shape
+        cos, sin = rotary
+        query = apply_partial_rotary(self.to_q(hidden), cos, sin)
+        key = apply_partial_rotary(self.to_k(hidden), cos, sin)
+        value = self.to_v(hidden)
+        query, key, value = (
+            tensor.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for tensor in (query, key, value)
+        )
+        # attention_mask: boolean (batch, 1, frames, frames), True = may attend; None = full attention.
+        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
+        attended = attended.transpose(1, 2).reshape(batch, frames, self.heads * self.dim_head)
+        return self.to_out[1](self.to_out[0](attended))
+
+
+class CosyVoice3FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int, dropout: float = 0.0):
+        super().__init__()
+        inner_dim = dim * mult
+        # Nested Sequential reproduces the official keys `ff.ff.0.0` / `ff.ff.2`.
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner_dim), nn.GELU(approximate="tanh")),
+            nn.Dropout(dropout),
+            nn.Linear(inner_dim, dim),
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ff(hidden)
+
+
+class CosyVoice3DiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int):
+        super().__init__()
+        self.attn_norm = CosyVoice3AdaLayerNormZero(dim)
+        self.attn = CosyVoice3Attention(dim, heads, dim_head)
+        self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.ff = CosyVoice3FeedForward(dim, ff_mult)
+
+    def forward(self, hidden, temb, rotary, attention_mask=None):
+        normed, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(hidden, temb)
+        hidden = hidden + gate_msa.unsqueeze(1) * self.attn(normed, rotary, attention_mask)
+        normed = self.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        return hidden + gate_mlp.unsqueeze(1) * self.ff(normed)
+
+
+class CosyVoice3DiT(nn.Module):
+    """Velocity estimator v(x, t | mu, spk, cond).
+
+    Inputs channel-first: x, mu, cond (batch, mel_bins, frames); t (batch,); spks (batch, mel_bins);
+    attention_mask boolean (batch, 1, frames, frames) or None (full attention). Output (batch, mel_bins, frames).
+    """
+
+    def __init__(self, config: CosyVoice3Config):
+        super().__init__()
+        dim, mel = config.dit_dim, config.mel_bins
+        self.time_embed = CosyVoice3TimestepEmbedding(dim, config.dit_time_embed_dim)
+        self.input_embed = CosyVoice3InputEmbedding(
+            mel, mel, mel, dim, config.dit_conv_pos_kernel_size, config.dit_conv_pos_groups
+        )
+        self.rotary_embed = CosyVoice3RotaryEmbedding(config.dit_dim_head, config.rope_theta)
+        self.transformer_blocks = nn.ModuleList(
+            [
+                CosyVoice3DiTBlock(dim, config.dit_heads, config.dit_dim_head, config.dit_ff_mult)
+                for _ in range(config.dit_depth)
+            ]
+        )
+        self.norm_out = CosyVoice3AdaLayerNormFinal(dim)
+        self.proj_out = nn.Linear(dim, mel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        temb = self.time_embed(t)
+        hidden = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        rotary = self.rotary_embed(hidden.shape[1], hidden.device)
+        for block in self.transformer_blocks:
+            hidden = block(hidden, temb, rotary, attention_mask)
+        return self.proj_out(self.norm_out(hidden, temb)).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flow: tokens -> mel
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class CosyVoice3PreLookaheadLayer(nn.Module):
+    """conv(k=lookahead+1) over `lookahead` right frames -> leaky ReLU -> causal conv(k=3) -> + input.
+
+    (batch, tokens, dim) -> (batch, tokens, dim). `context` (batch, lookahead, dim) replaces the zero right padding
+    when more tokens follow (streaming, not final).
+    """
+
+    def __init__(self, in_channels: int, channels: int, pre_lookahead_len: int):
+        super().__init__()
+        self.pre_lookahead_len = pre_lookahead_len
+        self.conv1 = nn.Conv1d(in_channels, channels, kernel_size=pre_lookahead_len + 1)
+        self.conv2 = nn.Conv1d(channels, in_channels, kernel_size=3)
+
+    def forward(self, inputs: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = inputs.transpose(1, 2)
+        if context is None:
+            hidden = F.pad(hidden, (0, self.pre_lookahead_len))
+        else:
+            hidden = torch.cat([hidden, context.transpose(1, 2)], dim=2)
+        hidden = F.leaky_relu(self.conv1(hidden))  # default slope 0.01, as the reference
+        hidden = self.conv2(F.pad(hidden, (self.conv2.kernel_size[0] - 1, 0)))
+        return hidden.transpose(1, 2) + inputs
+
+
+class CosyVoice3ConditionalFlowMatching(nn.Module):
+    """Euler solver of the flow-matching ODE with classifier-free guidance, starting from fixed noise.
+
+    The noise (`rand_noise`, (1, mel_bins, noise_frames)) is not in the checkpoint: the reference draws it at
+    construction right after re-seeding the global RNG; `init_noise` regenerates it from a private generator.
+    """
+
+    def __init__(self, config: CosyVoice3Config):
+        super().__init__()
+        self.config = config
+        self.estimator = CosyVoice3DiT(config)
+        self.register_buffer("rand_noise", torch.zeros(1, config.mel_bins, config.noise_frames), persistent=False)
+
+    @torch.no_grad()
+    def init_noise(self) -> None:
+        generator = torch.Generator(device="cpu").manual_seed(self.config.noise_seed)
+        noise = torch.randn(self.rand_noise.shape, generator=generator, dtype=torch.float32)
+        self.rand_noise.copy_(noise.to(self.rand_noise.device, self.rand_noise.dtype))
+
+    def time_grid(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step (t, dt), each (n_timesteps,), with `dt` re-derived from the accumulated `t` like the reference."""
+        steps = self.config.n_timesteps
+        t_span = torch.linspace(0, 1, steps + 1, device=device, dtype=dtype)
+        if self.config.t_scheduler == "cosine":
+            t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+        times, deltas = [], []
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        for step in range(1, steps + 1):
+            times.append(t)
+            deltas.append(dt)
+            t = t + dt
+            if step < steps:
+                dt = t_span[step + 1] - t
+        return torch.stack(times), torch.stack(deltas)
+
+    def start_noise(self, batch: int, frames: int, offset: int = 0) -> torch.Tensor:
+        """The fixed ODE start point for frames [offset, offset + frames), (batch, mel_bins, frames).
+
+        Frames past the end of the table wrap around (the reference stops at 300 s per flow call).
+        """
+        total = self.rand_noise.shape[-1]
+        if offset + frames <= total:
+            noise = self.rand_noise[:, :, offset : offset + frames]
+        else:
+            index = torch.arange(offset, offset + frames, device=self.rand_noise.device) % total
+            noise = self.rand_noise.index_select(2, index)
+        return noise.expand(batch, -1, -1)
+
+    def forward(
+        self,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        noise_offset: int = 0,
+    ) -> torch.Tensor:
+        """mu, cond (batch, mel_bins, frames); spks (batch, mel_bins) -> mel (batch, mel_bins, frames) float32.
+
+        Fixed shapes and no host synchronisation inside the loop, so the estimator can be compiled / graphed.
+        """
+        batch, _, frames = mu.shape
+        x = self.start_noise(batch, frames, noise_offset).to(mu.dtype)
+        times, deltas = self.time_grid(mu.device, mu.dtype)
+        cfg = self.config.inference_cfg_rate
+        # Packed CFG batch: rows [0, batch) conditional, [batch, 2 batch) unconditional (mu, spks, cond zeroed).
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        mask_in = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+        for step in range(self.config.n_timesteps):
+            t_in = times[step].expand(2 * batch)
+            velocity = self.estimator(torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, mask_in)
+            v_cond, v_uncond = velocity[:batch], velocity[batch:]
+            x = x + deltas[step] * ((1.0 + cfg) * v_cond - cfg * v_uncond)
+        return x.float()
+
+
+def build_attention_mask(
+    lengths: Optional[torch.Tensor], frames: int, chunk_size: Optional[int], device: torch.device, batch: int
+) -> Optional[torch.Tensor]:
+    """Boolean (batch, 1, frames, frames) mask, True = may attend, or None when every key is visible.
+
+    `lengths` (batch,) valid frames per row (keys past it are hidden); `chunk_size` enables the block-causal
+    streaming mask (query i sees keys j < (i // chunk + 1) * chunk, chunks counted from frame 0).
+    """
+    if lengths is None and not chunk_size:
+        return None
+    positions = torch.arange(frames, device=device)
+    mask = torch.ones(batch, 1, frames, frames, dtype=torch.bool, device=device)
+    if lengths is not None:
+        mask = mask & (positions[None, None, None, :] < lengths.to(device)[:, None, None, None])
+    if chunk_size:
+        visible_until = (positions // chunk_size + 1) * chunk_size
+        mask = mask & (positions[None, :] < visible_until[:, None])[None, None]
+    return mask
+
+
+class CosyVoice3Flow(nn.Module):
+    """Token embedding, speaker affine, pre-lookahead and the CFM decoder (official `flow.pt` layout)."""
+
+    def __init__(self, config: CosyVoice3Config):
+        super().__init__()
+        self.config = config
+        self.input_embedding = nn.Embedding(config.vocab_size, config.token_embedding_dim)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        self.pre_lookahead_layer = CosyVoice3PreLookaheadLayer(
+            config.token_embedding_dim, config.pre_lookahead_channels, config.pre_lookahead_len
+        )
+        self.decoder = CosyVoice3ConditionalFlowMatching(config)
+
+    def speaker_condition(self, speaker_embedding: torch.Tensor) -> torch.Tensor:
+        """(batch, spk_embed_dim) x-vector -> (batch, mel_bins); only the direction matters (L2-normalised)."""
+        return self.spk_embed_affine_layer(F.normalize(speaker_embedding, dim=1))
+
+    def encode_tokens(
+        self, tokens: torch.Tensor, token_lengths: Optional[torch.Tensor] = None, finalize: bool = True
+    ) -> torch.Tensor:
+        """(batch, tokens) ids -> pre-lookahead output (batch, tokens or tokens - lookahead, token_embedding_dim).
+
+        finalize=False keeps the last `pre_lookahead_len` tokens as right context only (more tokens will follow).
+        Padded positions (past `token_lengths`) are zeroed first, which equals the zero right padding of a final
+        call, so padded rows match the unpadded ones.
+        """
+        embedded = self.input_embedding(tokens)
+        if token_lengths is not None:
+            valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < token_lengths[:, None]
+            embedded = embedded * valid.unsqueeze(-1).to(embedded.dtype)
+        if finalize:
+            return self.pre_lookahead_layer(embedded)
+        lookahead = self.config.pre_lookahead_len
+        return self.pre_lookahead_layer(embedded[:, :-lookahead], context=embedded[:, -lookahead:])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CosyVoice3Token2WavOutput(ModelOutput):
+    """
+    waveform (`torch.FloatTensor` of shape `(batch, samples)`): 24 kHz audio in [-0.99, 0.99]; rows shorter than the
+        longest are zero-padded on the right.
+    waveform_lengths (`torch.LongTensor` of shape `(batch,)`): valid samples per row (`samples_per_token` x tokens).
+    """
+
+    waveform: Optional[torch.FloatTensor] = None
+    waveform_lengths: Optional[torch.LongTensor] = None
+
+
+class CosyVoice3PreTrainedModel(PreTrainedModel):
+    config_class = CosyVoice3Config
+    config: CosyVoice3Config
+    base_model_prefix = "token2wav"
+    main_input_name = "speech_tokens"
+    _no_split_modules = ["CosyVoice3DiTBlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # Fixed "random" tables are part of the model definition, not initialisation noise: always regenerate them
+        # (transformers leaves non-persistent buffers uninitialised when loading on the meta device).
+        # The hooks sit on the modules that own the buffers: a module whose own tensors are all loaded is skipped.
+        if isinstance(module, CosyVoice3ConditionalFlowMatching):
+            module.init_noise()
+        elif isinstance(module, CosyVoice3RotaryEmbedding):
+            if not getattr(module.inv_freq, "_is_hf_initialized", False):  # keep the checkpoint's table if loaded
+                module.inv_freq.copy_(module.compute_inv_freq(self.config.dit_dim_head, self.config.rope_theta))
+        elif module is getattr(getattr(getattr(self, "hift", None), "m_source", None), "l_sin_gen", None):
+            self.hift.init_source_tables()
+
+
+class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
+    """CosyVoice3 speech-token decoder: `flow` (tokens -> mel) + `hift` (mel -> waveform) + stored speakers.
+
+    Runs in float32 (the flow overflows in float16). The Euler loop has fixed shapes and no host syncs; see
+    `compile_estimator`.
+    """
+
+    def __init__(self, config: CosyVoice3Config):
+        super().__init__(config)
+        self.flow = CosyVoice3Flow(config)
+        self.hift = CosyVoice3HiFTGenerator(**config.hift_config)
+        self.register_buffer(
+            "speaker_embeddings", torch.zeros(len(config.speaker_names), config.spk_embed_dim), persistent=True
+        )
+        self.post_init()
+
+    # -- conditioning ---------------------------------------------------------------------------------------------
+
+    def get_speaker_embedding(
+        self,
+        speaker: Optional[Union[str, list[str]]] = None,
+        speaker_embedding: Optional[torch.Tensor] = None,
+        batch_size: int = 1,
+    ) -> torch.Tensor:
+        """Resolve a stored speaker name (or a list, one per row) or a raw x-vector to (batch, spk_embed_dim).
+
+        With neither given, the first stored speaker is used.
+        """
+        if speaker is not None and speaker_embedding is not None:
+            raise ValueError("Pass either `speaker` (a stored name) or `speaker_embedding`, not both.")
+        if speaker_embedding is None:
+            names = self.config.speaker_names
+            if speaker is None:
+                if not names:
+                    raise ValueError("This model stores no speaker embeddings; pass `speaker_embedding` (192,).")
+                speaker = names[0]
+            requested = [speaker] if isinstance(speaker, str) else list(speaker)
+            unknown = [name for name in requested if name not in names]
+            if unknown:
+                raise ValueError(f"Unknown speaker(s) {unknown}; stored speakers: {names}")
+            speaker_embedding = self.speaker_embeddings[[names.index(name) for name in requested]]
+        speaker_embedding = torch.as_tensor(speaker_embedding)
+        if speaker_embedding.dim() == 1:
+            speaker_embedding = speaker_embedding.unsqueeze(0)
+        if speaker_embedding.dim() != 2 or speaker_embedding.shape[-1] != self.config.spk_embed_dim:
+            raise ValueError(
+                f"speaker_embedding must have shape ({self.config.spk_embed_dim},) or (batch, "
+                f"{self.config.spk_embed_dim}), got {tuple(speaker_embedding.shape)}"
+            )
+        if speaker_embedding.shape[0] == 1 and batch_size > 1:
+            speaker_embedding = speaker_embedding.expand(batch_size, -1)
+        if speaker_embedding.shape[0] != batch_size:
+            raise ValueError(f"Got {speaker_embedding.shape[0]} speaker embeddings for a batch of {batch_size}.")
+        return speaker_embedding.to(self.device, torch.float32)
+
+    def _check_tokens(self, tokens: torch.Tensor, name: str = "speech_tokens") -> torch.Tensor:
+        tokens = torch.as_tensor(tokens)
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {tokens.dtype}")
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise ValueError(f"{name} must have shape (batch, tokens), got {tuple(tokens.shape)}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)].unique().tolist()[:10]
+            raise ValueError(
+                f"{name} contains ids outside [0, {self.config.vocab_size}): {bad} (filter special/stop tokens "
+                "before decoding)"
+            )
+        return tokens.to(self.device, torch.long)
+
+    # -- flow -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def tokens_to_mel(
+        self,
+        speech_tokens: torch.Tensor,
+        speaker_embedding: torch.Tensor,
+        prompt_tokens: Optional[torch.Tensor] = None,
+        prompt_mel: Optional[torch.Tensor] = None,
+        streaming: bool = False,
+        finalize: bool = True,
+        speech_token_lengths: Optional[torch.Tensor] = None,
+        noise_offset: int = 0,
+    ) -> torch.Tensor:
+        """Run the flow.
+
+        Args:
+            speech_tokens: (batch, tokens) ids in [0, vocab_size).
+            speaker_embedding: (batch, spk_embed_dim) or (spk_embed_dim,) x-vector.
+            prompt_tokens / prompt_mel: optional voice prompt, (batch, prompt_tokens) and (batch, mel_bins,
+                token_mel_ratio * prompt_tokens) log-mel (channel-first like the output); not part of the output.
+            streaming: block-causal attention with `config.static_chunk_size` frames (the reference's stream=True).
+            finalize: False when more tokens will follow: the last `pre_lookahead_len` tokens are then used only as
+                look-ahead context and produce no frames.
+            speech_token_lengths: (batch,) valid tokens per row (right padding); finalize=True only.
+            noise_offset: first frame of the fixed start noise to use (0 = the reference).
+
+        Returns:
+            mel (batch, mel_bins, token_mel_ratio * tokens') float32, tokens' = tokens (finalize) or tokens -
+            pre_lookahead_len. With `speech_token_lengths`, frames past a row's length are padding.
+        """
+        config = self.config
+        tokens = self._check_tokens(speech_tokens)
+        batch = tokens.shape[0]
+        spks = self.flow.speaker_condition(self.get_speaker_embedding(speaker_embedding=speaker_embedding,
+                                                                      batch_size=batch))
+        num_prompt = 0
+        if prompt_tokens is not None or prompt_mel is not None:
+            if prompt_tokens is None or prompt_mel is None:
+                raise ValueError("prompt_tokens and prompt_mel must be given together")
+            prompt_tokens = self._check_tokens(prompt_tokens, "prompt_tokens")
+            prompt_mel = torch.as_tensor(prompt_mel).to(self.device, torch.float32)
+            num_prompt = prompt_tokens.shape[1]
+            expected = (batch, config.mel_bins, config.token_mel_ratio * num_prompt)
+            if prompt_tokens.shape[0] != batch or tuple(prompt_mel.shape) != expected:
+                raise ValueError(
+                    f"prompt_mel must have shape {expected} for prompt_tokens of shape {tuple(prompt_tokens.shape)}, "
+                    f"got {tuple(prompt_mel.shape)}"
+                )
+            tokens = torch.cat([prompt_tokens, tokens], dim=1)
+        lengths = None
+        if speech_token_lengths is not None:
+            if not finalize:
+                raise ValueError("speech_token_lengths (padded batches) requires finalize=True")
+            lengths = torch.as_tensor(speech_token_lengths, device=self.device).long() + num_prompt
+        if not finalize and tokens.shape[1] <= config.pre_lookahead_len:
+            raise ValueError(
+                f"finalize=False needs more than pre_lookahead_len={config.pre_lookahead_len} tokens, "
+                f"got {tokens.shape[1]}"
+            )
+        hidden = self.flow.encode_tokens(tokens, lengths, finalize)
+        mu = hidden.repeat_interleave(config.token_mel_ratio, dim=1).transpose(1, 2)
+        frames = mu.shape[2]
+        prompt_frames = config.token_mel_ratio * num_prompt
+        cond = torch.zeros_like(mu)
+        if prompt_frames:
+            cond[:, :, :prompt_frames] = prompt_mel.to(cond.dtype)
+        frame_lengths = None if lengths is None else lengths * config.token_mel_ratio
+        mask = build_attention_mask(
+            frame_lengths, frames, config.static_chunk_size if streaming else None, mu.device, batch
+        )
+        mel = self.flow.decoder(mu, spks, cond, mask, noise_offset)
+        return mel[:, :, prompt_frames:]
+
+    # -- vocoder --------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def mel_to_wav(self, mel: torch.Tensor, source: Optional[torch.Tensor] = None, finalize: bool = True):
+        """HiFT: mel (batch, mel_bins, frames) -> waveform (batch, samples) in [-0.99, 0.99].
+
+        finalize=True: samples = samples_per_mel_frame * frames; False: the last 8 frames are held back (look-ahead).
+        """
+        wav, _ = self.hift(mel.to(self.device, torch.float32), finalize=finalize, source=source)
+        return wav
+
+    # -- end to end -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        speech_tokens: torch.Tensor,
+        speaker_embedding: Optional[torch.Tensor] = None,
+        speaker: Optional[Union[str, list[str]]] = None,
+        speech_token_lengths: Optional[torch.Tensor] = None,
+        return_dict: bool = True,
+    ) -> Union[CosyVoice3Token2WavOutput, tuple]:
+        """Decode whole token sequences (offline, like Fun-Audio-Chat's token2wav with one final call per row).
+
+        Args:
+            speech_tokens: (batch, tokens) or (tokens,) ids in [0, vocab_size); rows right-padded if
+                `speech_token_lengths` is given. Out-of-range ids raise ValueError.
+            speaker_embedding: (spk_embed_dim,) or (batch, spk_embed_dim) x-vector; or
+            speaker: a stored speaker name (e.g. "中文女") or one name per row. Neither: the first stored speaker.
+            speech_token_lengths: (batch,) valid tokens per row. Every row decodes to what it gives alone.
+
+        Returns:
+            `CosyVoice3Token2WavOutput` with `waveform` (batch, samples) zero-padded and `waveform_lengths` (batch,)
+            = samples_per_token x tokens; an empty row gives 0 samples.
+
+        Note: the reference limits one flow call to 15000 mel frames (300 s); Fun-Audio-Chat cuts replies into 30 s
+        segments before decoding. Longer rows here reuse the start noise cyclically.
+        """
+        tokens = self._check_tokens(speech_tokens)
+        batch, max_tokens = tokens.shape
+        if speech_token_lengths is None:
+            lengths = torch.full((batch,), max_tokens, dtype=torch.long)
+        else:
+            lengths = torch.as_tensor(speech_token_lengths).long().cpu()
+            if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > max_tokens).any():
+                raise ValueError(
+                    f"speech_token_lengths must be (batch,)={batch} values in [0, {max_tokens}], got {lengths.tolist()}"
+                )
+        spk = self.get_speaker_embedding(speaker, speaker_embedding, batch)
+        per_token = self.config.samples_per_token
+        waveform = torch.zeros(batch, per_token * int(lengths.max()) if batch else 0, device=self.device)
+        rows = [row for row in range(batch) if lengths[row] > 0]
+        if rows:
+            row_index = torch.tensor(rows, device=self.device)
+            used = int(lengths[rows].max())
+            padded = bool((lengths[rows] != used).any())
+            mel = self.tokens_to_mel(
+                tokens[row_index, :used],
+                spk[row_index],
+                speech_token_lengths=lengths[rows].to(self.device) if padded else None,
+            )
+            # HiFT looks ahead (f0 predictor, conv_pre, iSTFT), so rows of different lengths are vocoded in groups
+            # of equal length instead of being padded.
+            for length in sorted({int(lengths[row]) for row in rows}):
+                group = [i for i, row in enumerate(rows) if lengths[row] == length]
+                frames = length * self.config.token_mel_ratio
+                wav = self.mel_to_wav(mel[group, :, :frames])
+                waveform[[rows[i] for i in group], : wav.shape[1]] = wav
+        waveform_lengths = lengths * per_token
+        if not return_dict:
+            return waveform, waveform_lengths
+        return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=waveform_lengths.to(self.device))
+
+    # -- performance ----------------------------------------------------------------------------------------------
+
+    def compile_estimator(self, **compile_kwargs) -> None:
+        """`torch.compile` the DiT estimator in place (the 10-step Euler loop calls it with fixed shapes).
+
+        Defaults to `dynamic=True` (chunk lengths vary); pass e.g. `mode="max-autotune"` to CUDA-graph it.
+        """
+        compile_kwargs.setdefault("dynamic", True)
+        self.flow.decoder.estimator.compile(**compile_kwargs)
+
+    # -- streaming ------------------------------------------------------------------------------------------------
+
+    def streaming_decoder(
+        self,
+        speaker: Optional[str] = None,
+        speaker_embedding: Optional[torch.Tensor] = None,
+        token_hop_len: int = 15,
+        pre_lookahead_len: Optional[int] = None,
+        **kwargs,
+    ) -> "CosyVoice3StreamingDecoder":
+        """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking)."""
+        from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
+
+        return CosyVoice3StreamingDecoder(
+            self,
+            self.get_speaker_embedding(speaker, speaker_embedding, 1),
+            token_hop_len=token_hop_len,
+            pre_lookahead_len=self.config.pre_lookahead_len if pre_lookahead_len is None else pre_lookahead_len,
+            **kwargs,
+        )
+
+    # -- loading the official files -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_original(
+        cls,
+        model_dir: Union[str, Path],
+        speakers_file: Optional[Union[str, Path]] = None,
+        speaker_names: Optional[list[str]] = None,
+    ) -> "CosyVoice3Token2Wav":
+        """Build from an official CosyVoice3 folder (`cosyvoice3.yaml`, `flow.pt`, `hift.pt`, optionally
+        `spk2info.pt` / `new_spk2info.pt`, or `speakers_file`). `speaker_names` selects/orders the stored speakers.
+        """
+        from .conversion_cosyvoice3 import load_original_checkpoint
+
+        return load_original_checkpoint(cls, model_dir, speakers_file, speaker_names)
+
+
+__all__ = ["CosyVoice3PreTrainedModel", "CosyVoice3Token2Wav", "CosyVoice3Token2WavOutput"]

@@ -1,0 +1,599 @@
+"""CosyVoice3 HiFT vocoder (`CausalHiFTGenerator` of Fun-CosyVoice3-0.5B): 80-bin log-mel -> 24 kHz waveform.
+
+Neural source filter + iSTFT vocoder, fully causal so it can run on a growing mel history:
+
+    mel (batch, 80, frames)
+      -> F0 predictor (float64, 3 frames of look-ahead)             f0 (batch, frames) in Hz
+      -> harmonic source (9 sample-and-hold sines + fixed noise)   source (batch, 1, 480 * frames)
+      -> STFT of the source, fused into a conv upsampling stack (x8, x5, x3) with Snake residual blocks
+      -> 9 log-magnitudes + 9 phases -> iSTFT (n_fft 16, hop 4) -> clamp to +-0.99   wav (batch, 480 * frames)
+
+Everything reproduces the reference (FunAudioLLM/CosyVoice `cosyvoice/hifigan/generator.py`), including the quirks the
+model was trained with: the F0 predictor runs in float64, the "sine" phase is a 50 Hz staircase, the source noise comes
+from a fixed table of uniform random numbers indexed from sample 0, the phase channels pass through an extra `sin`,
+the last activation uses slope 0.01 and the output is hard-clamped.
+
+Weight norm is folded into plain conv weights when an original checkpoint is loaded
+(`CosyVoice3HiFTGenerator.load_original_state_dict`), so inference pays nothing for it.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# The reference draws its source-noise table for 300 s of 24 kHz audio, independently of the configured sampling rate.
+REFERENCE_SOURCE_TABLE_SAMPLES = 300 * 24000
+
+_WEIGHT_NORM_SUFFIXES = (
+    # (magnitude g, direction v): torch >= 2.1 parametrisation names, then the legacy `weight_norm` names
+    (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+    (".weight_g", ".weight_v"),
+)
+
+
+def _pad_one_side(
+    hidden: torch.Tensor, padding: int, causal_type: str, context: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Pad `padding` frames on the left (causal) or right (look-ahead): zeros, or the given `context` frames."""
+    if context is None:
+        return F.pad(hidden, (padding, 0) if causal_type == "left" else (0, padding))
+    if context.shape[-1] != padding:
+        raise ValueError(f"context must have {padding} frames, got {context.shape[-1]}")
+    return torch.cat([context, hidden] if causal_type == "left" else [hidden, context], dim=-1)
+
+
+class CausalConv1d(nn.Conv1d):
+    """Stride-1 Conv1d padded on one side only, so that the output has as many frames as the input.
+
+    `causal_type="left"` pads `(kernel_size - 1) * dilation` zeros on the left (causal); `"right"` pads them on the
+    right (look-ahead). A `context` tensor of exactly that many frames replaces the zero padding, which is how
+    non-final streaming calls feed real look-ahead frames.
+    """
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, causal_type: str = "left"
+    ):
+        super().__init__(in_channels, out_channels, kernel_size, dilation=dilation)
+        if causal_type not in ("left", "right"):
+            raise ValueError(f"causal_type must be 'left' or 'right', got {causal_type!r}")
+        self.causal_type = causal_type
+        self.causal_padding = (kernel_size - 1) * dilation
+
+    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(batch, in_channels, frames) -> (batch, out_channels, frames)."""
+        return super().forward(_pad_one_side(hidden, self.causal_padding, self.causal_type, context))
+
+
+class WeightNormCausalConv1d(nn.Module):
+    """`CausalConv1d` (stride 1, dilation 1) that keeps weight norm: `weight = weight_g * weight_v / ||weight_v||`
+    is evaluated at run time in the dtype of the input.
+
+    Used by the F0 predictor, which the reference runs in float64 with the weight norm evaluated in float64: folding
+    it once into a float32 weight would shift f0 by ~1e-5 relative, enough to flip voiced/unvoiced decisions near
+    the threshold. Parameters: `weight_g` (out, 1, 1), `weight_v` (out, in, kernel), `bias` (out,).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, causal_type: str = "left"):
+        super().__init__()
+        if causal_type not in ("left", "right"):
+            raise ValueError(f"causal_type must be 'left' or 'right', got {causal_type!r}")
+        self.causal_type = causal_type
+        self.causal_padding = kernel_size - 1
+        self.weight_g = nn.Parameter(torch.empty(out_channels, 1, 1))
+        self.weight_v = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size))
+        self.bias = nn.Parameter(torch.empty(out_channels))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """PyTorch's default Conv1d init, with g set so that the initial weight equals v (as `weight_norm` does)."""
+        nn.init.kaiming_uniform_(self.weight_v, a=math.sqrt(5))
+        bound = 1 / math.sqrt(self.weight_v.shape[1] * self.weight_v.shape[2])
+        nn.init.uniform_(self.bias, -bound, bound)
+        self.weight_g.copy_(torch.linalg.vector_norm(self.weight_v, dim=(1, 2), keepdim=True))
+
+    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(batch, in_channels, frames) -> (batch, out_channels, frames), computed in hidden.dtype."""
+        weight = torch._weight_norm(self.weight_v.to(hidden.dtype), self.weight_g.to(hidden.dtype), 0)
+        hidden = _pad_one_side(hidden, self.causal_padding, self.causal_type, context)
+        return F.conv1d(hidden, weight, self.bias.to(hidden.dtype))
+
+
+class CausalConv1dUpsample(nn.Conv1d):
+    """Nearest-neighbour upsampling by `stride` followed by a causal (left-padded) conv: the reference's
+    replacement for a transposed convolution. (batch, in, frames) -> (batch, out, frames * stride)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__(in_channels, out_channels, kernel_size)
+        self.upsample_factor = stride
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.repeat_interleave(self.upsample_factor, dim=-1)
+        return super().forward(F.pad(hidden, (self.kernel_size[0] - 1, 0)))
+
+
+class CausalConv1dDownsample(nn.Conv1d):
+    """Strided conv with `stride - 1` zeros of left padding. (batch, in, frames) -> (batch, out, ~frames / stride)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.pad(hidden, (self.stride[0] - 1, 0)))
+
+
+class Snake(nn.Module):
+    """Snake activation `x + sin(alpha * x)^2 / alpha` with a per-channel alpha on a linear scale (no exp)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(batch, channels, frames) -> same shape."""
+        alpha = self.alpha.unsqueeze(0).unsqueeze(-1)
+        # Same expression and evaluation order as the reference (the 1e-9 guards alpha == 0).
+        return hidden + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(hidden * alpha), 2)
+
+
+class CausalResBlock(nn.Module):
+    """HiFi-GAN residual block with Snake activations and causal dilated convs: for each dilation d,
+    `x = x + conv_k(snake(conv_{k,d}(snake(x))))`."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(CausalConv1d(channels, channels, kernel_size, dilation=d) for d in dilations)
+        self.convs2 = nn.ModuleList(CausalConv1d(channels, channels, kernel_size) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(batch, channels, frames) -> same shape."""
+        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            hidden = conv2(act2(conv1(act1(hidden)))) + hidden
+        return hidden
+
+
+class CausalConvF0Predictor(nn.Module):
+    """`CausalConvRNNF0Predictor`: F0 in Hz per mel frame.
+
+    condnet = look-ahead conv (k=4, 3 frames of right context) then 4 causal convs (k=3), ELU after each (ELUs sit at
+    the odd Sequential indices, which fixes the checkpoint key names); then Linear -> |.|. The convs keep their
+    weight norm (see `WeightNormCausalConv1d`).
+    """
+
+    def __init__(self, num_class: int = 1, in_channels: int = 80, cond_channels: int = 512):
+        super().__init__()
+        layers = [WeightNormCausalConv1d(in_channels, cond_channels, kernel_size=4, causal_type="right"), nn.ELU()]
+        for _ in range(4):
+            layers += [WeightNormCausalConv1d(cond_channels, cond_channels, kernel_size=3), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    @property
+    def lookahead(self) -> int:
+        """Mel frames of right context the first conv needs (3)."""
+        return self.condnet[0].causal_padding
+
+    def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel (batch, in_channels, frames) -> f0 (batch, frames) if finalize else (batch, frames - lookahead).
+
+        Runs in the dtype of `mel` (the generator passes float64)."""
+        first = self.condnet[0]
+        if finalize:
+            hidden = first(mel)
+        else:
+            hidden = first(mel[..., : -self.lookahead], context=mel[..., -self.lookahead :])
+        for layer in self.condnet[1:]:
+            hidden = layer(hidden)
+        hidden = hidden.transpose(1, 2)
+        logits = F.linear(hidden, self.classifier.weight.to(hidden.dtype), self.classifier.bias.to(hidden.dtype))
+        return torch.abs(logits.squeeze(-1))
+
+
+class SineGenerator(nn.Module):
+    """Causal `SineGen2`: harmonic sines with the reference's fixed, construction-time random tables.
+
+    Holds the non-persistent tables `rand_ini` (1, harmonics) and `sine_waves` (1, table_samples, harmonics); both
+    are empty until `CosyVoice3HiFTGenerator.init_source_tables` fills them.
+    """
+
+    def __init__(self, num_harmonics: int):
+        super().__init__()
+        # rand_ini is kept for fidelity with the reference tables: in the causal path it is added at sample 0,
+        # which the 1/upsample_scale linear downsampling never reads, so it has no effect on the output.
+        self.register_buffer("rand_ini", torch.zeros(1, num_harmonics), persistent=False)
+        self.register_buffer("sine_waves", torch.zeros(1, 0, num_harmonics), persistent=False)
+
+
+class SourceModuleHnNSF(nn.Module):
+    """Harmonic-plus-noise excitation: sines (fundamental + overtones) merged by Linear -> tanh."""
+
+    def __init__(self, num_harmonics: int):
+        super().__init__()
+        self.l_sin_gen = SineGenerator(num_harmonics)
+        self.l_linear = nn.Linear(num_harmonics, 1)
+
+
+class CosyVoice3HiFTGenerator(nn.Module):
+    """CosyVoice3's causal HiFT vocoder. Constructor arguments are named exactly like the `hift:` section of
+    `cosyvoice3.yaml`; every default is the full-size Fun-CosyVoice3-0.5B value.
+
+    After construction (or loading), call `init_source_tables()` once to build the fixed source-noise tables.
+
+    Batch rows are independent: row b of a batch equals that row run alone. For rows of unequal length, right-pad
+    the mel (zeros match the reference's own finalize padding for the look-ahead convs) and trim each row's output to
+    `480 * valid_frames` samples (finalize=True). The last few hundred valid samples of a padded row can still differ
+    from a single-row run, because the STFT reflect-pads at the true end of the signal and the look-ahead convs see the
+    padding frames; run such rows alone when bit parity of the tail matters.
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 80,
+        base_channels: int = 512,
+        nb_harmonics: int = 8,
+        sampling_rate: int = 24000,
+        nsf_alpha: float = 0.1,
+        nsf_sigma: float = 0.003,
+        nsf_voiced_threshold: float = 10,
+        upsample_rates: Sequence[int] = (8, 5, 3),
+        upsample_kernel_sizes: Sequence[int] = (16, 11, 7),
+        istft_params: Optional[Mapping[str, int]] = None,
+        resblock_kernel_sizes: Sequence[int] = (3, 7, 11),
+        resblock_dilation_sizes: Sequence[Sequence[int]] = ((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+        source_resblock_kernel_sizes: Sequence[int] = (7, 7, 11),
+        source_resblock_dilation_sizes: Sequence[Sequence[int]] = ((1, 3, 5), (1, 3, 5), (1, 3, 5)),
+        lrelu_slope: float = 0.1,
+        audio_limit: float = 0.99,
+        conv_pre_look_right: int = 4,
+        f0_predictor: Optional[Mapping[str, int]] = None,
+    ):
+        super().__init__()
+        istft_params = dict(istft_params) if istft_params is not None else {"n_fft": 16, "hop_len": 4}
+        f0_predictor = dict(f0_predictor) if f0_predictor is not None else {}
+        upsample_rates = [int(rate) for rate in upsample_rates]
+        if len(upsample_kernel_sizes) != len(upsample_rates):
+            raise ValueError(
+                f"upsample_kernel_sizes ({len(upsample_kernel_sizes)}) and upsample_rates ({len(upsample_rates)}) "
+                "must have the same length"
+            )
+        if len(source_resblock_kernel_sizes) != len(upsample_rates) or len(source_resblock_dilation_sizes) != len(
+            upsample_rates
+        ):
+            raise ValueError("source_resblock_kernel_sizes/dilation_sizes need one entry per upsampling stage")
+        if len(resblock_kernel_sizes) != len(resblock_dilation_sizes):
+            raise ValueError("resblock_kernel_sizes and resblock_dilation_sizes must have the same length")
+        if sampling_rate == 22050:
+            raise ValueError("sampling_rate 22050 selects the non-causal SineGen in the reference; not supported")
+        if conv_pre_look_right < 1:
+            raise ValueError(f"conv_pre_look_right must be >= 1, got {conv_pre_look_right}")
+
+        self.in_channels = in_channels
+        self.num_harmonics = nb_harmonics + 1
+        self.sampling_rate = sampling_rate
+        self.sine_amp = nsf_alpha
+        self.noise_std = nsf_sigma
+        self.voiced_threshold = nsf_voiced_threshold
+        self.upsample_rates = upsample_rates
+        self.n_fft = int(istft_params["n_fft"])
+        self.hop_length = int(istft_params["hop_len"])
+        self.lrelu_slope = lrelu_slope
+        self.audio_limit = audio_limit
+        self.conv_pre_look_right = conv_pre_look_right
+        self.num_kernels = len(resblock_kernel_sizes)
+        # Waveform samples per mel frame (480) and STFT frames per mel frame (120).
+        self.stft_frames_per_mel_frame = math.prod(upsample_rates)
+        self.upsample_scale = self.stft_frames_per_mel_frame * self.hop_length
+
+        self.f0_predictor = CausalConvF0Predictor(**f0_predictor)
+        self.m_source = SourceModuleHnNSF(self.num_harmonics)
+        self.conv_pre = CausalConv1d(in_channels, base_channels, conv_pre_look_right + 1, causal_type="right")
+
+        self.ups = nn.ModuleList(
+            CausalConv1dUpsample(base_channels // 2**i, base_channels // 2 ** (i + 1), kernel, rate)
+            for i, (rate, kernel) in enumerate(zip(upsample_rates, upsample_kernel_sizes))
+        )
+
+        # The source STFT (hop 4) is brought to the resolution of each stage: strides 15, 3, 1 for rates (8, 5, 3).
+        source_channels = self.n_fft + 2
+        downsample_cum_rates = []
+        rate = 1
+        for stage_rate in [1] + upsample_rates[::-1][:-1]:
+            rate *= stage_rate
+            downsample_cum_rates.append(rate)
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (rate, kernel, dilations) in enumerate(
+            zip(downsample_cum_rates[::-1], source_resblock_kernel_sizes, source_resblock_dilation_sizes)
+        ):
+            channels = base_channels // 2 ** (i + 1)
+            if rate == 1:
+                self.source_downs.append(CausalConv1d(source_channels, channels, 1))
+            else:
+                self.source_downs.append(CausalConv1dDownsample(source_channels, channels, rate * 2, rate))
+            self.source_resblocks.append(CausalResBlock(channels, kernel, dilations))
+
+        self.resblocks = nn.ModuleList()
+        for i in range(len(upsample_rates)):
+            channels = base_channels // 2 ** (i + 1)
+            for kernel, dilations in zip(resblock_kernel_sizes, resblock_dilation_sizes):
+                self.resblocks.append(CausalResBlock(channels, kernel, dilations))
+        self.conv_post = CausalConv1d(channels, self.n_fft + 2, 7)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # loading and fixed tables
+
+    @staticmethod
+    def convert_original_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Original `hift.pt` state dict -> this module's keys: strips an optional `generator.` prefix and folds
+        weight norm (`.parametrizations.weight.original0/1` or legacy `.weight_g/.weight_v`) into `.weight`.
+
+        The fold is `torch._weight_norm(v, g, 0)`, the function the reference's parametrisation evaluates, so the
+        float32 weights are bit-identical. Exception: the F0 predictor convs keep `weight_g`/`weight_v`, because the
+        reference evaluates their weight norm in float64 (see `WeightNormCausalConv1d`)."""
+        stripped = {}
+        for key, value in state_dict.items():
+            stripped[key.removeprefix("generator.")] = value
+        converted = {}
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in stripped.items():
+            for suffix_g, suffix_v in _WEIGHT_NORM_SUFFIXES:
+                if key.endswith(suffix_g):
+                    pairs.setdefault(key[: -len(suffix_g)], {})["g"] = value
+                    break
+                if key.endswith(suffix_v):
+                    pairs.setdefault(key[: -len(suffix_v)], {})["v"] = value
+                    break
+            else:
+                converted[key] = value
+        for prefix, pair in pairs.items():
+            if set(pair) != {"g", "v"}:
+                missing = "magnitude (g)" if "g" not in pair else "direction (v)"
+                raise ValueError(f"weight-norm pair of {prefix!r} has no {missing} entry")
+            magnitude, direction = pair["g"], pair["v"]
+            if prefix.startswith("f0_predictor."):
+                converted[f"{prefix}.weight_g"], converted[f"{prefix}.weight_v"] = magnitude, direction
+            else:
+                converted[f"{prefix}.weight"] = torch._weight_norm(direction, magnitude, 0)
+        return converted
+
+    def load_original_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load an original CosyVoice3 `hift.pt` state dict (either weight-norm format, plain weights, optional
+        `generator.` prefix). Strict: missing or unexpected keys raise a ValueError naming them."""
+        converted = self.convert_original_state_dict(state_dict)
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(converted))
+        unexpected = sorted(set(converted) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"HiFT state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
+        wrong_shapes = [
+            f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(expected[key].shape)}"
+            for key, value in converted.items()
+            if value.shape != expected[key].shape
+        ]
+        if wrong_shapes:
+            raise ValueError("HiFT state dict shape mismatch: " + "; ".join(wrong_shapes))
+        self.load_state_dict(converted, strict=True)
+
+    @torch.no_grad()
+    def init_source_tables(
+        self, generator: Optional[torch.Generator] = None, max_samples: int = REFERENCE_SOURCE_TABLE_SAMPLES
+    ) -> None:
+        """Fill the fixed source tables (`m_source.l_sin_gen.rand_ini`, `.sine_waves`) exactly as the reference
+        constructs them.
+
+        The reference draws them from the global torch RNG while `cosyvoice3.yaml` is loaded: the flow's CFM reseeds
+        it to 0 and draws its noise, the flow builds its token embedding and speaker projection, then the HiFT F0
+        predictor and the source module are built. This replays that sequence on a private CPU generator (global RNG
+        untouched).
+
+        Args:
+            generator: a CPU generator positioned right after the flow's construction draws. Default: seed 0 advanced
+                past the full-size CosyVoice3 flow (noise (1, 80, 15000), Embedding(6561, 80), Linear(192, 80)); the
+                flow of every published CosyVoice3 config has these sizes.
+            max_samples: table length in samples (the longest source one call can produce). The reference uses
+                300 s at 24 kHz (259 MB in float32); a shorter table is an exact prefix of it.
+        """
+        if generator is None:
+            generator = torch.Generator().manual_seed(0)
+            torch.randn(1, 80, 15000, generator=generator)  # CFM rand_noise
+            torch.empty(6561, 80).normal_(generator=generator)  # flow.input_embedding
+            _skip_default_init((80, 192), generator)  # flow.spk_embed_affine_layer
+        # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source module.
+        for module in self.f0_predictor.modules():
+            if isinstance(module, WeightNormCausalConv1d):
+                _skip_default_init(tuple(module.weight_v.shape), generator)
+            elif isinstance(module, nn.Linear):
+                _skip_default_init(tuple(module.weight.shape), generator)
+        rand_ini = torch.rand(1, self.num_harmonics, generator=generator)
+        rand_ini[:, 0] = 0
+        sine_waves = torch.rand(1, max_samples, self.num_harmonics, generator=generator)
+
+        sine_gen = self.m_source.l_sin_gen
+        device = self.conv_pre.weight.device
+        # Kept in float32 whatever the module dtype: the source is computed in float32 like the reference.
+        sine_gen.rand_ini = rand_ini.to(device=device, dtype=torch.float32)
+        sine_gen.sine_waves = sine_waves.to(device=device, dtype=torch.float32)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # inference
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel (batch, in_channels, frames) -> f0 in Hz, float64, (batch, frames) if finalize else
+        (batch, frames - 3): a non-final call uses the last 3 frames only as look-ahead."""
+        self._check_mel(mel, finalize)
+        return self.f0_predictor(mel.to(torch.float64), finalize=finalize)
+
+    def f0_to_sample_rate(self, f0: torch.Tensor) -> torch.Tensor:
+        """f0 (batch, frames) -> (batch, frames * 480, 1): each frame's value held for its 480 samples."""
+        return f0.repeat_interleave(self.upsample_scale, dim=1).unsqueeze(-1)
+
+    def source_from_f0(self, f0: torch.Tensor) -> torch.Tensor:
+        """f0 (batch, frames) in Hz -> excitation (batch, 1, frames * 480), computed in float32 like the reference.
+
+        Sample n of harmonic h (1..9): the phase is 2*pi * h * sum_{k <= frame(n)} f0_k / sampling_rate * 480, held
+        for the whole frame (a staircase, which is what the model was trained with); voiced iff f0 > threshold;
+        `sines = 0.1 sin(phase) * voiced + amp(voiced) * table[n]` with the fixed uniform table; tanh(Linear(sines)).
+        """
+        if f0.dim() != 2:
+            raise ValueError(f"f0 must be (batch, frames), got shape {tuple(f0.shape)}")
+        scale = self.upsample_scale
+        num_samples = f0.shape[1] * scale
+        table = self.m_source.l_sin_gen.sine_waves
+        if num_samples > table.shape[1]:
+            if table.shape[1] == 0:
+                raise ValueError("source tables are not initialised: call init_source_tables() first")
+            raise ValueError(
+                f"{f0.shape[1]} frames need {num_samples} source samples but the noise table holds {table.shape[1]} "
+                f"({table.shape[1] // scale} frames); split the input or call init_source_tables(max_samples=...)"
+            )
+        f0 = f0.to(torch.float32)
+        harmonics = torch.arange(1, self.num_harmonics + 1, dtype=torch.float32, device=f0.device)
+        # The reference builds rad at the sample rate from the nearest-upsampled f0 and linearly downsamples it by
+        # 1/480: every frame reads two equal samples of its own frame, so rad computed per frame has the same values.
+        rad = (f0.unsqueeze(-1) * harmonics / self.sampling_rate) % 1  # (batch, frames, harmonics)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        # Nearest upsampling of phase * 480 back to the sample rate: each frame's phase is held for 480 samples.
+        sines = torch.sin(phase * scale) * self.sine_amp
+        # Upsampled in (batch, harmonics, samples) memory layout like the reference, so that the Linear below reduces
+        # in the same order (bit-identical source on CPU).
+        sines = sines.transpose(1, 2).repeat_interleave(scale, dim=-1).transpose(1, 2)  # (batch, samples, harmonics)
+        f0_up = self.f0_to_sample_rate(f0)  # (batch, samples, 1)
+        voiced = (f0_up > self.voiced_threshold).to(torch.float32)
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        noise = noise_amp * table[:, :num_samples].to(torch.float32)
+        sines = sines * voiced + noise
+        linear = self.m_source.l_linear
+        merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
+        return merged.transpose(1, 2)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """The filter: mel (batch, in_channels, frames) + source (batch, 1, frames * 480) -> wav (batch, samples).
+
+        `mel` is what the reference's `decode` receives (already without the F0 look-ahead frames when not
+        finalising). finalize=True: samples = frames * 480. finalize=False: conv_pre uses the last 4 frames only as
+        look-ahead and the last (not yet final) frame of audio is dropped: samples = (frames - 5) * 480.
+        """
+        if mel.dim() != 3 or mel.shape[1] != self.in_channels:
+            raise ValueError(f"mel must be (batch, {self.in_channels}, frames), got shape {tuple(mel.shape)}")
+        batch, _, frames = mel.shape
+        min_frames = 1 if finalize else self.conv_pre_look_right + 2
+        if frames < min_frames:
+            raise ValueError(f"decode needs at least {min_frames} mel frames (finalize={finalize}), got {frames}")
+        expected_source = (batch, 1, frames * self.upsample_scale)
+        if tuple(source.shape) != expected_source:
+            raise ValueError(
+                f"source must be (batch, 1, frames * {self.upsample_scale}) = {expected_source} for mel "
+                f"{tuple(mel.shape)}, got {tuple(source.shape)}"
+            )
+        window = self._stft_window(source.device)
+        spectrum = torch.stft(
+            source.squeeze(1).to(window.dtype),
+            self.n_fft,
+            self.hop_length,
+            self.n_fft,
+            window=window,
+            return_complex=True,
+        )
+        spectrum = torch.view_as_real(spectrum)  # (batch, n_fft // 2 + 1, stft_frames, 2)
+        real, imag = spectrum[..., 0], spectrum[..., 1]
+        if finalize:
+            hidden = self.conv_pre(mel)
+        else:
+            look_right = self.conv_pre_look_right
+            hidden = self.conv_pre(mel[..., :-look_right], context=mel[..., -look_right:])
+            cut = self.stft_frames_per_mel_frame * look_right
+            real, imag = real[..., :-cut], imag[..., :-cut]
+        source_stft = torch.cat([real, imag], dim=1).to(hidden.dtype)
+
+        for i, upsample in enumerate(self.ups):
+            hidden = F.leaky_relu(hidden, self.lrelu_slope)
+            hidden = upsample(hidden)
+            if i == len(self.ups) - 1:
+                # One sample of reflection on the left makes the length match the STFT frame count (120 * Q + 1).
+                hidden = F.pad(hidden, (1, 0), mode="reflect")
+            hidden = hidden + self.source_resblocks[i](self.source_downs[i](source_stft))
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            summed = blocks[0](hidden)
+            for block in blocks[1:]:
+                summed = summed + block(hidden)
+            hidden = summed / self.num_kernels
+
+        hidden = F.leaky_relu(hidden)  # default slope 0.01, as in the reference
+        hidden = self.conv_post(hidden)
+        num_bins = self.n_fft // 2 + 1
+        magnitude = torch.exp(hidden[:, :num_bins])
+        phase = torch.sin(hidden[:, num_bins:])  # the extra sin is part of the trained model
+        wav = self._istft(magnitude, phase, window)
+        if not finalize:
+            wav = wav[:, : -self.upsample_scale]
+        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+
+    def forward(
+        self, mel: torch.Tensor, finalize: bool = True, source: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel (batch, in_channels, frames) float32 -> (wav (batch, samples), source (batch, 1, source_samples)).
+
+        finalize=True: samples = source_samples = 480 * frames. finalize=False (streaming on a mel history whose end
+        is not final; needs frames > 8): F0 uses the last 3 frames as look-ahead (source_samples = 480 * (frames - 3)),
+        conv_pre the 4 before them, and the last frame of audio is dropped: samples = 480 * (frames - 8).
+        Re-running on a longer history reproduces these samples exactly.
+
+        A given `source` replaces the internally computed excitation (it must have source_samples samples).
+        """
+        self._check_mel(mel, finalize)
+        lookahead = self.f0_predictor.lookahead
+        if source is None:
+            f0 = self.predict_f0(mel, finalize=finalize)
+            source = self.source_from_f0(f0.to(mel.dtype))
+        decode_mel = mel if finalize else mel[..., :-lookahead]
+        return self.decode(decode_mel, source, finalize=finalize), source
+
+    # ------------------------------------------------------------------------------------------------------------
+    # helpers
+
+    def _check_mel(self, mel: torch.Tensor, finalize: bool) -> None:
+        if mel.dim() != 3 or mel.shape[1] != self.in_channels:
+            raise ValueError(f"mel must be (batch, {self.in_channels}, frames), got shape {tuple(mel.shape)}")
+        min_frames = 1 if finalize else self.f0_predictor.lookahead + self.conv_pre_look_right + 2
+        if mel.shape[2] < min_frames:
+            raise ValueError(
+                f"mel has {mel.shape[2]} frames; a {'final' if finalize else 'non-final'} HiFT call needs at least "
+                f"{min_frames}"
+            )
+
+    def _stft_window(self, device: torch.device) -> torch.Tensor:
+        # Periodic Hann built in float64 and rounded, like the reference's scipy window (float32 hann_window differs).
+        return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64, device=device).to(torch.float32)
+
+    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """magnitude, phase (batch, n_fft // 2 + 1, frames) -> (batch, hop * (frames - 1)).
+
+        Same arithmetic as `torch.istft(center=True)` (bit-identical on CPU) but without its host-synchronising
+        window-envelope check, so it can be captured in CUDA graphs: inverse rFFT per frame, window, overlap-add,
+        divide by the overlap-added squared window, drop n_fft // 2 samples at both ends."""
+        magnitude = torch.clip(magnitude, max=1e2)
+        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1) * window[:, None]  # (batch, n_fft, frames)
+        num_frames = frames.shape[-1]
+        length = self.n_fft + self.hop_length * (num_frames - 1)
+        squared_window = (window * window)[None, None, :].expand(1, num_frames, self.n_fft)
+        # unfold_backward is the overlap-add torch.istft itself uses (same summation order).
+        overlap_add = torch.ops.aten.unfold_backward
+        wav = overlap_add(frames.transpose(1, 2), [frames.shape[0], length], 1, self.n_fft, self.hop_length)
+        envelope = overlap_add(squared_window, [1, length], 1, self.n_fft, self.hop_length)
+        trim = slice(self.n_fft // 2, length - self.n_fft // 2)
+        return wav[:, trim] / envelope[:, trim]
+
+
+def _skip_default_init(weight_shape: tuple[int, ...], generator: torch.Generator) -> None:
+    """Consume the random numbers PyTorch's default init of a Conv1d/Linear with this weight shape draws
+    (kaiming-uniform weight, then uniform bias: one draw per element each)."""
+    torch.empty(weight_shape).uniform_(generator=generator)
+    torch.empty(weight_shape[0]).uniform_(generator=generator)

@@ -1,0 +1,761 @@
+"""Fun-Audio-Chat: audio encoders, the CRQ speech decoder and `FunAudioChatForConditionalGeneration`.
+
+Module names follow the official checkpoint (`continuous_audio_tower`, `audio_tower`, `audio_invert_tower`,
+`language_model`) so the released safetensors load unchanged.
+
+Data flow (spec §4-5):
+  mel (A_w, 128, F) -> `continuous_audio_tower` -> (A_w, S, H) at 25 Hz
+  speech ids (A, S) + continuous features -> `audio_tower` -> (A, S // K, H) at 5 Hz -> scattered into `<|AUDIO|>` slots
+  LLM (Qwen3) -> text logits; final hidden state + text embedding -> `audio_invert_tower` (CRQ) -> K speech logits
+  per LLM position.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+from .compat import CACHE_KWARG, cache_kwargs
+from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
+from .generation_funaudiochat import FunAudioChatSpeechGenerationMixin
+
+
+# Name of the cache field of transformers' output classes (`cache` from 5.24 on, `past_key_values` before).
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def sinusoid_position_table(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's sinusoidal position table `(length, channels)`: `[sin(t * inv_j) || cos(t * inv_j)]` with
+    `inv_j = exp(-j * ln(max_timescale) / (channels / 2 - 1))`, j < channels / 2."""
+    if channels % 2 != 0:
+        raise ValueError(f"The sinusoidal position table needs an even number of channels, got {channels}.")
+    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2, dtype=torch.float32))
+    scaled_time = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
+    return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
+
+
+def _chunk_lengths(feature_lens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Lengths of the consecutive `chunk_size`-frame chunks of every clip (the last one of a clip may be shorter).
+
+    Args:
+        feature_lens: `(num_clips,)` frame counts, all > 0.
+    Returns:
+        `(num_chunks,)` chunk lengths, clip-major.
+    """
+    num_chunks = torch.div(feature_lens + chunk_size - 1, chunk_size, rounding_mode="floor")
+    chunk_lengths = torch.full((int(num_chunks.sum()),), chunk_size, dtype=torch.long, device=feature_lens.device)
+    last_chunk = num_chunks.cumsum(0) - 1
+    tail = feature_lens % chunk_size
+    chunk_lengths[last_chunk] = torch.where(tail == 0, chunk_size, tail)
+    return chunk_lengths
+
+
+@dataclass
+class FunAudioChatCausalLMOutputWithPast(CausalLMOutputWithPast):
+    r"""
+    Output of [`FunAudioChatForConditionalGeneration`].
+
+    loss (`torch.FloatTensor` of shape `()`): `text_loss + speech_loss` (only `text_loss` with `disable_speech`).
+    logits (`torch.FloatTensor` of shape `(batch, seq, vocab)`): text logits.
+    text_loss (`torch.FloatTensor` of shape `()`): causal-LM cross-entropy of the text head.
+    speech_loss (`torch.FloatTensor` of shape `()`): cross-entropy of the CRQ speech head.
+    speech_logits (`torch.FloatTensor` of shape `(batch, seq * group_size, codebook_size)`): the CRQ logits of the
+        teacher-forced pass; sub-position `t * K + k` predicts speech token `k` of the group of LLM position `t + 1`.
+    last_hidden_state (`torch.FloatTensor` of shape `(batch, seq, hidden)`): the LLM's final (post-norm) hidden state.
+    """
+
+    text_loss: torch.FloatTensor | None = None
+    speech_loss: torch.FloatTensor | None = None
+    speech_logits: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+
+
+@dataclass
+class FunAudioChatPromptEmbeddings:
+    """What building the LLM input (spec §5.1) produces besides the embeddings, for the losses of §5.2-5.4.
+
+    inputs_embeds: `(batch, seq, hidden)` LLM input with the audio groups scattered into the `<|AUDIO|>` slots.
+    text_embeds: `(batch, seq, hidden)` text-token embeddings of the same positions, where `<|AUDIO|>` rows hold the
+        transcript embeddings when `text_ids` are given (the CRQ's text conditioning).
+    audio_token_mask: `(batch, seq)` bool, the `<|AUDIO|>` positions.
+    group_speech_labels: `(num_groups, group_size)` speech-token labels of every scattered group (-100 on padding).
+    group_text_labels: `(num_groups,)` transcript labels of every scattered group (-100 where none), or None.
+    """
+
+    inputs_embeds: torch.Tensor
+    text_embeds: torch.Tensor
+    audio_token_mask: torch.Tensor
+    group_speech_labels: torch.Tensor | None = None
+    group_text_labels: torch.Tensor | None = None
+
+
+class FunAudioChatDiscreteEncoder(nn.Module):
+    """Discrete speech encoder: speech-token embeddings averaged per group of `group_size` (25 Hz -> 5 Hz), then
+    `output_matching`. Continuous encoder features, when given, are grouped the same way, projected by
+    `continual_output_matching` and replace (or are added to) the rows of the clips that have a waveform.
+
+    `embed_tokens` is also the CRQ speech decoder's output head (tied weights)."""
+
+    def __init__(self, config: FunAudioChatAudioEncoderConfig):
+        super().__init__()
+        self.group_size = config.group_size
+        self.continuous_features_mode = config.continuous_features_mode
+        self.embed_tokens = nn.Embedding(config.codebook_size, config.output_dim, padding_idx=config.pad_token_id)
+        self.output_matching = nn.Linear(config.output_dim, config.output_dim, bias=False)
+        self.continual_output_matching = nn.Linear(config.output_dim, config.output_dim, bias=False)
+
+    def _group_mean(self, frames: torch.Tensor) -> torch.Tensor:
+        """`(N, S, H)` -> `(N, S // K, H)`: mean over each group of K consecutive frames."""
+        num, length, hidden = frames.shape
+        if length % self.group_size != 0:
+            raise ValueError(f"Sequence length {length} is not a multiple of group_size {self.group_size}.")
+        return frames.reshape(num, length // self.group_size, self.group_size, hidden).mean(dim=2)
+
+    def encode_groups(self, speech_ids: torch.Tensor) -> torch.Tensor:
+        """LLM input vectors of speech tokens: `(N, S)` ids -> `(N, S // K, H)` (used to feed generated speech back)."""
+        return self.output_matching(self._group_mean(self.embed_tokens(speech_ids)))
+
+    def forward(
+        self,
+        speech_ids: torch.Tensor,
+        continuous_features: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            speech_ids: `(N, S)` speech-token ids, S a multiple of `group_size`.
+            continuous_features: `(N_w, S, H)` continuous encoder output of the clips that have a waveform.
+            feature_exist_mask: `(N,)` bool, which clips have a waveform (N_w true entries; default: all).
+        Returns:
+            `(N, S // K, H)` one LLM input vector per group.
+        """
+        hidden = self.encode_groups(speech_ids)
+        if continuous_features is None:
+            return hidden
+        if feature_exist_mask is None:
+            feature_exist_mask = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        clips_with_audio = feature_exist_mask.to(hidden.device).nonzero().squeeze(1)
+        if clips_with_audio.shape[0] != continuous_features.shape[0]:
+            raise ValueError(
+                f"feature_exist_mask marks {clips_with_audio.shape[0]} clips with a waveform but "
+                f"{continuous_features.shape[0]} continuous feature rows were given."
+            )
+        continuous = self.continual_output_matching(self._group_mean(continuous_features.to(hidden.device, hidden.dtype)))
+        if self.continuous_features_mode == "replace":
+            return hidden.index_copy(0, clips_with_audio, continuous)
+        return hidden.index_add(0, clips_with_audio, continuous)
+
+
+class FunAudioChatCRQDecoder(nn.Module):
+    """CRQ speech decoder ("Speech Refined Head"): from the LLM state of every position it predicts the K speech
+    tokens of the next position, autoregressively over K sub-positions with a small Qwen3 Transformer.
+
+    `pre_matching` splits each LLM position into K sub-positions (H -> K * H); `input_matching` maps to the
+    Transformer width; `output_matching` + `lm_head` (tied to the discrete encoder's `embed_tokens`) give the logits.
+    `forward` is the teacher-forced training pass; the generation loop calls the submodules directly.
+    """
+
+    def __init__(self, config: FunAudioChatAudioEncoderConfig):
+        super().__init__()
+        self.group_size = config.group_size
+        hidden_size = config.output_dim
+        crq_config = config.crq_transformer_config
+        self.pre_matching = nn.Linear(hidden_size, hidden_size * self.group_size, bias=True)
+        self.input_matching = nn.Linear(hidden_size, crq_config.hidden_size, bias=False)
+        self.crq_transformer = Qwen3Model(crq_config)
+        # The CRQ only ever gets `inputs_embeds`: its token embedding is dead weight (and absent from checkpoints).
+        del self.crq_transformer.embed_tokens
+        self.output_matching = nn.Linear(crq_config.hidden_size, hidden_size, bias=False)
+        self.lm_head = nn.Linear(hidden_size, config.codebook_size, bias=False)
+
+    def split_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`(B, L, H)` -> `(B, L * K, H)`: sub-position `t * K + k` gets slice k of `pre_matching` at position t."""
+        batch, length, hidden = hidden_states.shape
+        return self.pre_matching(hidden_states).reshape(batch, length * self.group_size, hidden)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        speech_label_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced pass over every LLM position (spec §5.4).
+
+        Args:
+            hidden_states: `(B, L, H)` conditioning = LLM final hidden state + (detached) input-token embeddings.
+            speech_label_embeds: `(B, L * K, H)` embeddings of the flat speech labels (pad id where ignored). Rolled
+                by -(K - 1) so sub-position j sees the token preceding its target ("previous speech token").
+            attention_mask: `(B, L)` LLM attention mask (or packing segment ids); repeated for the K sub-positions.
+            position_ids: `(B, L)` LLM positions; sub-position k of position p gets `p * K + k`, trailing padding 0.
+        Returns:
+            `(B, L * K, codebook_size)` speech logits.
+        """
+        group_size = self.group_size
+        inputs = self.split_positions(hidden_states)
+        if speech_label_embeds is not None:
+            inputs = inputs + torch.roll(speech_label_embeds.to(inputs.device), shifts=-(group_size - 1), dims=1)
+        inputs = self.input_matching(inputs)
+
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = attention_mask.repeat_interleave(group_size, dim=1)
+        if position_ids is not None:
+            length = position_ids.shape[-1]
+            steps = torch.arange(group_size, device=position_ids.device)
+            sub_positions = (position_ids[..., None] * group_size + steps).flatten(-2)
+            # Trailing padding (after the last non-zero position) keeps position 0 on all its sub-positions.
+            index = torch.arange(length, device=position_ids.device)
+            last_nonzero = torch.where(position_ids != 0, index, -1).amax(dim=-1, keepdim=True)
+            is_trailing_pad = (index > last_nonzero).repeat_interleave(group_size, dim=-1)
+            position_ids = sub_positions.masked_fill(is_trailing_pad, 0)
+
+        hidden = self.crq_transformer(
+            inputs_embeds=inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.lm_head(self.output_matching(hidden))
+
+
+class FunAudioChatPreTrainedModel(PreTrainedModel):
+    config_class = FunAudioChatConfig
+    config: FunAudioChatConfig
+    # The official checkpoint has no root prefix (keys start with `language_model.`, `audio_tower.`, ...).
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    input_modalities = ("audio", "text")
+    supports_gradient_checkpointing = True
+    _no_split_modules = [
+        "Qwen3DecoderLayer",
+        "Qwen2_5OmniAudioEncoderLayer",
+        "FunAudioChatDiscreteEncoder",
+        "FunAudioChatCRQDecoder",
+    ]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, FunAudioChatAudioEncoder):
+            table = sinusoid_position_table(module.positional_embedding.shape[0], module.positional_embedding.shape[1])
+            init.copy_(module.positional_embedding, table)
+
+
+class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
+    """Continuous audio encoder: Whisper-large-v3-style Transformer on 128-bin log-mels (Qwen2.5-Omni layout).
+
+    Every clip is cut into chunks of `2 * n_window` mel frames (2 s) that are encoded independently (block-diagonal
+    attention; positions restart in every chunk), then average-pooled to 25 Hz and projected to the LLM width.
+    The layers are transformers' `Qwen2_5OmniAudioEncoderLayer` (same math and parameter names), so attention goes
+    through the transformers attention interface (sdpa / flash / eager all give the same, correct, result).
+    """
+
+    config_class = FunAudioChatAudioEncoderConfig
+    config: FunAudioChatAudioEncoderConfig
+    main_input_name = "input_features"
+    input_modalities = ("audio",)
+    _no_split_modules = ["Qwen2_5OmniAudioEncoderLayer"]
+
+    def __init__(self, config: FunAudioChatAudioEncoderConfig):
+        super().__init__(config)
+        embed_dim = config.d_model
+        self.n_window = config.n_window
+        self.conv1 = nn.Conv1d(config.num_mel_bins, embed_dim, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(embed_dim, embed_dim, kernel_size=3, stride=2, padding=1)
+        # Not in the checkpoint: recomputed from `sinusoid_position_table` (also by `_init_weights` after loading).
+        self.register_buffer(
+            "positional_embedding",
+            sinusoid_position_table(config.max_source_positions, embed_dim),
+            persistent=False,
+        )
+        # Present in the official checkpoint (Qwen2.5-Omni heritage) but never used by the model.
+        self.audio_bos_eos_token = nn.Embedding(2, config.output_dim)
+        self.layers = nn.ModuleList([Qwen2_5OmniAudioEncoderLayer(config) for _ in range(config.encoder_layers)])
+        self.ln_post = nn.LayerNorm(embed_dim)
+        self.proj = nn.Linear(embed_dim, config.output_dim)
+        self.post_init()
+
+    @staticmethod
+    def output_lengths(feature_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(after_conv_lens, output_lens)` for mel lengths `feature_lens`: stride-2 conv, then stride-2 pooling."""
+        after_conv = (feature_lens - 1) // 2 + 1
+        return after_conv, (after_conv - 2) // 2 + 1
+
+    def forward(
+        self,
+        input_features: torch.Tensor,
+        feature_lens: torch.Tensor,
+        speech_maxlen: int,
+    ) -> BaseModelOutput:
+        """
+        Args:
+            input_features: `(num_mel_bins, total_frames)` the valid mel frames of all clips, concatenated clip-major.
+            feature_lens: `(num_clips,)` mel frames per clip (0 for a clip without audio).
+            speech_maxlen: output length per clip (`S`, the padded speech-id length).
+        Returns:
+            `last_hidden_state` `(num_clips, speech_maxlen, output_dim)`: 25 Hz features, zero past each clip's length
+            (and for empty clips), truncated to `speech_maxlen`.
+        """
+        num_clips = feature_lens.shape[0]
+        dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
+        input_features, feature_lens = input_features.to(device), feature_lens.to(device)
+        nonempty = feature_lens > 0
+        if not bool(nonempty.any()):
+            output = torch.zeros(num_clips, speech_maxlen, self.proj.out_features, dtype=dtype, device=device)
+            return BaseModelOutput(last_hidden_state=output)
+        clip_lens = feature_lens[nonempty]
+        if int(clip_lens.sum()) != input_features.shape[-1]:
+            raise ValueError(
+                f"feature_lens sum to {int(clip_lens.sum())} frames but input_features has {input_features.shape[-1]}."
+            )
+
+        # Chunk every clip into 2-s windows and right-pad them to a batch: (num_chunks, mel_bins, max_chunk_len).
+        chunk_lengths = _chunk_lengths(clip_lens, 2 * self.n_window)
+        chunks = input_features.T.split(chunk_lengths.tolist(), dim=0)
+        padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2).to(dtype)
+        frame_mask = torch.arange(padded.shape[-1], device=device) < chunk_lengths[:, None]
+
+        hidden = F.gelu(self.conv1(padded)) * frame_mask[:, None, :].to(dtype)
+        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(max_chunk_len / 2), d_model)
+        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
+
+        # Keep the valid post-conv frames, packed: (total_frames_after_conv, d_model); chunk boundaries in cu_seqlens.
+        chunk_lens_after_conv = (chunk_lengths - 1) // 2 + 1
+        valid = torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]
+        hidden = hidden[valid.to(hidden.device)]
+        cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
+        for layer in self.layers:
+            hidden = layer(hidden, cu_seqlens=cu_seqlens.to(hidden.device))[0]
+
+        # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
+        clip_lens_after_conv, _ = self.output_lengths(clip_lens)
+        pooled = []
+        for clip_hidden in hidden.split(clip_lens_after_conv.tolist(), dim=0):
+            if clip_hidden.shape[0] >= 2:  # average-pool 2:1 to 25 Hz (floor); a 1-frame clip stays as is
+                clip_hidden = F.avg_pool1d(clip_hidden.T, kernel_size=2, stride=2).T
+            pooled.append(clip_hidden)
+        projected = self.proj(self.ln_post(torch.cat(pooled, dim=0))).split([p.shape[0] for p in pooled], dim=0)
+
+        output = projected[0].new_zeros(num_clips, speech_maxlen, projected[0].shape[-1])
+        for clip_index, clip_features in zip(nonempty.nonzero().squeeze(1).tolist(), projected):
+            length = min(clip_features.shape[0], speech_maxlen)
+            output[clip_index, :length] = clip_features[:length]
+        return BaseModelOutput(last_hidden_state=output)
+
+
+class FunAudioChatForConditionalGeneration(
+    FunAudioChatSpeechGenerationMixin, FunAudioChatPreTrainedModel, GenerationMixin
+):
+    """Fun-Audio-Chat-8B: spoken (and text) input; text output through `generate`, text + speech tokens through the
+    speech generation mixin. `forward` is the official training/eval pass (text + CRQ logits and losses)."""
+
+    output_modalities = ("audio", "text")
+    # A leftover CRQ token embedding (never used: the CRQ only gets `inputs_embeds`) is dropped at load time.
+    _keys_to_ignore_on_load_unexpected = [r"audio_invert_tower\.crq_transformer\.embed_tokens\."]
+
+    def __init__(self, config: FunAudioChatConfig):
+        super().__init__(config)
+        audio_config = config.audio_config
+        if audio_config.output_dim != config.text_config.hidden_size:
+            raise ValueError(
+                f"audio_config.output_dim ({audio_config.output_dim}) must equal the LLM hidden size "
+                f"({config.text_config.hidden_size})."
+            )
+        self.group_size = audio_config.group_size
+        self.continuous_audio_tower = FunAudioChatAudioEncoder(audio_config)
+        self.audio_tower = FunAudioChatDiscreteEncoder(audio_config)
+        if audio_config.enable_audio_invert_tower:
+            self.audio_invert_tower = FunAudioChatCRQDecoder(audio_config)
+            # The speech output head is the speech embedding (official `tie_weights`); checkpoints omit it.
+            self._tied_weights_keys = {"audio_invert_tower.lm_head.weight": "audio_tower.embed_tokens.weight"}
+        else:
+            self.audio_invert_tower = None
+        self.language_model = AutoModelForCausalLM.from_config(config.text_config)
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Embedding accessors (the LLM's)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.language_model.get_output_embeddings()
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.language_model.set_output_embeddings(new_embeddings)
+
+    def get_decoder(self) -> nn.Module:
+        return self.language_model.get_decoder()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Audio -> LLM input
+
+    def get_audio_features(
+        self,
+        input_features: torch.Tensor,
+        feature_attention_mask: torch.Tensor,
+        speech_maxlen: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continuous audio features of every clip with a waveform.
+
+        Args:
+            input_features: `(A_w, num_mel_bins, frames)` log-mels (right-padded).
+            feature_attention_mask: `(A_w, frames)` 1 on valid mel frames.
+            speech_maxlen: output length `S` (the padded speech-id length).
+        Returns:
+            `(audio_features (A_w, S, output_dim), audio_output_lengths (A_w,))`; rows past a clip's length are zero.
+        """
+        if feature_attention_mask.shape != (input_features.shape[0], input_features.shape[-1]):
+            raise ValueError(
+                f"feature_attention_mask {tuple(feature_attention_mask.shape)} does not match input_features "
+                f"{tuple(input_features.shape)} (expected (clips, frames))."
+            )
+        frame_mask = feature_attention_mask.to(input_features.device).bool()
+        feature_lens = frame_mask.sum(-1)
+        packed = input_features.transpose(1, 2)[frame_mask].T  # (num_mel_bins, total_valid_frames), clip-major
+        audio_features = self.continuous_audio_tower(packed, feature_lens, speech_maxlen).last_hidden_state
+        _, audio_output_lengths = self.continuous_audio_tower.output_lengths(feature_lens)
+        return audio_features, audio_output_lengths
+
+    def _embed_prompt(
+        self,
+        input_ids: torch.Tensor,
+        speech_ids: torch.Tensor | None = None,
+        speech_attention_mask: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+        text_ids: torch.Tensor | None = None,
+        text_attention_mask: torch.Tensor | None = None,
+    ) -> FunAudioChatPromptEmbeddings:
+        """Spec §5.1; see `embed_prompt`. Also returns what the losses need."""
+        embed_tokens = self.get_input_embeddings()
+        text_embeds = embed_tokens(input_ids)
+        audio_token_mask = input_ids == self.config.audio_token_index
+        if speech_ids is None:
+            if bool(audio_token_mask.any()):
+                raise ValueError(
+                    f"input_ids contain {int(audio_token_mask.sum())} <|AUDIO|> placeholders but no speech_ids were given."
+                )
+            return FunAudioChatPromptEmbeddings(text_embeds, text_embeds, audio_token_mask)
+
+        audio_config = self.config.audio_config
+        group_size = self.group_size
+        speech_ids = speech_ids.to(text_embeds.device)
+        if speech_attention_mask is None:
+            speech_attention_mask = torch.ones_like(speech_ids)
+        speech_attention_mask = speech_attention_mask.to(speech_ids.device)
+        speech_labels = speech_ids.masked_fill(speech_attention_mask == 0, self.config.ignore_index)
+        # Pad the speech ids to a whole number of groups.
+        pad = (-speech_ids.shape[1]) % group_size
+        speech_ids = F.pad(speech_ids, (0, pad), value=audio_config.pad_token_id)
+        speech_labels = F.pad(speech_labels, (0, pad), value=self.config.ignore_index)
+        speech_attention_mask = F.pad(speech_attention_mask, (0, pad), value=0)
+        num_clips, speech_len = speech_ids.shape
+        num_groups = speech_len // group_size
+        audio_output_lengths = (speech_attention_mask.sum(-1) + group_size - 1) // group_size
+
+        continuous = None
+        if input_features is not None:
+            if feature_attention_mask is None:
+                raise ValueError("input_features were given without feature_attention_mask.")
+            continuous, _ = self.get_audio_features(input_features, feature_attention_mask, speech_len)
+            continuous = continuous.to(text_embeds.dtype)
+        if feature_exist_mask is not None:
+            feature_exist_mask = feature_exist_mask.bool()
+        audio_embeds = self.audio_tower(speech_ids, continuous, feature_exist_mask).to(text_embeds.device)
+
+        transcript_embeds = None
+        group_text_labels = None
+        if text_ids is not None:
+            text_config = self.config.text_config
+            text_ids = text_ids.to(speech_ids.device)
+            eos_ids = text_config.eos_token_id
+            eos_ids = list(eos_ids) if isinstance(eos_ids, (list, tuple)) else [eos_ids]
+            pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else eos_ids[0]
+            # One transcript token per speech group: cut, or pad (the padding then becomes <|sil|> filler).
+            text_ids = text_ids[:, :num_groups]
+            text_ids = F.pad(text_ids, (0, num_groups - text_ids.shape[1]), value=pad_id)
+            filler = torch.isin(text_ids, torch.tensor(eos_ids + [pad_id], device=text_ids.device))
+            text_ids = text_ids.masked_fill(filler, text_config.sil_index)
+            if text_attention_mask is None:
+                has_text = torch.ones(num_clips, dtype=torch.bool, device=text_ids.device)
+            else:
+                has_text = text_attention_mask.to(text_ids.device).bool()
+                has_text = has_text.any(-1) if has_text.dim() == 2 else has_text
+            group_text_labels = text_ids.masked_fill(speech_attention_mask[:, ::group_size] == 0, self.config.ignore_index)
+            group_text_labels = group_text_labels.masked_fill(~has_text[:, None], self.config.ignore_index)
+            transcript_embeds = embed_tokens(text_ids) * has_text[:, None, None].to(text_embeds.dtype)
+            # As the reference training path: every clip is averaged with its transcript (user audio with zeros).
+            audio_embeds = (transcript_embeds + audio_embeds) / 2
+
+        # Keep each clip's valid groups, clip-major, and scatter them into the <|AUDIO|> slots (row-major).
+        group_is_valid = torch.arange(num_groups, device=speech_ids.device) < audio_output_lengths[:, None]
+        num_placeholders = int(audio_token_mask.sum())
+        num_audio_groups = int(group_is_valid.sum())
+        if num_placeholders != num_audio_groups:
+            raise ValueError(
+                f"The prompt has {num_placeholders} <|AUDIO|> placeholders but the audio gives {num_audio_groups} "
+                f"groups (speech_attention_mask lengths / group_size {group_size}, rounded up, over {num_clips} clips)."
+            )
+        scatter_mask = audio_token_mask[..., None].expand_as(text_embeds)
+        inputs_embeds = text_embeds.masked_scatter(scatter_mask, audio_embeds[group_is_valid])
+        crq_text_embeds = text_embeds
+        if transcript_embeds is not None:
+            crq_text_embeds = text_embeds.masked_scatter(scatter_mask, transcript_embeds[group_is_valid])
+            group_text_labels = group_text_labels[group_is_valid]
+        group_speech_labels = speech_labels.reshape(num_clips, num_groups, group_size)[group_is_valid]
+        return FunAudioChatPromptEmbeddings(
+            inputs_embeds=inputs_embeds,
+            text_embeds=crq_text_embeds,
+            audio_token_mask=audio_token_mask,
+            group_speech_labels=group_speech_labels,
+            group_text_labels=group_text_labels,
+        )
+
+    def embed_prompt(
+        self,
+        input_ids: torch.Tensor,
+        speech_ids: torch.Tensor | None = None,
+        speech_attention_mask: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+        text_ids: torch.Tensor | None = None,
+        text_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """LLM input embeddings of a prompt with its audio (spec §5.1).
+
+        Args:
+            input_ids: `(batch, seq)` with one `<|AUDIO|>` per audio group.
+            speech_ids: `(A, S)` speech-token ids of every clip (user audio: all pad ids), clips in prompt order.
+            speech_attention_mask: `(A, S)` 1 on real speech frames; clip i fills `ceil(len_i / group_size)` slots.
+            input_features: `(A_w, num_mel_bins, frames)` log-mels of the clips that have a waveform.
+            feature_attention_mask: `(A_w, frames)`.
+            feature_exist_mask: `(A,)` bool, which clips have a waveform (default: all).
+            text_ids: `(A, T)` transcripts of the clips (training only); `text_attention_mask` `(A,)` which have one.
+        Returns:
+            `(batch, seq, hidden)` text embeddings with the audio group vectors in the `<|AUDIO|>` slots.
+        Raises:
+            ValueError: when the number of `<|AUDIO|>` placeholders differs from the number of audio groups.
+        """
+        return self._embed_prompt(
+            input_ids,
+            speech_ids=speech_ids,
+            speech_attention_mask=speech_attention_mask,
+            input_features=input_features,
+            feature_attention_mask=feature_attention_mask,
+            feature_exist_mask=feature_exist_mask,
+            text_ids=text_ids,
+            text_attention_mask=text_attention_mask,
+        ).inputs_embeds
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Training / eval forward
+
+    def _speech_labels(self, labels: torch.Tensor, prompt: FunAudioChatPromptEmbeddings) -> torch.Tensor:
+        """`(B, L)` text labels -> `(B, L * K)` flat speech labels (spec §5.2): each assistant `<|AUDIO|>` position
+        carries its group's K tokens, `<|audio_eos|>` carries K speech-eos ids, everything else -100."""
+        batch, length = labels.shape
+        ignore = self.config.ignore_index
+        speech_labels = torch.full((batch, length, self.group_size), ignore, dtype=labels.dtype, device=labels.device)
+        if prompt.group_speech_labels is not None:
+            speech_labels[prompt.audio_token_mask] = prompt.group_speech_labels.to(labels.device, labels.dtype)
+        speech_labels = speech_labels.masked_fill((labels == ignore)[..., None], ignore)
+        is_audio_eos = (labels == self.config.text_config.audio_eos_index)[..., None]
+        speech_labels = speech_labels.masked_fill(is_audio_eos, self.config.audio_config.eos_token_id)
+        return speech_labels.reshape(batch, length * self.group_size)
+
+    def _text_labels(self, labels: torch.Tensor, prompt: FunAudioChatPromptEmbeddings) -> torch.Tensor:
+        """Text labels with `<|AUDIO|>` targets replaced by the transcript tokens (or ignored without transcripts)."""
+        ignore = self.config.ignore_index
+        text_labels = labels.masked_fill(labels == self.config.audio_token_index, ignore)
+        if prompt.group_text_labels is not None:
+            text_labels = text_labels.masked_scatter(prompt.audio_token_mask, prompt.group_text_labels.to(labels.dtype))
+        return text_labels.masked_fill(labels == ignore, ignore)
+
+    def _speech_loss(self, speech_logits: torch.Tensor, speech_labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of sub-position j against label j + K (the same k of the next LLM position), mean over
+        non-ignored targets."""
+        ignore = self.config.ignore_index
+        targets = F.pad(speech_labels, (0, self.group_size), value=ignore)[:, self.group_size :]
+        targets = targets.to(speech_logits.device)
+        losses = F.cross_entropy(
+            speech_logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore, reduction="sum"
+        )
+        # Same as the mean over targets, but 0 (not NaN) for a batch without any speech target.
+        return losses / (targets != ignore).sum().clamp(min=1)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        speech_ids: torch.LongTensor | None = None,
+        speech_attention_mask: torch.Tensor | None = None,
+        input_features: torch.FloatTensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        feature_exist_mask: torch.Tensor | None = None,
+        text_ids: torch.LongTensor | None = None,
+        text_attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        disable_speech: bool = False,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> FunAudioChatCausalLMOutputWithPast:
+        r"""
+        The official training / evaluation pass (spec §5).
+
+        Args:
+            input_ids: `(batch, seq)` prompt ids with `<|AUDIO|>` placeholders.
+            speech_ids, speech_attention_mask, input_features, feature_attention_mask, feature_exist_mask, text_ids,
+                text_attention_mask: the audio inputs, see [`~FunAudioChatForConditionalGeneration.embed_prompt`].
+                Only used when `inputs_embeds` is not given.
+            past_key_values / cache: LLM cache (both names accepted).
+            labels: `(batch, seq)` un-shifted labels, -100 outside the assistant turns. Adds `text_loss`,
+                `speech_loss` (CRQ teacher forcing) and `loss = text_loss + speech_loss`.
+            disable_speech: skip the CRQ (no `speech_logits` / `speech_loss`), e.g. for text-only generation.
+            logits_to_keep: compute text logits only for the last `logits_to_keep` positions (0 = all).
+        """
+        cache = kwargs.pop("cache", None)
+        if cache is None:
+            cache = past_key_values
+        kwargs.pop("num_items_in_batch", None)  # the reference losses are plain means
+        if (input_ids is None) == (inputs_embeds is None) and inputs_embeds is None:
+            raise ValueError("Pass input_ids or inputs_embeds.")
+
+        prompt = None
+        if inputs_embeds is None:
+            prompt = self._embed_prompt(
+                input_ids,
+                speech_ids=speech_ids,
+                speech_attention_mask=speech_attention_mask,
+                input_features=input_features,
+                feature_attention_mask=feature_attention_mask,
+                feature_exist_mask=feature_exist_mask,
+                text_ids=text_ids,
+                text_attention_mask=text_attention_mask,
+            )
+            inputs_embeds = prompt.inputs_embeds
+
+        text_labels = None if labels is None or prompt is None else self._text_labels(labels, prompt)
+        if labels is not None and text_labels is None:
+            text_labels = labels.masked_fill(labels == self.config.audio_token_index, self.config.ignore_index)
+
+        for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions)):
+            if value is not None:
+                kwargs[name] = value
+        decoder_outputs = self.language_model.get_decoder()(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **cache_kwargs(cache),
+            **kwargs,
+        )
+        last_hidden_state = decoder_outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.language_model.get_output_embeddings()(last_hidden_state[:, slice_indices, :])
+
+        text_loss = None
+        if text_labels is not None:
+            text_loss = self.language_model.loss_function(
+                logits=logits, labels=text_labels.to(logits.device), vocab_size=self.config.text_config.vocab_size
+            )
+
+        speech_logits = speech_loss = None
+        run_speech = not disable_speech and self.audio_invert_tower is not None
+        if run_speech and prompt is None and labels is not None:
+            raise ValueError("The speech loss needs input_ids (the CRQ is conditioned on the input-token embeddings).")
+        if run_speech and prompt is not None:
+            crq = self.audio_invert_tower
+            crq_device = crq.pre_matching.weight.device
+            # The text embedding is added detached: the speech loss reaches the LLM only through its hidden state.
+            conditioning = last_hidden_state.to(crq_device) + prompt.text_embeds.detach().to(crq_device)
+            speech_labels = speech_label_embeds = None
+            if labels is not None:
+                speech_labels = self._speech_labels(labels, prompt)
+                embed_ids = speech_labels.masked_fill(
+                    speech_labels == self.config.ignore_index, self.config.audio_config.pad_token_id
+                )
+                speech_label_embeds = self.audio_tower.embed_tokens(embed_ids.to(self.audio_tower.embed_tokens.weight.device))
+            speech_logits = crq(
+                conditioning,
+                speech_label_embeds=speech_label_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+            )
+            if speech_labels is not None:
+                speech_loss = self._speech_loss(speech_logits, speech_labels)
+
+        loss = None
+        if text_loss is not None:
+            loss = text_loss if speech_loss is None else text_loss + speech_loss.to(text_loss.device)
+
+        return FunAudioChatCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=decoder_outputs.hidden_states,
+            attentions=decoder_outputs.attentions,
+            text_loss=text_loss,
+            speech_loss=speech_loss,
+            speech_logits=speech_logits,
+            last_hidden_state=last_hidden_state,
+            **{_OUTPUT_CACHE_FIELD: getattr(decoder_outputs, _OUTPUT_CACHE_FIELD, None)},
+        )
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Text-only generation through the standard `generate`
+
+    _AUDIO_INPUT_NAMES = (
+        "speech_ids",
+        "speech_attention_mask",
+        "input_features",
+        "feature_attention_mask",
+        "feature_exist_mask",
+        "text_ids",
+        "text_attention_mask",
+    )
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """The prefill embeds the prompt with its audio; later steps only feed the new token ids. The CRQ never runs
+        inside `generate` (text-only answers); speech answers come from the speech generation loop."""
+        audio_inputs = {name: kwargs.pop(name, None) for name in self._AUDIO_INPUT_NAMES}
+        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        is_prefill = kwargs.get("is_first_iteration", False)
+        if not is_prefill:
+            cache = model_inputs.get(CACHE_KWARG)
+            is_prefill = cache is None or cache.get_seq_length() == 0
+        if is_prefill and model_inputs.get("inputs_embeds") is None:
+            model_inputs.update({k: v for k, v in audio_inputs.items() if v is not None})
+        model_inputs["disable_speech"] = True
+        return model_inputs
+
+
+__all__ = [
+    "FunAudioChatAudioEncoder",
+    "FunAudioChatCRQDecoder",
+    "FunAudioChatDiscreteEncoder",
+    "FunAudioChatForConditionalGeneration",
+    "FunAudioChatPreTrainedModel",
+    "sinusoid_position_table",
+]

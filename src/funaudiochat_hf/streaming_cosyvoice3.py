@@ -1,0 +1,213 @@
+"""Chunked (streaming) CosyVoice3 token2wav with a bounded cost per chunk."""
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+
+if TYPE_CHECKING:
+    from .modeling_cosyvoice3 import CosyVoice3Token2Wav
+
+
+class CosyVoice3StreamingDecoder:
+    """Decode one reply's speech tokens chunk by chunk: `push(tokens)` returns only the new audio, `finalize()` the rest.
+
+    Chunking (Fun-Audio-Chat's `token2wav` loop / web demo): chunk k covers tokens [k*hop, (k+1)*hop). Its mel comes
+    from a flow call (full attention, `finalize=False`) over the tokens up to (k+1)*hop + `pre_lookahead_len`, the
+    last `pre_lookahead_len` tokens serving only as look-ahead. HiFT then runs with `finalize=False`, holding back
+    the last 8 mel frames (3 for the F0 look-ahead, 4 for conv_pre, 1 for the iSTFT tail), which the next chunk or
+    `finalize()` emits. A chunk is decoded once a token *beyond* its look-ahead has arrived, so the last chunk is
+    always decoded as the final one, exactly like the reference loop (which knows the total length); with tokens
+    arriving in groups of 5 and hop 15 this adds no delay. `finalize()` decodes whatever is left in one final call
+    (the reference's loop can call its final step twice and then repeats audio; this decoder does not).
+
+    Bounded cost (the reference re-runs the flow on all tokens so far and HiFT on the whole mel history for every
+    chunk):
+      * flow: the call for chunk k starts at token max(0, k*hop - flow_left_context_tokens); the start noise is
+        taken at the absolute frame positions (as an offline call over all tokens would), so while the reply is
+        shorter than `flow_left_context_tokens + hop` tokens every chunk equals the reference's chunk exactly;
+        later chunks see only `flow_left_context_tokens` tokens of left context (the reference's web demo similarly
+        restarts its flow window every 200 tokens, with a discontinuity this decoder does not have).
+      * HiFT: runs on the last `hift_left_context_frames` already-emitted frames plus the new ones. HiFT is causal
+        apart from its fixed look-ahead, and the two things that depend on the whole history are carried as state:
+        the harmonic phase (the running sum of f0, kept in float64) and the position in the fixed noise table. So
+        HiFT's output equals the reference's whole-history run up to float rounding (tested), as long as
+        `hift_left_context_frames` covers its receptive field (about 30 frames; default 64).
+
+    How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
+    streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
+    `flow_left_context_tokens`, without the distant past), so the mel (and therefore the audio) differs from a
+    single flow call over the whole reply; vocoding the concatenated streamed mel offline gives the streamed audio
+    (tested). With `token_hop_len` >= the reply length the stream equals offline decoding.
+    """
+
+    def __init__(
+        self,
+        model: "CosyVoice3Token2Wav",
+        speaker_embedding: torch.Tensor,
+        token_hop_len: int = 15,
+        pre_lookahead_len: int = 3,
+        flow_left_context_tokens: int = 200,
+        hift_left_context_frames: int = 64,
+    ):
+        if token_hop_len < 1:
+            raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
+        if pre_lookahead_len != model.config.pre_lookahead_len:
+            raise ValueError(
+                f"pre_lookahead_len must equal the model's pre-lookahead ({model.config.pre_lookahead_len}); "
+                f"got {pre_lookahead_len}"
+            )
+        if flow_left_context_tokens < 0 or hift_left_context_frames < 8:
+            raise ValueError("flow_left_context_tokens must be >= 0 and hift_left_context_frames >= 8")
+        self.model = model
+        self.speaker_embedding = speaker_embedding
+        self.hop = token_hop_len
+        self.lookahead = pre_lookahead_len
+        self.flow_left_context = flow_left_context_tokens
+        self.hift_left_context = hift_left_context_frames
+        self.ratio = model.config.token_mel_ratio
+        self.samples_per_frame = model.hift.upsample_scale
+        device = model.device
+        # Tokens [token_start, token_start + len(tokens)); mel frames of tokens [0, token_offset) are done.
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self.token_start = 0
+        self.token_offset = 0
+        # Mel history frames [mel_start, mel_start + mel.shape[-1]); audio of frames [0, emitted_frames) returned.
+        self.mel = torch.zeros(1, model.config.mel_bins, 0, device=device)
+        self.mel_start = 0
+        self.emitted_frames = 0
+        # Exact f0 (float32) and the running phase sum (float64, per harmonic) of frames [f0_start, f0_end).
+        num_harmonics = model.hift.num_harmonics
+        self.f0 = torch.zeros(1, 0, device=device)
+        self.phase_cycles = torch.zeros(1, 0, num_harmonics, dtype=torch.float64, device=device)
+        self.f0_start = 0
+        self.finished = False
+
+    # -- public API -----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def push(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Add speech tokens (n,) and return the audio (samples,) that became final (possibly empty)."""
+        if self.finished:
+            raise ValueError("push() after finalize(); start a new streaming_decoder for the next reply")
+        tokens = self.model._check_tokens(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
+        self.tokens = torch.cat([self.tokens, tokens])
+        pieces = []
+        while self.token_start + self.tokens.shape[0] > self.token_offset + self.hop + self.lookahead:
+            pieces.append(self._decode_chunk(finalize=False))
+        return self._concat(pieces)
+
+    @torch.no_grad()
+    def finalize(self) -> torch.Tensor:
+        """Decode every remaining token and return the rest of the audio (samples,). Idempotent."""
+        if self.finished:
+            return self._concat([])
+        self.finished = True
+        if self.token_start + self.tokens.shape[0] == 0:
+            return self._concat([])
+        return self._decode_chunk(finalize=True)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _concat(self, pieces: list) -> torch.Tensor:
+        if not pieces:
+            return torch.zeros(0, device=self.model.device)
+        return torch.cat(pieces)
+
+    def _decode_chunk(self, finalize: bool) -> torch.Tensor:
+        total = self.token_start + self.tokens.shape[0]
+        end = total if finalize else self.token_offset + self.hop + self.lookahead
+        if end > self.token_offset + (0 if finalize else self.lookahead):
+            window_start = max(0, self.token_offset - self.flow_left_context)
+            window = self.tokens[window_start - self.token_start : end - self.token_start]
+            mel = self.model.tokens_to_mel(
+                window.unsqueeze(0),
+                self.speaker_embedding,
+                finalize=finalize,
+                noise_offset=self.ratio * window_start,
+            )
+            new_mel = mel[:, :, self.ratio * (self.token_offset - window_start) :]
+            self.mel = torch.cat([self.mel, new_mel], dim=2)
+            self.token_offset = end if finalize else self.token_offset + self.hop
+            # Keep only the tokens the next flow window can reach.
+            keep_from = max(0, self.token_offset - self.flow_left_context)
+            self.tokens = self.tokens[keep_from - self.token_start :]
+            self.token_start = keep_from
+        return self._vocode(finalize)
+
+    def _vocode(self, finalize: bool) -> torch.Tensor:
+        hift = self.model.hift
+        mel_end = self.mel_start + self.mel.shape[-1]
+        audio_end = mel_end if finalize else mel_end - 8  # frames whose audio is final after this call
+        if audio_end <= self.emitted_frames:
+            return self._concat([])
+        window_start = max(self.mel_start, self.emitted_frames - self.hift_left_context)
+        mel = self.mel[:, :, window_start - self.mel_start :]
+        f0_lookahead = 0 if finalize else hift.f0_predictor.lookahead
+        source_end = mel_end - f0_lookahead  # frames that get an excitation in this call
+
+        # f0 of frames not seen before; the window has >= 8 frames of real left context, so they are exact.
+        f0_end = self.f0_start + self.f0.shape[1]
+        if source_end > f0_end:
+            f0_new = hift.predict_f0(mel, finalize=finalize)[:, f0_end - window_start :].to(torch.float32)
+            self._extend_source_state(f0_new)
+        source = self._source(window_start, source_end)
+
+        decode_mel = mel[:, :, : source_end - window_start]
+        wav = hift.decode(decode_mel, source, finalize=finalize)
+        wav = wav[0, (self.emitted_frames - window_start) * self.samples_per_frame :]
+        self.emitted_frames = audio_end
+
+        # Drop history the next window cannot reach.
+        keep_from = max(0, self.emitted_frames - self.hift_left_context)
+        self.mel = self.mel[:, :, keep_from - self.mel_start :]
+        self.mel_start = keep_from
+        self.f0 = self.f0[:, keep_from - self.f0_start :]
+        self.phase_cycles = self.phase_cycles[:, keep_from - self.f0_start :]
+        self.f0_start = keep_from
+        return wav
+
+    def _extend_source_state(self, f0_new: torch.Tensor) -> None:
+        """Append f0 (1, n) float32 and the running sum of (f0 * h / sample_rate) mod 1 over frames, in float64.
+
+        The reference takes a float32 cumsum from sample 0 (accumulated in double on CPU); continuing a float64
+        running sum reproduces it exactly on CPU and stays precise for long replies.
+        """
+        hift = self.model.hift
+        harmonics = torch.arange(1, hift.num_harmonics + 1, dtype=torch.float32, device=f0_new.device)
+        cycles = ((f0_new.unsqueeze(-1) * harmonics / hift.sampling_rate) % 1).to(torch.float64)
+        previous = self.phase_cycles[:, -1:] if self.phase_cycles.shape[1] else torch.zeros_like(cycles[:, :1])
+        running = torch.cumsum(torch.cat([previous, cycles], dim=1), dim=1)[:, 1:]
+        self.f0 = torch.cat([self.f0, f0_new], dim=1)
+        self.phase_cycles = torch.cat([self.phase_cycles, running], dim=1)
+
+    def _source(self, start: int, end: int) -> torch.Tensor:
+        """Excitation (1, 1, (end - start) * 480) of frames [start, end), as `hift.source_from_f0` would compute it
+        over the whole history (same float32 arithmetic), with the noise table read at absolute sample positions."""
+        hift = self.model.hift
+        scale = self.samples_per_frame
+        first = start - self.f0_start
+        f0 = self.f0[:, first : end - self.f0_start]
+        phase = self.phase_cycles[:, first : end - self.f0_start].to(torch.float32) * 2 * math.pi
+        sines = (torch.sin(phase * scale) * hift.sine_amp).repeat_interleave(scale, dim=1)
+        voiced = (f0.repeat_interleave(scale, dim=1).unsqueeze(-1) > hift.voiced_threshold).to(torch.float32)
+        noise_amp = voiced * hift.noise_std + (1 - voiced) * hift.sine_amp / 3
+        table = hift.m_source.l_sin_gen.sine_waves
+        table_len = table.shape[1]
+        if table_len == 0:
+            raise ValueError("HiFT source tables are not initialised: call model.hift.init_source_tables()")
+        sample_start, num_samples = start * scale, (end - start) * scale
+        if sample_start + num_samples <= table_len:
+            noise = table[:, sample_start : sample_start + num_samples]
+        else:  # past 300 s the reference would fail; wrap around the table instead
+            index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
+            noise = table.index_select(1, index)
+        sines = sines * voiced + noise_amp * noise.to(torch.float32)
+        linear = hift.m_source.l_linear
+        merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
+        return merged.transpose(1, 2)
+
+
+__all__ = ["CosyVoice3StreamingDecoder"]

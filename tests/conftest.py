@@ -1,0 +1,28 @@
+"""Shared fixtures: paths to the golden data copied from the reference implementations (see fixtures/MANIFEST.md)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FUNAUDIOCHAT_TINY = FIXTURES / "funaudiochat_tiny"
+FUNAUDIOCHAT_GOLDEN = FIXTURES / "funaudiochat_golden"
+COSYVOICE3_TINY = FIXTURES / "cosyvoice3_tiny"
+COSYVOICE3_GOLDEN = FIXTURES / "cosyvoice3_golden"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

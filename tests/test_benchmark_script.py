@@ -1,0 +1,105 @@
+"""Smoke test of scripts/benchmark.py on CPU with tiny random configs (the real numbers come from one H200)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "benchmark.py"
+
+
+def _run(args: list[str], out_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out_dir), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bench_out")
+    before = (REPO / "BENCHMARKS.md").read_text() if (REPO / "BENCHMARKS.md").exists() else None
+    proc = _run(["--tiny", "--device", "cpu", "--steps", "4", "--no-write"], out_dir)
+    after = (REPO / "BENCHMARKS.md").read_text() if (REPO / "BENCHMARKS.md").exists() else None
+    return proc, out_dir, before, after
+
+
+def test_tiny_run_prints_tables(tiny_run):
+    proc, _, _, _ = tiny_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| mode | batch | ms / LLM step |" in out
+    assert "| mode | test | wall s |" in out
+    # every planned measurement shows up as a row: 3 batch sizes x 2 modes, 2 modes x (2 offline + 2 streaming)
+    chat_rows = [line for line in out.splitlines() if line.startswith("| eager | ") or line.startswith("| compiled | ")]
+    assert len(chat_rows) == 6 + 8, "\n".join(chat_rows)
+
+
+def test_tiny_run_measures(tiny_run):
+    """The eager batch-1 chat step and the eager offline decoder produce real numbers, not 'failed' rows."""
+    proc, out_dir, _, _ = tiny_run
+    data = json.loads((out_dir / "benchmark.json").read_text())
+    assert data["meta"]["tiny"] is True and data["meta"]["device"] == "cpu"
+    assert data["bandwidth"]["copy_gb_per_s"] > 0
+    chat = {(r["mode"], r["batch"]): r for r in data["chat"]}
+    assert set(chat) == {(m, b) for m in ("eager", "compiled") for b in (1, 4, 16)}
+    eager1 = chat[("eager", 1)]
+    assert "status" not in eager1, eager1
+    assert eager1["ms_per_step"] > 0 and eager1["steps"] == [1, 4]
+    assert eager1["rtf"] == pytest.approx(eager1["ms_per_step"] / 200.0)
+    assert eager1["floor_ms"] > 0 and eager1["x_floor"] == pytest.approx(eager1["ms_per_step"] / eager1["floor_ms"])
+    assert not [n for n in eager1["notes"] if "stopped after" in n], eager1["notes"]  # EOS really disabled
+    decoder = {(r["mode"], r["test"]): r for r in data["decoder"]}
+    offline = decoder[("eager", "offline 10 s")]
+    assert "status" not in offline, offline
+    assert offline["rtf"] == pytest.approx(offline["wall_s"] / 10.0)
+    stream = decoder[("eager", "stream 10 s")]
+    assert "status" not in stream, stream
+    assert stream["chunks"] >= 2 and stream["max_chunk_ms"] >= stream["first_chunk_ms"] > 0
+    assert (out_dir / "benchmark.md").read_text().startswith("## ")
+
+
+def test_no_write_leaves_benchmarks_md_alone(tiny_run):
+    _, _, before, after = tiny_run
+    assert before == after
+
+
+def test_from_json_appends_a_section(tiny_run, tmp_path, monkeypatch):
+    """--from-json renders a JSON written on the GPU machine into BENCHMARKS.md (here a scratch copy)."""
+    _, out_dir, _, _ = tiny_run
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.pop(0)
+    target = tmp_path / "BENCHMARKS.md"
+    monkeypatch.setattr(benchmark, "BENCHMARKS_MD", target)
+    assert benchmark.main(["--from-json", str(out_dir / "benchmark.json")]) == 0
+    text = target.read_text()
+    assert text.startswith("# Benchmarks") and "### Chat loop" in text and "### CosyVoice3 decoder" in text
+
+
+def test_failures_are_recorded_not_fatal(tmp_path):
+    """A measurement that raises becomes a 'failed: ...' row and the run still prints its tables."""
+    proc = _run(
+        ["--tiny", "--device", "cpu", "--steps", "4", "--no-write", "--parts", "decoder", "--modes", "eager",
+         "--decoder-seconds", "-1"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark.json").read_text())
+    assert data["decoder"] and all(r["status"].startswith("failed:") for r in data["decoder"])
+    assert "failed:" in proc.stdout
+
+
+def test_time_budget_skips_remaining_work(tmp_path):
+    proc = _run(["--tiny", "--device", "cpu", "--steps", "4", "--no-write", "--time-budget", "0.001"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark.json").read_text())
+    assert data["chat"] and all(r["status"].startswith("skipped") for r in data["chat"])
+    assert "Skipped (time budget)" in proc.stdout

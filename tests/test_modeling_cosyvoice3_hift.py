@@ -1,0 +1,250 @@
+"""CosyVoice3 HiFT vocoder: parity with the reference `CausalHiFTGenerator` on the tiny random checkpoint
+(fixtures/MANIFEST.md: tables, hift_full, token2wav_stream*), loading formats, batching, errors, torch.compile."""
+
+import json
+import re
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
+from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+
+
+# Longest source any golden needs (180 mel frames * 480); a prefix of the reference's 300 s table.
+TABLE_SAMPLES = 86400
+ATOL = RTOL = 1e-4
+
+
+def hift_kwargs_from_yaml(path) -> dict:
+    """The `hift:` section of cosyvoice3.yaml as plain kwargs (hyperpyyaml tags stripped, `<sample_rate>` resolved)."""
+    text = path.read_text()
+    sample_rate = int(re.search(r"^sample_rate: (\d+)", text, re.M).group(1))
+    section = re.search(r"^hift: [^\n]*\n((?:[ \t]+[^\n]*\n)+)", text, re.M).group(1)
+    section = section.replace("!ref <sample_rate>", str(sample_rate))
+    section = re.sub(r"!new:\S+", "", section)
+    return yaml.safe_load(section)
+
+
+def original_state_dict() -> dict:
+    return torch.load(COSYVOICE3_TINY / "hift.pt", weights_only=True)
+
+
+def build_hift(state_dict=None) -> CosyVoice3HiFTGenerator:
+    hift = CosyVoice3HiFTGenerator(**hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")).eval()
+    hift.load_original_state_dict(original_state_dict() if state_dict is None else state_dict)
+    hift.init_source_tables(max_samples=TABLE_SAMPLES)
+    return hift
+
+
+@pytest.fixture(scope="module")
+def hift():
+    return build_hift()
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return load_file(COSYVOICE3_GOLDEN / "hift_full.safetensors")
+
+
+def assert_f0_close(actual, expected):
+    assert actual.dtype == torch.float64
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_yaml_kwargs_are_the_tiny_sizes():
+    kwargs = hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")
+    assert kwargs["base_channels"] == 32 and kwargs["f0_predictor"]["cond_channels"] == 32
+    assert kwargs["sampling_rate"] == 24000 and kwargs["upsample_rates"] == [8, 5, 3]
+
+
+def test_source_tables_match_reference(hift):
+    tables = load_file(COSYVOICE3_GOLDEN / "tables.safetensors")
+    sine_gen = hift.m_source.l_sin_gen
+    torch.testing.assert_close(sine_gen.rand_ini, tables["hift.m_source.l_sin_gen.rand_ini"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        sine_gen.sine_waves, tables["hift.m_source.l_sin_gen.sine_waves[:, :L]"][:, :TABLE_SAMPLES], rtol=0, atol=0
+    )
+    torch.testing.assert_close(hift._stft_window(torch.device("cpu")), tables["hift.stft_window"], rtol=0, atol=0)
+
+
+def test_full_size_source_tables_match_spec_check_values():
+    # Spec 4.7 check values, drawn after the full-size F0 predictor (cond_channels 512).
+    full_size = CosyVoice3HiFTGenerator()
+    full_size.init_source_tables(max_samples=2)
+    sine_gen = full_size.m_source.l_sin_gen
+    expected_rand_ini = [0, 0.17098892, 0.16533190, 0.14378005, 0.76294738, 0.65893006, 0.02751905, 0.43482542,
+                         0.05383557]
+    assert sine_gen.rand_ini[0].tolist() == pytest.approx(expected_rand_ini, abs=1e-7)
+    assert sine_gen.sine_waves[0, 0, :3].tolist() == pytest.approx([0.92282599, 0.47744751, 0.82705182], abs=1e-7)
+    assert sine_gen.sine_waves.shape == (1, 2, 9)
+
+
+def test_source_tables_with_explicit_generator(hift):
+    generator = torch.Generator().manual_seed(0)
+    torch.randn(1, 80, 15000, generator=generator)
+    torch.empty(6561, 80).normal_(generator=generator)
+    torch.empty(80, 192).uniform_(generator=generator)
+    torch.empty(80).uniform_(generator=generator)
+    other = CosyVoice3HiFTGenerator(**hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml"))
+    other.init_source_tables(generator=generator, max_samples=1000)
+    assert torch.equal(other.m_source.l_sin_gen.sine_waves, hift.m_source.l_sin_gen.sine_waves[:, :1000])
+    # A generator at another position gives other tables (the replay is what makes them match).
+    other.init_source_tables(generator=torch.Generator().manual_seed(0), max_samples=1000)
+    assert not torch.equal(other.m_source.l_sin_gen.sine_waves, hift.m_source.l_sin_gen.sine_waves[:, :1000])
+
+
+@torch.no_grad()
+def test_f0_source_and_wav_match_reference(hift, golden):
+    mel = golden["mel"]
+    f0 = hift.predict_f0(mel)
+    assert_f0_close(f0, golden["f0"])
+    torch.testing.assert_close(hift.f0_to_sample_rate(golden["f0"].float()), golden["f0_upsampled"], rtol=0, atol=0)
+    source = hift.source_from_f0(golden["f0"].float())
+    torch.testing.assert_close(source, golden["source"], atol=ATOL, rtol=RTOL)
+
+    wav, source = hift(mel)
+    assert wav.shape == (1, 480 * mel.shape[-1]) and wav.dtype == torch.float32
+    torch.testing.assert_close(source, golden["source"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(wav, golden["wav"], atol=ATOL, rtol=RTOL)
+    assert wav.abs().max() <= 0.99
+
+
+@torch.no_grad()
+def test_decode_with_given_source_matches_reference(hift, golden):
+    wav, source = hift(golden["mel"], source=golden["source"])
+    assert source is golden["source"]
+    torch.testing.assert_close(wav, golden["wav_from_decode"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(hift.decode(golden["mel"], golden["source"]), golden["wav_from_decode"])
+
+
+@pytest.mark.parametrize("fixture", ["token2wav_stream", "token2wav_stream_alt"])
+@torch.no_grad()
+def test_streaming_calls_match_reference(hift, fixture):
+    stream = load_file(COSYVOICE3_GOLDEN / f"{fixture}.safetensors")
+    chunks = json.loads((COSYVOICE3_GOLDEN / "manifest.json").read_text())["files"][f"{fixture}.safetensors"]["chunks"]
+    assert any(not chunk["hift_finalize"] for chunk in chunks)
+    for chunk in chunks:
+        name, finalize = f"chunk{chunk['chunk']}", chunk["hift_finalize"]
+        mel = stream[f"{name}.hift_input_mel"]
+        assert_f0_close(hift.predict_f0(mel, finalize=finalize), stream[f"{name}.f0"])
+        wav, source = hift(mel, finalize=finalize)
+        torch.testing.assert_close(source, stream[f"{name}.source"], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(wav, stream[f"{name}.hift_speech"], atol=ATOL, rtol=RTOL)
+        expected_samples = 480 * (mel.shape[-1] if finalize else mel.shape[-1] - 8)
+        assert wav.shape == (1, expected_samples)
+
+
+def legacy_format(state_dict: dict) -> dict:
+    """Same checkpoint with the pre-2.1 `weight_norm` names and the `generator.` prefix of the real hift.pt."""
+    renamed = {}
+    for key, value in state_dict.items():
+        key = key.replace(".parametrizations.weight.original0", ".weight_g")
+        key = key.replace(".parametrizations.weight.original1", ".weight_v")
+        renamed[f"generator.{key}"] = value
+    return renamed
+
+
+@torch.no_grad()
+def test_weight_norm_formats_load_identically(hift, golden):
+    original = original_state_dict()
+    legacy = legacy_format(original)
+    assert any(key.endswith(".weight_g") for key in legacy)
+    from_legacy = build_hift(legacy)
+    # Our own (folded) state dict also loads through the same entry point.
+    from_plain = build_hift(dict(hift.state_dict()))
+    mel = golden["mel"][..., :30]
+    expected, _ = hift(mel)
+    for other in (from_legacy, from_plain):
+        for key, value in hift.state_dict().items():
+            assert torch.equal(other.state_dict()[key], value), key
+        assert torch.equal(other(mel)[0], expected)
+
+
+def test_state_dict_is_folded_except_f0_predictor(hift):
+    keys = set(hift.state_dict())
+    assert "conv_pre.weight" in keys and "resblocks.0.convs1.0.weight" in keys
+    assert not any("parametrizations" in key for key in keys)
+    assert all(key.startswith("f0_predictor.") for key in keys if key.endswith(("weight_g", "weight_v")))
+    # The F0 predictor keeps g/v: the reference evaluates its weight norm in float64.
+    assert "f0_predictor.condnet.0.weight_g" in keys and "f0_predictor.condnet.8.weight_v" in keys
+    assert "m_source.l_sin_gen.sine_waves" not in keys  # fixed tables are not checkpoint data
+    assert len(keys) == 328 - 82 + 5  # 82 weight-norm pairs -> 77 folded weights + 5 kept pairs
+
+
+def test_loading_rejects_missing_and_unexpected_keys():
+    hift = CosyVoice3HiFTGenerator(**hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml"))
+    state_dict = original_state_dict()
+    del state_dict["conv_post.bias"]
+    state_dict["conv_post.extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"conv_post\.bias.*conv_post\.extra"):
+        hift.load_original_state_dict(state_dict)
+    state_dict = original_state_dict()
+    del state_dict["ups.1.parametrizations.weight.original0"]
+    with pytest.raises(ValueError, match=r"ups\.1.*magnitude"):
+        hift.load_original_state_dict(state_dict)
+    full_size = CosyVoice3HiFTGenerator()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        full_size.load_original_state_dict(original_state_dict())
+
+
+@torch.no_grad()
+def test_batch_rows_are_independent(hift, golden):
+    mel = golden["mel"][..., :40]
+    other = golden["mel"][..., 100:140]
+    batch = torch.cat([mel, other])
+    for finalize in (True, False):
+        wav, source = hift(batch, finalize=finalize)
+        for row, single in enumerate((mel, other)):
+            single_wav, single_source = hift(single, finalize=finalize)
+            torch.testing.assert_close(wav[row : row + 1], single_wav, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(source[row : row + 1], single_source, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(wav[0], wav[1])
+
+
+@torch.no_grad()
+def test_non_final_call_is_prefix_of_final_call(hift, golden):
+    mel = golden["mel"]
+    final, _ = hift(mel[..., :60])
+    partial, _ = hift(mel[..., :40], finalize=False)
+    torch.testing.assert_close(partial, final[:, : partial.shape[1]], atol=1e-6, rtol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors(hift, golden):
+    with pytest.raises(ValueError, match="mel must be"):
+        hift(golden["mel"][0])
+    with pytest.raises(ValueError, match="mel must be"):
+        hift(torch.zeros(1, 79, 20))
+    with pytest.raises(ValueError, match="needs at least 9"):
+        hift(golden["mel"][..., :8], finalize=False)
+    with pytest.raises(ValueError, match="source must be"):
+        hift(golden["mel"][..., :10], source=golden["source"][..., :480])
+    with pytest.raises(ValueError, match="noise table holds"):
+        hift.source_from_f0(torch.zeros(1, TABLE_SAMPLES // 480 + 1))
+    fresh = CosyVoice3HiFTGenerator(**hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml"))
+    with pytest.raises(ValueError, match="init_source_tables"):
+        fresh(golden["mel"][..., :10])
+    with pytest.raises(ValueError, match="upsample_kernel_sizes"):
+        CosyVoice3HiFTGenerator(upsample_rates=[8, 5], upsample_kernel_sizes=[16, 11, 7])
+
+
+def test_full_size_defaults_match_spec_parameter_count():
+    with torch.device("meta"):
+        full_size = CosyVoice3HiFTGenerator()
+    # Spec 2.2: 20,779,887 numbers in hift.pt, 20,765,597 once all 14,290 weight-norm g numbers are folded; the F0
+    # predictor keeps its 5 g vectors (5 * 512).
+    assert sum(p.numel() for p in full_size.parameters()) == 20_765_597 + 5 * 512
+
+
+@torch.no_grad()
+def test_decode_compiles_fullgraph(golden):
+    # A reduced config (one resblock kernel, one dilation) keeps compile time low; every code path is still there.
+    kwargs = hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")
+    kwargs.update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1]], source_resblock_dilation_sizes=[[1]] * 3)
+    hift = CosyVoice3HiFTGenerator(**kwargs).eval()
+    mel, source = golden["mel"][..., :20], golden["source"][..., : 20 * 480]
+    compiled = torch.compile(hift.decode, fullgraph=True, backend="aot_eager")
+    for finalize in (True, False):
+        torch.testing.assert_close(compiled(mel, source, finalize), hift.decode(mel, source, finalize))
