@@ -8,6 +8,8 @@ Environment variables:
     FUNAUDIOCHAT_MAX_INPUT_SECONDS   longest accepted question (default 30)
     FUNAUDIOCHAT_CONCURRENCY         replies generated at the same time (default 1: one GPU, one stream)
     FUNAUDIOCHAT_TRUST_REMOTE_CODE   "1" to load one-folder Hub repos without the package installed
+    FUNAUDIOCHAT_STREAM_AUDIO        "0" to send the reply audio in one piece at the end (default: stream when
+                                     ffmpeg is installed, which Gradio needs to stream audio; see packages.txt)
 
 Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SERVER_NAME / GRADIO_SERVER_PORT).
 """
@@ -15,6 +17,7 @@ Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SE
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -84,15 +87,24 @@ def example_wav() -> str:
     return str(path)
 
 
+def stream_audio_enabled() -> bool:
+    """Gradio encodes streamed audio with ffmpeg; without it the reply audio is sent whole when complete."""
+    setting = os.environ.get("FUNAUDIOCHAT_STREAM_AUDIO")
+    if setting is not None:
+        return setting == "1"
+    return shutil.which("ffmpeg") is not None
+
+
 def _to_int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
 
 
-def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
+def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool | None = None) -> gr.Blocks:
     """The Blocks app around a `SpeechToSpeechPipeline` (call `.queue(...).launch()` on it)."""
     from funaudiochat_hf.audio_io import load_audio
 
     max_input_seconds = max_input_seconds or _env_int("FUNAUDIOCHAT_MAX_INPUT_SECONDS", 30)
+    stream_audio = stream_audio_enabled() if stream_audio is None else stream_audio
     voices = pipe.speakers
 
     def respond(audio_path, history, messages, voice, temperature, top_p, max_new_tokens, system_prompt):
@@ -114,7 +126,7 @@ def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
             {"role": "user", "content": f"🎤 ({seconds:.1f} s)"},
             {"role": "assistant", "content": ""},
         ]
-        text = ""
+        text, chunks, sampling_rate = "", [], pipe.sampling_rate
         kwargs = dict(
             speaker=voice or None,
             temperature=float(temperature),
@@ -125,10 +137,14 @@ def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
         for event in pipe.stream(chat, **kwargs):
             text += event["text"]
             messages[-1] = {"role": "assistant", "content": text}
-            audio = (event["sampling_rate"], _to_int16(event["audio"])) if event["audio"].size else gr.skip()
-            yield audio, text, messages, history
+            sampling_rate = event["sampling_rate"]
+            if event["audio"].size:
+                chunks.append(_to_int16(event["audio"]))
+            streamed = stream_audio and event["audio"].size
+            yield ((sampling_rate, chunks[-1]) if streamed else gr.skip()), text, messages, history
         history = chat + [{"role": "assistant", "content": text}]
-        yield gr.skip(), text, messages, history
+        whole = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
+        yield (gr.skip() if stream_audio else (sampling_rate, whole)), text, messages, history
 
     def reset():
         return None, "", [], [], None
@@ -149,7 +165,7 @@ def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
         with gr.Row():
             with gr.Column():
                 question = gr.Audio(
-                    sources=["microphone", "upload"], type="filepath", label="Your question", elem_id="question"
+                    sources=["upload", "microphone"], type="filepath", label="Your question", elem_id="question"
                 )
                 with gr.Row():
                     submit = gr.Button("Send", variant="primary", elem_id="submit")
@@ -168,7 +184,7 @@ def create_app(pipe, max_input_seconds: float | None = None) -> gr.Blocks:
                 gr.Examples(examples=[[example_wav()]], inputs=[question], label="Example question")
             with gr.Column():
                 reply_audio = gr.Audio(
-                    label="Spoken reply", streaming=True, autoplay=True, interactive=False, elem_id="reply-audio"
+                    label="Spoken reply", streaming=stream_audio, autoplay=True, interactive=False, elem_id="reply-audio"
                 )
                 transcript = gr.Textbox(label="Reply text", interactive=False, elem_id="transcript")
                 chatbot = gr.Chatbot(label="Conversation", height=300, elem_id="conversation")
@@ -186,6 +202,8 @@ def main() -> None:
     pipe = load_pipeline()
     if getattr(pipe, "is_tiny_model", False):
         print("note: FUNAUDIOCHAT_MODEL not set: serving the tiny offline model (its output is noise).", file=sys.stderr)
+    if not stream_audio_enabled():
+        print("note: ffmpeg not found: reply audio is sent when complete (text still streams).", file=sys.stderr)
     app = create_app(pipe)
     app.queue(default_concurrency_limit=_env_int("FUNAUDIOCHAT_CONCURRENCY", 1), max_size=32)
     app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))

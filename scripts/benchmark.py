@@ -516,6 +516,13 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
     return kwargs
 
 
+def cache_length(prompt_len: int, args: argparse.Namespace) -> int:
+    """One LLM cache length for every call of a batch size (timing runs, TTFA, repeated calls): the same
+    `generate_speech` workspace and compiled graph serve them all, so only the first call compiles / captures."""
+    longest = prompt_len + max(args.steps, args.ttfa_steps, args.repeat_steps)
+    return -(-longest // 128) * 128
+
+
 def generated_steps(output, prompt_len: int) -> int | None:
     sequences = getattr(output, "sequences", None)
     if sequences is None and isinstance(output, (tuple, list)) and output:
@@ -539,7 +546,7 @@ def measure_step_time(
     """
     notes: list[str] = []
     prompt_len = inputs["input_ids"].shape[1]
-    extra = {"cache_max_length": prompt_len + long, **extra}
+    extra = {"cache_max_length": cache_length(prompt_len, args), **extra}
     runs = {}
     reset_peak(device)
     first = {}
@@ -560,6 +567,8 @@ def measure_step_time(
     if d_steps <= 0:
         raise RuntimeError(f"runs of {short} and {long} new tokens did the same number of steps")
     step_s = (t_long - t_short) / d_steps
+    if step_s <= 0:
+        notes.append("slope not positive: timing noise exceeds the step cost (raise --steps)")
     spread = [
         (max(runs[n]["times"]) - min(runs[n]["times"])) / d_steps * 1e3 for n in (short, long)
     ]
@@ -614,7 +623,8 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
     device = args.device
     inputs = make_chat_inputs(model, 1, args.input_seconds, device)
     notes: list[str] = []
-    kwargs = generation_kwargs(model, mode, args, args.ttfa_steps)
+    prompt_len = inputs["input_ids"].shape[1]
+    kwargs = generation_kwargs(model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args))
     kwargs.pop("return_audio")
     kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
 
@@ -661,7 +671,8 @@ def repeat_calls_row(model, mode: str, args: argparse.Namespace) -> dict:
     device = args.device
     inputs = make_chat_inputs(model, 1, args.input_seconds, device)
     notes: list[str] = []
-    kwargs = generation_kwargs(model, mode, args, args.repeat_steps)
+    prompt_len = inputs["input_ids"].shape[1]
+    kwargs = generation_kwargs(model, mode, args, args.repeat_steps, cache_max_length=cache_length(prompt_len, args))
     generate(model, inputs, kwargs, notes)  # warm
     cleanup(device)
     before = allocated_gb(device)
@@ -875,6 +886,14 @@ def fmt(value, digits: int = 1, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
+def human(value: float, unit: str = "") -> str:
+    """1234567 -> '1.23 M' (params) / '1.23 MB' (bytes)."""
+    for factor, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}".strip()
+
+
 def row_status(row: dict) -> str | None:
     return row.get("status")
 
@@ -959,11 +978,11 @@ def render_extras(data: dict) -> str:
     cm = data.get("chat_model") or {}
     if cm.get("weight_bytes_per_step"):
         lines.append(
-            f"- Chat model: {cm['parameters'] / 1e9:.3f} B parameters ({cm['dtype']}, attention "
+            f"- Chat model: {human(cm['parameters'])} parameters ({cm['dtype']}, attention "
             f"{cm.get('attn_implementation')}), built in {cm['build_s']} s; bytes read per step: LLM "
-            f"{cm['llm_bytes'] / 1e9:.2f} GB + {cm['group_size']} × CRQ {cm['crq_substep_bytes'] / 1e9:.3f} GB + "
-            f"pre_matching {cm['pre_matching_bytes'] / 1e9:.3f} GB = {cm['weight_bytes_per_step'] / 1e9:.2f} GB "
-            "(floor also counts the KV cache read at the mean context)."
+            f"{human(cm['llm_bytes'], 'B')} + {cm['group_size']} × CRQ {human(cm['crq_substep_bytes'], 'B')} + "
+            f"pre_matching {human(cm['pre_matching_bytes'], 'B')} = **{human(cm['weight_bytes_per_step'], 'B')}** "
+            "(the floor also counts the KV cache read at the mean context)."
         )
     elif cm.get("status"):
         lines.append(f"- Chat model: {cm['status']}")
@@ -1042,7 +1061,7 @@ def render_decoder(data: dict) -> str:
     dm = data.get("decoder_model") or {}
     if dm.get("parameters"):
         out.append(
-            f"\nDecoder: {dm['parameters'] / 1e6:.0f} M parameters ({dm['dtype']}, {dm['source']}), built in "
+            f"\nDecoder: {human(dm['parameters'])} parameters ({dm['dtype']}, {dm['source']}), built in "
             f"{dm['build_s']} s. Streaming pushes 5 tokens at a time (one LLM step); a chunk's time is the push that "
             "returned it, i.e. its latency after its tokens arrived."
         )
@@ -1128,26 +1147,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=128, help="LLM steps of the long timing run (short run: steps // 4)")
     p.add_argument("--eager-steps", type=int, default=32, help="cap on --steps in eager mode (slow per step)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions of each run (median)")
-    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--repeats", type=int, default=None, help="timed repetitions of each run, median (3; 1 with --tiny)")
+    p.add_argument("--batch-sizes", default=None, help="1,4,16 (1,2 with --tiny)")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--parts", default="chat,decoder")
-    p.add_argument("--input-seconds", type=float, default=10.0, help="length of the spoken question")
+    p.add_argument("--input-seconds", type=float, default=None, help="length of the spoken question (10; 2 with --tiny)")
     p.add_argument("--chat-dtype", default="auto", help="auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--compile-config", default=None, help='JSON for generate_speech(compile=...), e.g. \'{"mode": "max-autotune"}\'')
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
-    p.add_argument("--decoder-seconds", default="10,30", help="reply lengths for the decoder tests")
-    p.add_argument("--ttfa-steps", type=int, default=40, help="max_new_tokens of the time-to-first-audio stream")
-    p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (default 100; 5 with --tiny)")
+    p.add_argument("--decoder-seconds", default=None, help="reply lengths for the decoder tests (10,30; 1,2 with --tiny)")
+    p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the time-to-first-audio stream (40; 12 with --tiny)")
+    p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (100; 3 with --tiny)")
     p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; remaining measurements are skipped")
     p.add_argument("--bandwidth-mb", type=int, default=None, help="copy buffer size (default 2048 cuda, 64 cpu)")
     p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     p.add_argument("--from-json", default=None, help="render a results JSON and append it to BENCHMARKS.md, then exit")
     args = p.parse_args(argv)
-    if args.repeat_calls is None:
-        args.repeat_calls = 5 if args.tiny else 100
+    # --tiny runs on a CPU in well under a minute: shorter audio and fewer repetitions (numbers are meaningless there).
+    defaults = {
+        "repeats": (3, 1),
+        "input_seconds": (10.0, 2.0),
+        "decoder_seconds": ("10,30", "1,2"),
+        "ttfa_steps": (40, 12),
+        "repeat_calls": (100, 3),
+        "batch_sizes": ("1,4,16", "1,2"),
+    }
+    for name, (full, tiny) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
     if args.bandwidth_mb is None:
         args.bandwidth_mb = 2048 if is_cuda(args.device) else 64
     return args
@@ -1190,7 +1219,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         if "decoder" in parts:
             items.append(("ttfa", f"time to first audio ({best})", {"mode": best}))
         items.append(("repeat", f"{args.repeat_calls} consecutive calls ({best})", {"mode": best}))
-        if "compiled" in modes:
+        if "compiled" in modes and not args.tiny:  # another compile: too slow for the CPU smoke run
             items.append(("crq", f"CRQ share compiled batch {first_batch}", {"mode": "compiled", "batch": first_batch}))
     return items
 

@@ -98,7 +98,9 @@ def test_other_rates_are_resampled(waveform):
     assert load_audio(waveform, sampling_rate=16000, target_sampling_rate=24000).shape == (58800,)
 
 
-@pytest.mark.parametrize(("fmt", "subtype", "atol"), [("FLAC", "PCM_24", 1e-6), ("OGG", "VORBIS", 0.1), ("MP3", "MPEG_LAYER_III", 0.1)])
+@pytest.mark.parametrize(
+    ("fmt", "subtype", "atol"), [("FLAC", "PCM_24", 1e-6), ("OGG", "VORBIS", 0.1), ("MP3", "MPEG_LAYER_III", 0.1)]
+)
 def test_compressed_formats(waveform, tmp_path, fmt, subtype, atol):
     if fmt not in sf.available_formats():
         pytest.skip(f"libsndfile without {fmt}")

@@ -17,7 +17,7 @@ from transformers import pipeline
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.pipeline_speech_to_speech import SpeechToSpeechPipeline, register_pipeline
 from funaudiochat_hf.processing_funaudiochat import SPOKEN_S2M_PROMPT, FunAudioChatProcessor
-from funaudiochat_hf.tiny_model import ASSETS_DIR, build_tiny_model, synthetic_question
+from funaudiochat_hf.tiny_model import ASSETS_DIR, TINY_MODEL_VERSION, build_tiny_model, synthetic_question
 
 
 AUDIO_TOKEN_ID = 346  # `<|AUDIO|>` in the tiny tokenizer
@@ -88,7 +88,8 @@ class StubChatModel(torch.nn.Module):
         groups, text_ids = self._reply(input_ids[0], torch.ones_like(input_ids[0]))
         for i, token in enumerate(text_ids):
             last = i == len(text_ids) - 1
-            yield _Event("?", torch.tensor([token]), torch.zeros(0), torch.full((50,), float(groups)), SR_OUT, last)
+            delta = tokenizer.decode([token], skip_special_tokens=True)
+            yield _Event(delta, torch.tensor([token]), torch.zeros(0), torch.full((50,), float(groups)), SR_OUT, last)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +279,7 @@ def test_bytes_of_a_wav_file_roundtrip(stub_pipe):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     # one build per test session (the session's base temp dir is shared by all modules)
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-model")
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "cache" / f"tiny-{TINY_MODEL_VERSION}")
 
 
 @pytest.fixture(scope="module")

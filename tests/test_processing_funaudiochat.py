@@ -133,6 +133,24 @@ def test_stereo_is_downmixed(processor, golden, prompt):
     assert torch.equal(mixed["input_ids"], reference["input_ids"])
 
 
+def test_compact_feature_padding_matches_on_valid_frames(processor, golden, prompt):
+    clips = [golden["waveform_16k"].numpy(), golden["waveform_16k"].numpy()[:5000], np.zeros(700, np.float32)]
+    text = prompt.replace(AUDIO_TEMPLATE, AUDIO_TEMPLATE * 3)
+    full = processor(text=text, audio=clips)
+    compact = processor(text=text, audio=clips, feature_padding="longest")
+    assert compact["input_features"].shape == (3, 128, 245)
+    assert compact["feature_attention_mask"].sum(-1).tolist() == [245, 32, 5]  # ceil(samples / 160)
+    assert torch.equal(compact["feature_attention_mask"], full["feature_attention_mask"][:, :245])
+    for row, valid in enumerate(compact["feature_attention_mask"].bool()):
+        torch.testing.assert_close(
+            compact["input_features"][row][:, valid], full["input_features"][row][:, :245][:, valid], atol=1e-6, rtol=0
+        )
+    for key in ("input_ids", "speech_ids", "speech_attention_mask", "feature_exist_mask"):
+        assert torch.equal(compact[key], full[key])
+    with pytest.raises(ValueError, match="`padding` must be"):
+        processor(text=prompt, audio=clips[:1], feature_padding="shortest")
+
+
 def test_json_item_without_path_has_no_features(processor):
     speech = "<|audio_bos|>" * 2 + "".join(f"[AU{t:04d}]" for t in [3, 1, 4, 1, 5, 9, 2])
     outputs = processor(text=f"<|im_start|>assistant\n{AUDIO_TEMPLATE}", audio=[{"path": "", "token": speech}])
@@ -172,6 +190,8 @@ def test_batch_of_two_prompts_with_different_clip_lengths(processor, golden):
             assert torch.equal(batch["input_features"][row], single["input_features"][0])
             valid = single["speech_attention_mask"].shape[1]
             assert torch.equal(batch["speech_ids"][row, :valid], single["speech_ids"][0])
+        nested = processor(text=texts, audio=[[long_clip], [short_clip]], padding_side=side)  # one list per prompt
+        assert all(torch.equal(nested[key], batch[key]) for key in KEYS)
         lengths = batch["attention_mask"].sum(-1)
         shorter = int(lengths.argmin())
         pad_position = 0 if side == "left" else -1
@@ -215,7 +235,8 @@ def test_decoding_helpers(processor):
     hello = tokenizer.encode("Hello world", add_special_tokens=False)
     ids = [347, 350, *hello, 350, 348, 322, 320, 320]
     assert processor.decode_reply(ids) == "Hello world"
-    assert processor.decode_reply(torch.tensor([ids, [320, 320, 347, *hello, 322, 320, 320, 320]])) == ["Hello world"] * 2
+    batch = torch.tensor([ids, [320, 320, 347, *hello, 322, 320, 320, 320]])
+    assert processor.decode_reply(batch) == ["Hello world"] * 2
     assert processor.decode(hello) == tokenizer.decode(hello) == "Hello world"
     assert processor.batch_decode([hello, hello]) == ["Hello world", "Hello world"]
     assert processor.decode([347, *hello, 348], skip_special_tokens=True) == "Hello world"

@@ -12,11 +12,22 @@ from transformers import (
     AutoProcessor,
 )
 
+from .audio_io import load_audio
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
+from .data_collator_funaudiochat import FunAudioChatDataCollator
+from .generation_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
 from .modeling_funaudiochat import FunAudioChatForConditionalGeneration, FunAudioChatPreTrainedModel
-from .processing_funaudiochat import FunAudioChatProcessor
+from .pipeline_speech_to_speech import SpeechToSpeechPipeline, register_pipeline
+from .processing_funaudiochat import (
+    AUDIO_TEMPLATE,
+    DEFAULT_S2M_PROMPT,
+    DEFAULT_S2T_PROMPT,
+    SPOKEN_S2M_PROMPT,
+    FunAudioChatProcessor,
+)
+from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
 
 __version__ = "0.1.0"
@@ -31,16 +42,27 @@ def _register() -> None:
     AutoModelForSeq2SeqLM.register(FunAudioChatConfig, FunAudioChatForConditionalGeneration, exist_ok=True)
     AutoModel.register(CosyVoice3Config, CosyVoice3Token2Wav, exist_ok=True)
     AutoProcessor.register(FunAudioChatConfig, FunAudioChatProcessor, exist_ok=True)
+    register_pipeline()
 
 
 _register()
 
 __all__ = [
+    "AUDIO_TEMPLATE",
+    "DEFAULT_S2M_PROMPT",
+    "DEFAULT_S2T_PROMPT",
+    "SPOKEN_S2M_PROMPT",
     "CosyVoice3Config",
+    "CosyVoice3StreamingDecoder",
     "CosyVoice3Token2Wav",
     "FunAudioChatAudioEncoderConfig",
     "FunAudioChatConfig",
+    "FunAudioChatDataCollator",
     "FunAudioChatForConditionalGeneration",
     "FunAudioChatPreTrainedModel",
     "FunAudioChatProcessor",
+    "FunAudioChatSpeechOutput",
+    "SpeechStreamEvent",
+    "SpeechToSpeechPipeline",
+    "load_audio",
 ]

@@ -10,9 +10,10 @@ accepts the same inputs and fails with the same clear messages:
 * a dict in the transformers ASR-pipeline / `datasets.Audio` convention: `{"raw" | "array": waveform,
   "sampling_rate": sr}`, or `{"bytes": ..., "path": ...}` / `{"path": ...}` for undecoded dataset rows.
 
-Multi-channel audio is down-mixed by averaging the channels (what `librosa.load(mono=True)` does). A 2-D waveform may be
-laid out as `(channels, samples)` or `(samples, channels)`: the shorter axis is taken as the channel axis, and more than
-`MAX_CHANNELS` channels is refused (that is almost always a batch of clips passed as one array - pass a list instead).
+Multi-channel audio is down-mixed by averaging the channels (what `librosa.load(mono=True)` does). A 2-D waveform
+may be laid out as `(channels, samples)` or `(samples, channels)`: the shorter axis is taken as the channel axis, and
+more than `MAX_CHANNELS` channels is refused (that is almost always a batch of clips passed as one array - pass a list
+instead).
 Integer PCM arrays are scaled to [-1, 1] by their type's range (int16 / 32768, ...). Other sampling rates are resampled
 with soxr_hq, bit-identical to `librosa.resample` (what the reference implementation uses).
 """

@@ -37,6 +37,10 @@ class CosyVoice3Config(PreTrainedConfig):
             call.
         noise_seed (`int`, defaults to 0): seed of the fixed start noise (the reference draws it right after
             re-seeding the global RNG with 0).
+        estimator_autocast_dtype (`str`, *optional*): run the DiT estimator under `torch.autocast` with this dtype
+            (`"bfloat16"` or `"float16"`): matmuls in low precision, normalisations, the time embedding, rotary
+            tables and the Euler update stay float32. `None` (default) = float32 like the reference; the flow is
+            known to overflow in pure float16, so validate audio before enabling.
         hift_config (`dict`, *optional*): keyword arguments of `CosyVoice3HiFTGenerator`, named like the `hift:`
             section of `cosyvoice3.yaml` (`f0_predictor` as a dict); `None` uses the full-size defaults.
         sampling_rate (`int`, defaults to 24000): output sample rate.
@@ -70,6 +74,7 @@ class CosyVoice3Config(PreTrainedConfig):
         t_scheduler: str = "cosine",
         noise_frames: int = 15000,
         noise_seed: int = 0,
+        estimator_autocast_dtype: Optional[str] = None,
         hift_config: Optional[dict[str, Any]] = None,
         sampling_rate: int = 24000,
         speaker_names: Optional[list[str]] = None,
@@ -77,6 +82,10 @@ class CosyVoice3Config(PreTrainedConfig):
     ):
         if t_scheduler not in ("cosine", "linear"):
             raise ValueError(f"t_scheduler must be 'cosine' or 'linear', got {t_scheduler!r}")
+        if estimator_autocast_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"estimator_autocast_dtype must be None, 'bfloat16' or 'float16', got {estimator_autocast_dtype!r}"
+            )
         if dit_dim % dit_conv_pos_groups != 0:
             raise ValueError(f"dit_dim ({dit_dim}) must be divisible by dit_conv_pos_groups ({dit_conv_pos_groups})")
         self.vocab_size = vocab_size
@@ -101,6 +110,7 @@ class CosyVoice3Config(PreTrainedConfig):
         self.t_scheduler = t_scheduler
         self.noise_frames = noise_frames
         self.noise_seed = noise_seed
+        self.estimator_autocast_dtype = estimator_autocast_dtype
         self.hift_config = dict(hift_config) if hift_config is not None else {}
         self.sampling_rate = sampling_rate
         self.speaker_names = list(speaker_names) if speaker_names is not None else []

@@ -8,11 +8,14 @@ The configs keep an explicit `__init__(..., **kwargs)` (instead of the dataclass
 for its own configs) so the same file works on every transformers 5 release we support.
 """
 
+import os
 from typing import Any
 
 from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, AutoConfig
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+from .configuration_cosyvoice3 import CosyVoice3Config
 
 
 # Qwen3-0.6B dimensions: the body of the CRQ speech decoder in Fun-Audio-Chat-8B.
@@ -193,11 +196,17 @@ class FunAudioChatConfig(PreTrainedConfig):
         tie_word_embeddings (`bool`, defaults to `True`): tie the CRQ speech head to the discrete speech embedding
             (`audio_invert_tower.lm_head` <- `audio_tower.embed_tokens`), as the official model always does. The text
             LM head is governed by `text_config.tie_word_embeddings` (False for Fun-Audio-Chat-8B).
+        token2wav_config (`dict` or `CosyVoice3Config`, *optional*): a speech-token decoder bundled with the chat model
+            (built as `model.token2wav`, weights under `token2wav.*`). Absent in the official checkpoint.
     """
 
     model_type = "funaudiochat"
     attribute_map = {"audio_token_id": "audio_token_index"}
-    sub_configs = {"text_config": AutoConfig, "audio_config": FunAudioChatAudioEncoderConfig}
+    sub_configs = {
+        "text_config": AutoConfig,
+        "audio_config": FunAudioChatAudioEncoderConfig,
+        "token2wav_config": CosyVoice3Config,
+    }
 
     def __init__(
         self,
@@ -207,6 +216,7 @@ class FunAudioChatConfig(PreTrainedConfig):
         ignore_index: int = -100,
         sampling_rate: int = 24000,
         tie_word_embeddings: bool = True,
+        token2wav_config: "dict | CosyVoice3Config | None" = None,
         **kwargs,
     ):
         if isinstance(audio_config, dict):
@@ -215,7 +225,9 @@ class FunAudioChatConfig(PreTrainedConfig):
         elif audio_config is None:
             audio_config = FunAudioChatAudioEncoderConfig()
         elif not isinstance(audio_config, FunAudioChatAudioEncoderConfig):
-            raise TypeError(f"audio_config must be a dict or FunAudioChatAudioEncoderConfig, got {type(audio_config)}.")
+            raise TypeError(
+                f"audio_config must be a dict or FunAudioChatAudioEncoderConfig, got {type(audio_config)}."
+            )
         self.audio_config = audio_config
 
         self.text_config = _build_sub_config(text_config, _DEFAULT_TEXT_CONFIG)
@@ -228,9 +240,21 @@ class FunAudioChatConfig(PreTrainedConfig):
         self.ignore_index = ignore_index
         self.sampling_rate = sampling_rate
         self.tie_word_embeddings = tie_word_embeddings
+        if isinstance(token2wav_config, dict):
+            token2wav_config = CosyVoice3Config(**{k: v for k, v in token2wav_config.items() if k != "model_type"})
+        elif token2wav_config is not None and not isinstance(token2wav_config, CosyVoice3Config):
+            raise TypeError(f"token2wav_config must be a dict or CosyVoice3Config, got {type(token2wav_config)}.")
+        self.token2wav_config = token2wav_config
         # The official config.json stores `hidden_size` (= text hidden); it is always derived from text_config.
         kwargs.pop("hidden_size", None)
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "FunAudioChatConfig":
+        # `~/models/...` means the expanded local path (transformers alone would read it as an invalid Hub id).
+        if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path.startswith("~"):
+            pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @property
     def hidden_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Training data collator for Fun-Audio-Chat: conversations -> the batch `FunAudioChatForConditionalGeneration` trains on.
+"""Training data collator for Fun-Audio-Chat: conversations -> the batch the model trains on.
 
 It builds exactly the batch of the reference training stack (LLaMA-Factory template `funaudiochat` + the official
 `FunAudioChatPlugin`, data made by `training/process/data_process.py`), without LLaMA-Factory.
@@ -92,6 +92,7 @@ class FunAudioChatDataCollator:
     def __post_init__(self):
         if self.speech_delay_tokens < 0:
             raise ValueError(f"`speech_delay_tokens` must be >= 0, got {self.speech_delay_tokens}.")
+        self._speech_vocab = set(self.processor.speech_tokenizer.get_vocab())
 
     # ------------------------------------------------------------------------------------------------------------
 
@@ -112,7 +113,7 @@ class FunAudioChatDataCollator:
             num_placeholders = [self.processor.num_audio_placeholders(length) for length in lengths]
             waveforms = [item.waveform for item in audio_items if item.waveform is not None]
             if waveforms:
-                batch.update(self.processor.extract_features(waveforms, padding="longest"))
+                batch.update(self._training_features(waveforms))
             batch["feature_exist_mask"] = torch.tensor([item.waveform is not None for item in audio_items])
             batch.update(speech)
             texts = [item.text for item in audio_items]
@@ -197,6 +198,21 @@ class FunAudioChatDataCollator:
             labels[row, : len(labs)] = torch.tensor(labs, dtype=torch.long)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
+    def _training_features(self, waveforms: list[np.ndarray]) -> dict[str, torch.Tensor]:
+        """Log-mels as the reference training plugin computes them: padded to the longest clip (no extra tail, so
+        the last frame differs from the processor's `max_length` features), mask trimmed to the feature length."""
+        features = self.processor.feature_extractor(
+            waveforms,
+            sampling_rate=self.processor.sampling_rate,
+            padding="longest",
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        input_features, mask = features["input_features"], features["attention_mask"]
+        # the mask has one entry per hop (rounded up), the features drop the last STFT frame: keep the shorter
+        length = min(input_features.shape[-1], mask.shape[-1])
+        return {"input_features": input_features[..., :length], "feature_attention_mask": mask[..., :length]}
+
     def _check_speech_tokens(self, items: list[_AudioItem], speech: dict, lengths: list[int]) -> None:
         unk_id = self.processor.speech_tokenizer.unk_token_id
         for index, (item, length) in enumerate(zip(items, lengths)):
@@ -216,7 +232,10 @@ class FunAudioChatDataCollator:
 
     def _parse_sample(self, sample: dict, index: int) -> tuple[str | None, list[tuple[str, str]], list[_AudioItem]]:
         if not isinstance(sample, dict) or not isinstance(sample.get("messages"), list):
-            raise ValueError(f"Sample {index} must be a dict with a 'messages' list.")
+            raise ValueError(
+                f"Sample {index} must be a dict with a 'messages' list (with `Trainer`, set "
+                "`TrainingArguments(remove_unused_columns=False)` so the conversation columns are kept)."
+            )
         system = sample.get("system") or self.default_system_prompt
         messages = sample["messages"]
         if not messages or len(messages) % 2:
@@ -263,12 +282,20 @@ class FunAudioChatDataCollator:
             return text
         if isinstance(tokens, (torch.Tensor, np.ndarray)):
             tokens = tokens.tolist()
-        if not tokens or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        is_id = [isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in tokens]
+        if not tokens or not all(is_id):
             raise ValueError(
                 f"Sample {index}, message {turn}: 'speech_tokens' must be a non-empty list of non-negative ints."
             )
+        pieces = [f"[AU{int(t):04d}]" for t in tokens]
+        unknown = sorted({int(t) for t, piece in zip(tokens, pieces) if piece not in self._speech_vocab})
+        if unknown:
+            raise ValueError(
+                f"Sample {index}, message {turn}: speech token id(s) {unknown[:5]} are not in the speech tokenizer "
+                f"vocabulary ({len(self._speech_vocab)} entries)."
+            )
         bos = self.processor.speech_tokenizer.bos_token or self.processor.audio_bos_token
-        speech = bos * self.speech_delay_tokens + "".join(f"[AU{int(t):04d}]" for t in tokens)
+        speech = bos * self.speech_delay_tokens + "".join(pieces)
         items.append(_AudioItem(speech, None, text, self.speech_delay_tokens + len(tokens)))
         return AUDIO_TEMPLATE
 
@@ -279,7 +306,8 @@ class FunAudioChatDataCollator:
         num_placeholders = sum(content.count(AUDIO_TEMPLATE) for _, content in turns)
         if num_placeholders != len(raw_items):
             raise ValueError(
-                f"Sample {index} has {num_placeholders} {AUDIO_TEMPLATE} placeholder(s) but {len(raw_items)} audio item(s)."
+                f"Sample {index} has {num_placeholders} {AUDIO_TEMPLATE} placeholder(s) but {len(raw_items)} "
+                "audio item(s)."
             )
         items = []
         for raw in raw_items:

@@ -1,4 +1,5 @@
-"""CosyVoice3 token2wav in plain PyTorch: speech tokens (25 Hz, vocab 6561) -> 80-bin log-mel (flow) -> 24 kHz audio (HiFT).
+"""CosyVoice3 token2wav in plain PyTorch: speech tokens (25 Hz, vocab 6561) -> 80-bin log-mel (flow) -> 24 kHz
+audio (HiFT).
 
 The flow embeds the tokens, adds a 3-token look-ahead conv, repeats every token twice (50 Hz mel rate) and integrates a
 conditional flow-matching ODE with a DiT velocity estimator (10 Euler steps on a cosine time grid, classifier-free
@@ -8,7 +9,6 @@ keys (`flow.input_embedding`, `flow.decoder.estimator.transformer_blocks.0.attn.
 """
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -21,11 +21,12 @@ from transformers.utils import ModelOutput
 
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # DiT velocity estimator
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class CosyVoice3TimestepEmbedding(nn.Module):
@@ -62,7 +63,8 @@ class CosyVoice3CausalConvPositionEmbedding(nn.Module):
 
 
 class CosyVoice3InputEmbedding(nn.Module):
-    """concat[noisy mel, prompt mel, token condition, speaker] (batch, frames, 320) -> (batch, frames, dim) + conv pos."""
+    """concat[noisy mel, prompt mel, token condition, speaker] (batch, frames, 320) -> (batch, frames, dim), plus the
+    causal conv position embedding."""
 
     def __init__(self, mel_dim: int, mu_dim: int, spk_dim: int, dim: int, kernel_size: int, groups: int):
         super().__init__()
@@ -245,9 +247,9 @@ class CosyVoice3DiT(nn.Module):
         return self.proj_out(self.norm_out(hidden, temb)).transpose(1, 2)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Flow: tokens -> mel
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 class CosyVoice3PreLookaheadLayer(nn.Module):
@@ -330,12 +332,25 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         noise_offset: int = 0,
     ) -> torch.Tensor:
-        """mu, cond (batch, mel_bins, frames); spks (batch, mel_bins) -> mel (batch, mel_bins, frames) float32.
-
-        Fixed shapes and no host synchronisation inside the loop, so the estimator can be compiled / graphed.
-        """
+        """mu, cond (batch, mel_bins, frames); spks (batch, mel_bins) -> mel (batch, mel_bins, frames) float32."""
         batch, _, frames = mu.shape
-        x = self.start_noise(batch, frames, noise_offset).to(mu.dtype)
+        noise = self.start_noise(batch, frames, noise_offset).to(mu.dtype)
+        return self.solve(noise, mu, spks, cond, attention_mask)
+
+    def solve(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Integrate from the start point x (batch, mel_bins, frames) at t=0 to t=1 -> float32 mel.
+
+        Fixed shapes, no host synchronisation and no data-dependent branching: the whole 10-step loop can be compiled
+        (fullgraph) and CUDA-graphed (`CosyVoice3Token2Wav.compile_estimator(whole_solver=True)`).
+        """
+        batch = mu.shape[0]
         times, deltas = self.time_grid(mu.device, mu.dtype)
         cfg = self.config.inference_cfg_rate
         # Packed CFG batch: rows [0, batch) conditional, [batch, 2 batch) unconditional (mu, spks, cond zeroed).
@@ -343,9 +358,16 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         spks_in = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         mask_in = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+        autocast_dtype = self.config.estimator_autocast_dtype
         for step in range(self.config.n_timesteps):
             t_in = times[step].expand(2 * batch)
-            velocity = self.estimator(torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, mask_in)
+            with torch.autocast(
+                mu.device.type,
+                dtype=getattr(torch, autocast_dtype or "bfloat16"),
+                enabled=autocast_dtype is not None,
+            ):
+                velocity = self.estimator(torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, mask_in)
+            velocity = velocity.to(x.dtype)
             v_cond, v_uncond = velocity[:batch], velocity[batch:]
             x = x + deltas[step] * ((1.0 + cfg) * v_cond - cfg * v_uncond)
         return x.float()
@@ -386,7 +408,8 @@ class CosyVoice3Flow(nn.Module):
 
     def speaker_condition(self, speaker_embedding: torch.Tensor) -> torch.Tensor:
         """(batch, spk_embed_dim) x-vector -> (batch, mel_bins); only the direction matters (L2-normalised)."""
-        return self.spk_embed_affine_layer(F.normalize(speaker_embedding, dim=1))
+        weight = self.spk_embed_affine_layer.weight
+        return self.spk_embed_affine_layer(F.normalize(speaker_embedding.to(weight.device, weight.dtype), dim=1))
 
     def encode_tokens(
         self, tokens: torch.Tensor, token_lengths: Optional[torch.Tensor] = None, finalize: bool = True
@@ -407,9 +430,9 @@ class CosyVoice3Flow(nn.Module):
         return self.pre_lookahead_layer(embedded[:, :-lookahead], context=embedded[:, -lookahead:])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # The model
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -444,7 +467,21 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
             if not getattr(module.inv_freq, "_is_hf_initialized", False):  # keep the checkpoint's table if loaded
                 module.inv_freq.copy_(module.compute_inv_freq(self.config.dit_dim_head, self.config.rope_theta))
         elif module is getattr(getattr(getattr(self, "hift", None), "m_source", None), "l_sin_gen", None):
-            self.hift.init_source_tables()
+            self.hift.init_source_tables(generator=self._reference_rng_after_flow())
+
+    def _reference_rng_after_flow(self) -> torch.Generator:
+        """A CPU generator in the state the reference's global RNG has when HiFT draws its source tables.
+
+        Loading cosyvoice3.yaml, the CFM re-seeds the global RNG (to 0) and draws its start noise; the flow then
+        initialises its token embedding (normal) and speaker projection (uniform weight, then bias); HiFT comes next.
+        """
+        config = self.config
+        generator = torch.Generator(device="cpu").manual_seed(config.noise_seed)
+        torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
+        torch.empty(config.vocab_size, config.token_embedding_dim).normal_(generator=generator)
+        torch.empty(config.mel_bins, config.spk_embed_dim).uniform_(generator=generator)
+        torch.empty(config.mel_bins).uniform_(generator=generator)
+        return generator
 
 
 class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
@@ -552,8 +589,10 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         config = self.config
         tokens = self._check_tokens(speech_tokens)
         batch = tokens.shape[0]
-        spks = self.flow.speaker_condition(self.get_speaker_embedding(speaker_embedding=speaker_embedding,
-                                                                      batch_size=batch))
+        speaker_embedding = self.get_speaker_embedding(speaker_embedding=speaker_embedding, batch_size=batch)
+        spks = self.flow.speaker_condition(speaker_embedding)
+        if tokens.shape[1] == 0 and finalize:
+            return torch.zeros(batch, config.mel_bins, 0, device=self.device)
         num_prompt = 0
         if prompt_tokens is not None or prompt_mel is not None:
             if prompt_tokens is None or prompt_mel is None:
@@ -612,23 +651,27 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         speaker_embedding: Optional[torch.Tensor] = None,
         speaker: Optional[Union[str, list[str]]] = None,
         speech_token_lengths: Optional[torch.Tensor] = None,
+        segment_tokens: Optional[int] = None,
         return_dict: bool = True,
     ) -> Union[CosyVoice3Token2WavOutput, tuple]:
-        """Decode whole token sequences (offline, like Fun-Audio-Chat's token2wav with one final call per row).
+        """Decode whole token sequences offline (one final flow call and one HiFT call per row or segment).
 
         Args:
             speech_tokens: (batch, tokens) or (tokens,) ids in [0, vocab_size); rows right-padded if
-                `speech_token_lengths` is given. Out-of-range ids raise ValueError.
+                `speech_token_lengths` is given. Out-of-range ids raise ValueError (filter stop/special ids first).
             speaker_embedding: (spk_embed_dim,) or (batch, spk_embed_dim) x-vector; or
             speaker: a stored speaker name (e.g. "中文女") or one name per row. Neither: the first stored speaker.
-            speech_token_lengths: (batch,) valid tokens per row. Every row decodes to what it gives alone.
+            speech_token_lengths: (batch,) valid tokens per row. Every row decodes to what it gives alone (up to
+                float rounding of the batched matmuls).
+            segment_tokens: if set, decode each row as independent segments of this many tokens, concatenated
+                without cross-fade, exactly like Fun-Audio-Chat's offline `token2wav` (750 = 30 s; a last segment
+                shorter than 50 tokens is merged with the previous one and the two are split in halves). All segments
+                of all rows run as one batch. None: one flow call per row (the flow's attention then spans the whole
+                row; its fixed start noise covers 300 s and is reused cyclically beyond).
 
         Returns:
-            `CosyVoice3Token2WavOutput` with `waveform` (batch, samples) zero-padded and `waveform_lengths` (batch,)
-            = samples_per_token x tokens; an empty row gives 0 samples.
-
-        Note: the reference limits one flow call to 15000 mel frames (300 s); Fun-Audio-Chat cuts replies into 30 s
-        segments before decoding. Longer rows here reuse the start noise cyclically.
+            `CosyVoice3Token2WavOutput`: `waveform` (batch, samples) zero-padded on the right and `waveform_lengths`
+            (batch,) = samples_per_token x tokens (an empty row gives 0 samples). `return_dict=False`: the tuple.
         """
         tokens = self._check_tokens(speech_tokens)
         batch, max_tokens = tokens.shape
@@ -638,42 +681,69 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             lengths = torch.as_tensor(speech_token_lengths).long().cpu()
             if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > max_tokens).any():
                 raise ValueError(
-                    f"speech_token_lengths must be (batch,)={batch} values in [0, {max_tokens}], got {lengths.tolist()}"
+                    f"speech_token_lengths must be {batch} values in [0, {max_tokens}], got {lengths.tolist()}"
                 )
         spk = self.get_speaker_embedding(speaker, speaker_embedding, batch)
+        # Pieces: (row, first token, end token); each is decoded independently as one row of a flow batch.
+        pieces = []
+        for row in range(batch):
+            bounds = self.segment_bounds(int(lengths[row]), segment_tokens) if segment_tokens else [(0, lengths[row])]
+            pieces += [(row, int(first), int(end)) for first, end in bounds if end > first]
         per_token = self.config.samples_per_token
         waveform = torch.zeros(batch, per_token * int(lengths.max()) if batch else 0, device=self.device)
-        rows = [row for row in range(batch) if lengths[row] > 0]
-        if rows:
-            row_index = torch.tensor(rows, device=self.device)
-            used = int(lengths[rows].max())
-            padded = bool((lengths[rows] != used).any())
+        if pieces:
+            piece_lengths = [end - first for _, first, end in pieces]
+            used = max(piece_lengths)
+            piece_tokens = torch.zeros(len(pieces), used, dtype=torch.long, device=self.device)
+            for index, (row, first, end) in enumerate(pieces):
+                piece_tokens[index, : end - first] = tokens[row, first:end]
+            padded = len(set(piece_lengths)) > 1
             mel = self.tokens_to_mel(
-                tokens[row_index, :used],
-                spk[row_index],
-                speech_token_lengths=lengths[rows].to(self.device) if padded else None,
+                piece_tokens,
+                spk[[row for row, _, _ in pieces]],
+                speech_token_lengths=torch.tensor(piece_lengths, device=self.device) if padded else None,
             )
-            # HiFT looks ahead (f0 predictor, conv_pre, iSTFT), so rows of different lengths are vocoded in groups
+            # HiFT looks ahead (f0 predictor, conv_pre, iSTFT), so pieces of different lengths are vocoded in groups
             # of equal length instead of being padded.
-            for length in sorted({int(lengths[row]) for row in rows}):
-                group = [i for i, row in enumerate(rows) if lengths[row] == length]
-                frames = length * self.config.token_mel_ratio
-                wav = self.mel_to_wav(mel[group, :, :frames])
-                waveform[[rows[i] for i in group], : wav.shape[1]] = wav
-        waveform_lengths = lengths * per_token
+            for length in sorted(set(piece_lengths)):
+                group = [index for index, piece_length in enumerate(piece_lengths) if piece_length == length]
+                wav = self.mel_to_wav(mel[group, :, : length * self.config.token_mel_ratio])
+                for wav_row, index in enumerate(group):
+                    row, first, end = pieces[index]
+                    waveform[row, first * per_token : end * per_token] = wav[wav_row]
+        waveform_lengths = (lengths * per_token).to(self.device)
         if not return_dict:
             return waveform, waveform_lengths
-        return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=waveform_lengths.to(self.device))
+        return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=waveform_lengths)
+
+    @staticmethod
+    def segment_bounds(num_tokens: int, segment_tokens: int = 750, min_last_tokens: int = 50) -> list[tuple[int, int]]:
+        """Fun-Audio-Chat's offline split: consecutive `segment_tokens` segments; when there is more than one and the
+        last is shorter than `min_last_tokens`, the last two are merged and cut in halves (first half floor(n/2))."""
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+        bounds = [(first, min(first + segment_tokens, num_tokens)) for first in range(0, num_tokens, segment_tokens)]
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < min_last_tokens:
+            first, end = bounds[-2][0], bounds[-1][1]
+            middle = first + (end - first) // 2
+            bounds[-2:] = [(first, middle), (middle, end)]
+        return bounds
 
     # -- performance ----------------------------------------------------------------------------------------------
 
-    def compile_estimator(self, **compile_kwargs) -> None:
+    def compile_estimator(self, whole_solver: bool = False, **compile_kwargs) -> None:
         """`torch.compile` the DiT estimator in place (the 10-step Euler loop calls it with fixed shapes).
 
-        Defaults to `dynamic=True` (chunk lengths vary); pass e.g. `mode="max-autotune"` to CUDA-graph it.
+        whole_solver=True compiles the whole Euler loop (`flow.decoder.solve`: 10 steps x CFG batch) as one graph
+        instead, which with `mode="reduce-overhead"` replays as one CUDA graph per input length. `compile_kwargs`
+        go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary).
         """
         compile_kwargs.setdefault("dynamic", True)
-        self.flow.decoder.estimator.compile(**compile_kwargs)
+        if whole_solver:
+            decoder = self.flow.decoder
+            decoder.solve = torch.compile(decoder.solve, **compile_kwargs)
+        else:
+            self.flow.decoder.estimator.compile(**compile_kwargs)
 
     # -- streaming ------------------------------------------------------------------------------------------------
 
@@ -685,9 +755,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         pre_lookahead_len: Optional[int] = None,
         **kwargs,
     ) -> "CosyVoice3StreamingDecoder":
-        """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking)."""
-        from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
-
+        """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking and the defaults of
+        `flow_left_context_tokens` / `hift_left_context_frames`, passed through `kwargs`)."""
         return CosyVoice3StreamingDecoder(
             self,
             self.get_speaker_embedding(speaker, speaker_embedding, 1),
@@ -713,4 +782,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         return load_original_checkpoint(cls, model_dir, speakers_file, speaker_names)
 
 
-__all__ = ["CosyVoice3PreTrainedModel", "CosyVoice3Token2Wav", "CosyVoice3Token2WavOutput"]
+__all__ = [
+    "CosyVoice3PreTrainedModel",
+    "CosyVoice3StreamingDecoder",
+    "CosyVoice3Token2Wav",
+    "CosyVoice3Token2WavOutput",
+]

@@ -14,7 +14,8 @@ from a fixed table of uniform random numbers indexed from sample 0, the phase ch
 the last activation uses slope 0.01 and the output is hard-clamped.
 
 Weight norm is folded into plain conv weights when an original checkpoint is loaded
-(`CosyVoice3HiFTGenerator.load_original_state_dict`), so inference pays nothing for it.
+(`CosyVoice3HiFTGenerator.load_original_state_dict`), so the filter pays nothing for it. Only the small F0 predictor
+keeps `weight_g`/`weight_v`, because the reference evaluates its weight norm in float64.
 """
 
 import math
@@ -34,6 +35,13 @@ _WEIGHT_NORM_SUFFIXES = (
     (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
     (".weight_g", ".weight_v"),
 )
+
+
+def _hold(values: torch.Tensor, factor: int) -> torch.Tensor:
+    """Nearest-neighbour upsampling of the last dim by an integer factor: (..., n) -> (..., n * factor).
+    Equals `repeat_interleave` / `interpolate(mode="nearest")`, written as expand + reshape so that it never needs the
+    output size from the device."""
+    return values.unsqueeze(-1).expand(*values.shape, factor).flatten(-2)
 
 
 def _pad_one_side(
@@ -113,7 +121,7 @@ class CausalConv1dUpsample(nn.Conv1d):
         self.upsample_factor = stride
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.repeat_interleave(self.upsample_factor, dim=-1)
+        hidden = _hold(hidden, self.upsample_factor)
         return super().forward(F.pad(hidden, (self.kernel_size[0] - 1, 0)))
 
 
@@ -226,11 +234,12 @@ class CosyVoice3HiFTGenerator(nn.Module):
 
     After construction (or loading), call `init_source_tables()` once to build the fixed source-noise tables.
 
-    Batch rows are independent: row b of a batch equals that row run alone. For rows of unequal length, right-pad
-    the mel (zeros match the reference's own finalize padding for the look-ahead convs) and trim each row's output to
-    `480 * valid_frames` samples (finalize=True). The last few hundred valid samples of a padded row can still differ
-    from a single-row run, because the STFT reflect-pads at the true end of the signal and the look-ahead convs see the
-    padding frames; run such rows alone when bit parity of the tail matters.
+    Batch rows are independent: row b of a batch equals that row run alone (up to float32 kernel noise). Rows of
+    unequal length: right-pad the mel with zeros (the same zeros the reference's look-ahead convs pad with when
+    finalising) and trim each row's wav to `480 * valid_frames` samples (finalize=True). That reproduces a single-row
+    run except for roughly the last `n_fft * hop_len` (64) samples of each padded row, where the reference's STFT/iSTFT
+    see the true end of the signal; run such rows alone when those samples must match exactly. Padding with anything
+    but zeros also changes the last 4 valid frames (look-ahead convs).
     """
 
     def __init__(
@@ -432,7 +441,7 @@ class CosyVoice3HiFTGenerator(nn.Module):
 
     def f0_to_sample_rate(self, f0: torch.Tensor) -> torch.Tensor:
         """f0 (batch, frames) -> (batch, frames * 480, 1): each frame's value held for its 480 samples."""
-        return f0.repeat_interleave(self.upsample_scale, dim=1).unsqueeze(-1)
+        return _hold(f0, self.upsample_scale).unsqueeze(-1)
 
     def source_from_f0(self, f0: torch.Tensor) -> torch.Tensor:
         """f0 (batch, frames) in Hz -> excitation (batch, 1, frames * 480), computed in float32 like the reference.
@@ -463,7 +472,7 @@ class CosyVoice3HiFTGenerator(nn.Module):
         sines = torch.sin(phase * scale) * self.sine_amp
         # Upsampled in (batch, harmonics, samples) memory layout like the reference, so that the Linear below reduces
         # in the same order (bit-identical source on CPU).
-        sines = sines.transpose(1, 2).repeat_interleave(scale, dim=-1).transpose(1, 2)  # (batch, samples, harmonics)
+        sines = _hold(sines.transpose(1, 2), scale).transpose(1, 2)  # (batch, samples, harmonics)
         f0_up = self.f0_to_sample_rate(f0)  # (batch, samples, 1)
         voiced = (f0_up > self.voiced_threshold).to(torch.float32)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3

@@ -5,12 +5,13 @@ Module names follow the official checkpoint (`continuous_audio_tower`, `audio_to
 
 Data flow (spec §4-5):
   mel (A_w, 128, F) -> `continuous_audio_tower` -> (A_w, S, H) at 25 Hz
-  speech ids (A, S) + continuous features -> `audio_tower` -> (A, S // K, H) at 5 Hz -> scattered into `<|AUDIO|>` slots
+  speech ids (A, S) + continuous features -> `audio_tower` -> (A, S // K, H) at 5 Hz -> into the `<|AUDIO|>` slots
   LLM (Qwen3) -> text logits; final hidden state + text embedding -> `audio_invert_tower` (CRQ) -> K speech logits
   per LLM position.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 from .compat import CACHE_KWARG, cache_kwargs
 from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
 from .generation_funaudiochat import FunAudioChatSpeechGenerationMixin
+from .modeling_cosyvoice3 import CosyVoice3Token2Wav
 
 
 # Name of the cache field of transformers' output classes (`cache` from 5.24 on, `past_key_values` before).
@@ -120,7 +122,7 @@ class FunAudioChatDiscreteEncoder(nn.Module):
         return frames.reshape(num, length // self.group_size, self.group_size, hidden).mean(dim=2)
 
     def encode_groups(self, speech_ids: torch.Tensor) -> torch.Tensor:
-        """LLM input vectors of speech tokens: `(N, S)` ids -> `(N, S // K, H)` (used to feed generated speech back)."""
+        """LLM input vectors of speech tokens: `(N, S)` ids -> `(N, S // K, H)` (feeds generated speech back)."""
         return self.output_matching(self._group_mean(self.embed_tokens(speech_ids)))
 
     def forward(
@@ -148,7 +150,8 @@ class FunAudioChatDiscreteEncoder(nn.Module):
                 f"feature_exist_mask marks {clips_with_audio.shape[0]} clips with a waveform but "
                 f"{continuous_features.shape[0]} continuous feature rows were given."
             )
-        continuous = self.continual_output_matching(self._group_mean(continuous_features.to(hidden.device, hidden.dtype)))
+        continuous_features = continuous_features.to(hidden.device, hidden.dtype)
+        continuous = self.continual_output_matching(self._group_mean(continuous_features))
         if self.continuous_features_mode == "replace":
             return hidden.index_copy(0, clips_with_audio, continuous)
         return hidden.index_add(0, clips_with_audio, continuous)
@@ -172,7 +175,7 @@ class FunAudioChatCRQDecoder(nn.Module):
         self.input_matching = nn.Linear(hidden_size, crq_config.hidden_size, bias=False)
         self.crq_transformer = Qwen3Model(crq_config)
         # The CRQ only ever gets `inputs_embeds`: its token embedding is dead weight (and absent from checkpoints).
-        del self.crq_transformer.embed_tokens
+        self.crq_transformer.embed_tokens = None
         self.output_matching = nn.Linear(crq_config.hidden_size, hidden_size, bias=False)
         self.lm_head = nn.Linear(hidden_size, config.codebook_size, bias=False)
 
@@ -224,6 +227,8 @@ class FunAudioChatCRQDecoder(nn.Module):
 
 
 class FunAudioChatPreTrainedModel(PreTrainedModel):
+    """Shared loading / initialisation settings of the Fun-Audio-Chat models."""
+
     config_class = FunAudioChatConfig
     config: FunAudioChatConfig
     # The official checkpoint has no root prefix (keys start with `language_model.`, `audio_tower.`, ...).
@@ -283,6 +288,10 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         self.ln_post = nn.LayerNorm(embed_dim)
         self.proj = nn.Linear(embed_dim, config.output_dim)
         self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The first conv plays the role of the input embedding (e.g. for `enable_input_require_grads`)."""
+        return self.conv1
 
     @staticmethod
     def output_lengths(feature_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,8 +368,13 @@ class FunAudioChatForConditionalGeneration(
     speech generation mixin. `forward` is the official training/eval pass (text + CRQ logits and losses)."""
 
     output_modalities = ("audio", "text")
+    # The losses are per-batch means (like the reference; `num_items_in_batch` is ignored), so `Trainer` must average
+    # them over gradient-accumulation steps itself instead of assuming the model normalised them.
+    accepts_loss_kwargs = False
     # A leftover CRQ token embedding (never used: the CRQ only gets `inputs_embeds`) is dropped at load time.
     _keys_to_ignore_on_load_unexpected = [r"audio_invert_tower\.crq_transformer\.embed_tokens\."]
+    # A bundled speech decoder runs in float32 whatever the chat model's dtype (its flow overflows in half precision).
+    _keep_in_fp32_modules_strict = ["token2wav"]
 
     def __init__(self, config: FunAudioChatConfig):
         super().__init__(config)
@@ -380,7 +394,16 @@ class FunAudioChatForConditionalGeneration(
         else:
             self.audio_invert_tower = None
         self.language_model = AutoModelForCausalLM.from_config(config.text_config)
+        # Optional bundled speech-token decoder (one-folder Hub repos); `generate_speech` uses it for audio.
+        self.token2wav = CosyVoice3Token2Wav(config.token2wav_config) if config.token2wav_config is not None else None
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # `~/models/...` means the expanded local path (transformers alone would read it as an invalid Hub id).
+        if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path.startswith("~"):
+            pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Embedding accessors (the LLM's)
@@ -448,7 +471,8 @@ class FunAudioChatForConditionalGeneration(
         if speech_ids is None:
             if bool(audio_token_mask.any()):
                 raise ValueError(
-                    f"input_ids contain {int(audio_token_mask.sum())} <|AUDIO|> placeholders but no speech_ids were given."
+                    f"input_ids contain {int(audio_token_mask.sum())} <|AUDIO|> placeholders but no speech_ids were "
+                    "given."
                 )
             return FunAudioChatPromptEmbeddings(text_embeds, text_embeds, audio_token_mask)
 
@@ -496,7 +520,8 @@ class FunAudioChatForConditionalGeneration(
             else:
                 has_text = text_attention_mask.to(text_ids.device).bool()
                 has_text = has_text.any(-1) if has_text.dim() == 2 else has_text
-            group_text_labels = text_ids.masked_fill(speech_attention_mask[:, ::group_size] == 0, self.config.ignore_index)
+            group_has_speech = speech_attention_mask[:, ::group_size] == 1
+            group_text_labels = text_ids.masked_fill(~group_has_speech, self.config.ignore_index)
             group_text_labels = group_text_labels.masked_fill(~has_text[:, None], self.config.ignore_index)
             transcript_embeds = embed_tokens(text_ids) * has_text[:, None, None].to(text_embeds.dtype)
             # As the reference training path: every clip is averaged with its transcript (user audio with zeros).
@@ -509,7 +534,8 @@ class FunAudioChatForConditionalGeneration(
         if num_placeholders != num_audio_groups:
             raise ValueError(
                 f"The prompt has {num_placeholders} <|AUDIO|> placeholders but the audio gives {num_audio_groups} "
-                f"groups (speech_attention_mask lengths / group_size {group_size}, rounded up, over {num_clips} clips)."
+                f"groups (speech_attention_mask lengths / group_size {group_size}, rounded up, over {num_clips} "
+                "clips)."
             )
         scatter_mask = audio_token_mask[..., None].expand_as(text_embeds)
         inputs_embeds = text_embeds.masked_scatter(scatter_mask, audio_embeds[group_is_valid])
@@ -573,7 +599,8 @@ class FunAudioChatForConditionalGeneration(
         ignore = self.config.ignore_index
         speech_labels = torch.full((batch, length, self.group_size), ignore, dtype=labels.dtype, device=labels.device)
         if prompt.group_speech_labels is not None:
-            speech_labels[prompt.audio_token_mask] = prompt.group_speech_labels.to(labels.device, labels.dtype)
+            group_labels = prompt.group_speech_labels.to(labels.device, labels.dtype)
+            speech_labels[prompt.audio_token_mask.to(labels.device)] = group_labels
         speech_labels = speech_labels.masked_fill((labels == ignore)[..., None], ignore)
         is_audio_eos = (labels == self.config.text_config.audio_eos_index)[..., None]
         speech_labels = speech_labels.masked_fill(is_audio_eos, self.config.audio_config.eos_token_id)
@@ -584,7 +611,9 @@ class FunAudioChatForConditionalGeneration(
         ignore = self.config.ignore_index
         text_labels = labels.masked_fill(labels == self.config.audio_token_index, ignore)
         if prompt.group_text_labels is not None:
-            text_labels = text_labels.masked_scatter(prompt.audio_token_mask, prompt.group_text_labels.to(labels.dtype))
+            text_labels = text_labels.masked_scatter(
+                prompt.audio_token_mask.to(labels.device), prompt.group_text_labels.to(labels.device, labels.dtype)
+            )
         return text_labels.masked_fill(labels == ignore, ignore)
 
     def _speech_loss(self, speech_logits: torch.Tensor, speech_labels: torch.Tensor) -> torch.Tensor:
@@ -640,7 +669,7 @@ class FunAudioChatForConditionalGeneration(
         if cache is None:
             cache = past_key_values
         kwargs.pop("num_items_in_batch", None)  # the reference losses are plain means
-        if (input_ids is None) == (inputs_embeds is None) and inputs_embeds is None:
+        if input_ids is None and inputs_embeds is None:
             raise ValueError("Pass input_ids or inputs_embeds.")
 
         prompt = None
@@ -656,10 +685,17 @@ class FunAudioChatForConditionalGeneration(
                 text_attention_mask=text_attention_mask,
             )
             inputs_embeds = prompt.inputs_embeds
+        elif input_ids is not None:
+            # Precomputed LLM inputs: the speech head still needs the text embeddings of the input ids.
+            text_embeds = self.get_input_embeddings()(input_ids)
+            audio_token_mask = input_ids == self.config.audio_token_index
+            prompt = FunAudioChatPromptEmbeddings(inputs_embeds, text_embeds, audio_token_mask)
 
-        text_labels = None if labels is None or prompt is None else self._text_labels(labels, prompt)
-        if labels is not None and text_labels is None:
-            text_labels = labels.masked_fill(labels == self.config.audio_token_index, self.config.ignore_index)
+        text_labels = None
+        if labels is not None:
+            if prompt is None:
+                labels = labels.masked_fill(labels == self.config.audio_token_index, self.config.ignore_index)
+            text_labels = labels if prompt is None else self._text_labels(labels, prompt)
 
         for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions)):
             if value is not None:
@@ -697,7 +733,8 @@ class FunAudioChatForConditionalGeneration(
                 embed_ids = speech_labels.masked_fill(
                     speech_labels == self.config.ignore_index, self.config.audio_config.pad_token_id
                 )
-                speech_label_embeds = self.audio_tower.embed_tokens(embed_ids.to(self.audio_tower.embed_tokens.weight.device))
+                speech_embedding = self.audio_tower.embed_tokens
+                speech_label_embeds = speech_embedding(embed_ids.to(speech_embedding.weight.device))
             speech_logits = crq(
                 conditioning,
                 speech_label_embeds=speech_label_embeds,

@@ -202,7 +202,8 @@ class SpeechToSpeechPipeline(Pipeline):
 
         Yields `{"text": str (new text), "audio": np.ndarray float32 (new samples), "sampling_rate": int,
         "finished": bool}` events: audio arrives in chunks of `token_hop_len` speech tokens (15 = 0.6 s by default),
-        long before the reply is complete. Concatenating all `audio` chunks gives the whole reply.
+        long before the reply is complete. Concatenating all `audio` chunks gives the whole reply; concatenating the
+        `text` deltas gives the reply text without special tokens (`__call__` cleans it like the official demo).
         """
         conversations, is_batch = self._split_inputs(inputs)
         if is_batch:
@@ -210,21 +211,14 @@ class SpeechToSpeechPipeline(Pipeline):
         model_inputs = self.preprocess(conversations, system_prompt=system_prompt, sampling_rate=sampling_rate)
         model_inputs = self._ensure_tensor_on_device(model_inputs, device=self.device)
         generate_kwargs = self._generate_kwargs(generate_kwargs)
-        text_ids: list[torch.Tensor] = []
-        emitted = ""
         with torch.no_grad():
+            # The model decodes the text incrementally (special tokens dropped, never half a character).
             for event in self.model.generate_speech_stream(
                 **model_inputs, tokenizer=self.processor.tokenizer, **generate_kwargs
             ):
-                # Decode the whole reply so far and emit the difference: token-wise deltas can split characters.
-                if getattr(event, "text_ids", None) is not None and event.text_ids.numel() > 0:
-                    text_ids.append(event.text_ids.reshape(-1).cpu())
-                reply = self.processor.decode_reply(torch.cat(text_ids)) if text_ids else ""
-                delta = reply[len(emitted) :] if reply.startswith(emitted) else reply
-                emitted = reply
                 audio = event.audio if event.audio is not None else torch.zeros(0)
                 yield {
-                    "text": delta,
+                    "text": event.text or "",
                     "audio": audio.detach().float().reshape(-1).cpu().numpy(),
                     "sampling_rate": int(getattr(event, "sampling_rate", None) or self.sampling_rate),
                     "finished": bool(event.finished),

@@ -14,7 +14,6 @@ exactly (same ids, masks and features).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -41,7 +40,8 @@ SPOKEN_S2M_PROMPT = (
 AUDIO_TEMPLATE = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
 # The processor's built-in chat template (used when the checkpoint ships none). Identical to the reference one:
-# string content is copied verbatim, list content renders audio items as "Audio n: <|audio_bos|><|AUDIO|><|audio_eos|>".
+# string content is copied verbatim, list content renders audio items as
+# "Audio n: <|audio_bos|><|AUDIO|><|audio_eos|>\n".
 DEFAULT_CHAT_TEMPLATE = (
     "{% set audio_count = namespace(value=0) %}"
     "{% for message in messages %}"
@@ -141,7 +141,11 @@ class FunAudioChatProcessor(ProcessorMixin):
         self.audio_group_size = int(audio_group_size)
         self.speech_frame_rate = int(speech_frame_rate)
         super().__init__(feature_extractor, speech_tokenizer, tokenizer, chat_template=chat_template)
-        self.audio_token_id = self.tokenizer.convert_tokens_to_ids(self.audio_token)
+        vocab = self.tokenizer.get_vocab()
+        for name in ("audio_token", "audio_bos_token", "audio_eos_token"):
+            if getattr(self, name) not in vocab:
+                raise ValueError(f"The text tokenizer has no {name} {getattr(self, name)!r} in its vocabulary.")
+        self.audio_token_id = vocab[self.audio_token]
 
     # ------------------------------------------------------------------------------------------------------------
     # properties
@@ -215,28 +219,43 @@ class FunAudioChatProcessor(ProcessorMixin):
         )
         return {"speech_ids": encoded["input_ids"], "speech_attention_mask": encoded["attention_mask"]}
 
-    def extract_features(self, waveforms: list[np.ndarray], padding: str | bool = "max_length") -> dict:
-        """16 kHz waveforms -> `input_features` `(clips, 128, frames)` and `feature_attention_mask` `(clips, frames)`.
+    def extract_features(self, waveforms: list[np.ndarray], padding: str = "max_length") -> dict[str, torch.Tensor]:
+        """16 kHz waveforms -> `input_features` `(clips, mel_bins, frames)` + `feature_attention_mask` `(clips, frames)`
 
-        `padding="max_length"` pads to the extractor's `chunk_length` (what the reference processor does); the
-        training stack uses `padding="longest"`.
+        Args:
+            padding: `"max_length"` pads every clip to the extractor's `chunk_length` (the reference processor;
+                30000 frames per clip for a 300 s extractor). `"longest"` pads only to the longest clip and gives the
+                same values on every valid frame (up to float32 rounding) and the same mask there - the encoder only
+                reads valid frames, so the model output is unchanged while the extraction is much cheaper.
         """
-        features = self.feature_extractor(
-            waveforms,
+        if padding == "max_length":
+            features = self.feature_extractor(
+                waveforms,
+                sampling_rate=self.sampling_rate,
+                padding="max_length",
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
+            return {"input_features": features["input_features"], "feature_attention_mask": features["attention_mask"]}
+        if padding != "longest":
+            raise ValueError(f"`padding` must be 'max_length' or 'longest', got {padding!r}.")
+        extractor = self.feature_extractor
+        hop, max_samples = extractor.hop_length, extractor.n_samples
+        # With max_length padding the last valid STFT frames (centred, n_fft // 2 samples each side) see zeros after
+        # the clip; append those zeros so the valid frames get the same values, then rebuild the mask from the true
+        # lengths (the extractor would count the appended zeros as valid).
+        tail = np.zeros(extractor.n_fft // 2, dtype=np.float32)
+        features = extractor(
+            [np.concatenate([w, tail]) for w in waveforms],
             sampling_rate=self.sampling_rate,
-            padding=padding,
-            return_attention_mask=True,
+            padding="longest",
+            return_attention_mask=False,
             return_tensors="pt",
-        )
-        input_features = features["input_features"]
-        feature_attention_mask = features["attention_mask"]
-        # With "longest" padding the mask (one entry per hop, rounded up) can be one frame longer than the features
-        # (which drop the last STFT frame); the reference training stack trims both to the shorter one.
-        length = min(input_features.shape[-1], feature_attention_mask.shape[-1])
-        return {
-            "input_features": input_features[..., :length],
-            "feature_attention_mask": feature_attention_mask[..., :length],
-        }
+        )["input_features"]
+        lengths = torch.tensor([min(math.ceil(min(len(w), max_samples) / hop), max_samples // hop) for w in waveforms])
+        num_frames = int(lengths.max())
+        mask = (torch.arange(num_frames)[None, :] < lengths[:, None]).to(torch.int32)
+        return {"input_features": features[..., :num_frames].contiguous(), "feature_attention_mask": mask}
 
     def expand_audio_placeholders(self, texts: list[str], num_speech_frames: list[int]) -> list[str]:
         """Replace the i-th `<|AUDIO|>` (across all texts, left to right) by `ceil(frames_i / group)` copies.
@@ -269,8 +288,8 @@ class FunAudioChatProcessor(ProcessorMixin):
 
     def _prepare_audio(
         self, audio: Any, sampling_rate: int | None
-    ) -> tuple[list[str], list[np.ndarray | None], list[str]]:
-        """Normalise the `audio` argument into per-clip (speech string, 16 kHz waveform or None, transcript)."""
+    ) -> tuple[list[str], list[np.ndarray | None]]:
+        """Normalise the `audio` argument into per-clip speech-token strings and 16 kHz waveforms (None: no wav)."""
         if isinstance(audio, (np.ndarray, torch.Tensor, dict, bytes, bytearray, memoryview, str)) or hasattr(
             audio, "__fspath__"
         ):
@@ -285,29 +304,27 @@ class FunAudioChatProcessor(ProcessorMixin):
         else:
             raise ValueError(f"Unsupported `audio` of type {type(audio).__name__}.")
 
-        speech, waveforms, transcripts = [], [], []
+        speech, waveforms = [], []
         for clip in clips:
             item = _parse_json_item(clip)
             if item is not None:
                 # Reference JSON path: the speech string is given; features only for items with a path.
                 path = item.get("path", item.get("wav_path", "")) or ""
                 if not item["token"]:
-                    raise ValueError("A JSON audio item has an empty 'token' string: it needs at least one speech token.")
+                    raise ValueError("A JSON audio item has an empty 'token' string: it needs a speech token.")
                 speech.append(item["token"])
                 waveforms.append(load_audio(path, target_sampling_rate=self.sampling_rate) if path else None)
-                transcripts.append(item.get("text", "") or "")
                 continue
             waveform = load_audio(clip, sampling_rate=sampling_rate, target_sampling_rate=self.sampling_rate)
             frames = self.num_speech_frames(waveform)
             if frames == 0:
                 raise ValueError(
-                    f"Audio clip of {len(waveform)} samples at {self.sampling_rate} Hz is shorter than one speech frame "
-                    f"({1000 // self.speech_frame_rate} ms)."
+                    f"Audio clip of {len(waveform)} samples at {self.sampling_rate} Hz is shorter than one speech "
+                    f"frame ({1000 // self.speech_frame_rate} ms)."
                 )
             speech.append(self.audio_pad_token * frames)
             waveforms.append(waveform)
-            transcripts.append("")
-        return speech, waveforms, transcripts
+        return speech, waveforms
 
     # ------------------------------------------------------------------------------------------------------------
     # main entry points
@@ -321,6 +338,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         return_tensors: str | None = "pt",
         padding: bool | str = True,
         padding_side: str | None = None,
+        feature_padding: str = "max_length",
         **kwargs,
     ) -> BatchFeature:
         """Tokenize prompt(s) and prepare their audio clips.
@@ -335,6 +353,8 @@ class FunAudioChatProcessor(ProcessorMixin):
             return_tensors: `"pt"` (default), `"np"` or None.
             padding: text padding (default pads a batch to its longest prompt).
             padding_side: `"left"` for batched generation, `"right"` otherwise (default: the tokenizer's).
+            feature_padding: `"max_length"` (reference: features padded to the extractor's chunk length) or
+                `"longest"` (padded to the longest clip; identical on valid frames, much cheaper for long chunks).
             **kwargs: forwarded to the text tokenizer (e.g. `add_special_tokens`, `return_token_type_ids`).
 
         Returns:
@@ -356,19 +376,13 @@ class FunAudioChatProcessor(ProcessorMixin):
 
         audio_inputs: dict[str, Any] = {}
         if audio is not None:
-            speech, waveforms, _ = self._prepare_audio(audio, sampling_rate)
-            num_placeholders = sum(t.count(self.audio_token) for t in texts)
-            if num_placeholders != len(speech):
-                raise ValueError(
-                    f"The text contains {num_placeholders} {self.audio_token} placeholder(s) but {len(speech)} audio "
-                    "clip(s) were given; pass exactly one clip per placeholder."
-                )
+            speech, waveforms = self._prepare_audio(audio, sampling_rate)
             audio_inputs.update(self.tokenize_speech(speech, pad_to_multiple_of=self.audio_group_size))
             valid_frames = audio_inputs["speech_attention_mask"].sum(-1).tolist()
             texts = self.expand_audio_placeholders(texts, valid_frames)
             present = [w for w in waveforms if w is not None]
             if present:
-                audio_inputs.update(self.extract_features(present, padding="max_length"))
+                audio_inputs.update(self.extract_features(present, padding=feature_padding))
                 audio_inputs["feature_exist_mask"] = torch.tensor([w is not None for w in waveforms], dtype=torch.bool)
         else:
             num_placeholders = sum(t.count(self.audio_token) for t in texts)

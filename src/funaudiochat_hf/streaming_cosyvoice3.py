@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 
 class CosyVoice3StreamingDecoder:
-    """Decode one reply's speech tokens chunk by chunk: `push(tokens)` returns only the new audio, `finalize()` the rest.
+    """Decode one reply's speech tokens chunk by chunk: `push(tokens)` returns only the new audio, `finalize()` the
+    rest.
 
     Chunking (Fun-Audio-Chat's `token2wav` loop / web demo): chunk k covers tokens [k*hop, (k+1)*hop). Its mel comes
     from a flow call (full attention, `finalize=False`) over the tokens up to (k+1)*hop + `pre_lookahead_len`, the

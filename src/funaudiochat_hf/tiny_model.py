@@ -198,6 +198,7 @@ def build_tiny_model(path: str | os.PathLike | None = None, seed: int = 0, force
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and move it into place, so concurrent or interrupted builds never leave half a model.
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    scratch.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any other
     try:
         _build(scratch, seed)
         (scratch / _COMPLETE_MARKER).write_text(TINY_MODEL_VERSION)

@@ -1,0 +1,397 @@
+"""Tests of `generate_speech` / `generate_speech_stream` (the joint text + speech decoding loop) on the tiny fixture.
+
+Golden parity: tests/fixtures/MANIFEST.md §2e (reference `generate` with text_greedy, do_sample=False,
+max_new_tokens 16, eos 322, pad 320; per-step raw text logits and the 5 raw CRQ logits of every forward call).
+"""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput, split_speech_segments
+from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3Token2Wav, CosyVoice3Token2WavOutput
+
+from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+
+
+GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
+AUDIO_TOKEN, AUDIO_BOS, IM_END, PAD = 346, 347, 322, 320
+SPEECH_BOS, SPEECH_PAD = 36, 38
+SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 Hz
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The CI machine is shared: with several intra-op threads tiny ops get ~1000x slower under contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
+    data.pop("waveform_16k")
+    return data
+
+
+def _golden(rep: str):
+    data = load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
+    steps = len(data["generated_text_ids"][0])
+    text_logits = torch.stack([data[f"step{i:02d}.text_logits_last"][0] for i in range(steps)])
+    crq_logits = torch.stack([data[f"step{i:02d}.crq_logits_last5"][0] for i in range(steps)])
+    return data, text_logits, crq_logits
+
+
+def _text_prompt(inputs, length: int) -> torch.Tensor:
+    """A text-only prompt (no `<|AUDIO|>`): the golden prompt without its audio, cut to its last `length` ids."""
+    ids = inputs["input_ids"][0]
+    ids = ids[(ids != AUDIO_TOKEN)]
+    return ids[-length:][None]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parity with the reference
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_implementation", ["static", "dynamic"])
+@pytest.mark.parametrize("rep", ["1.0", "1.2"])
+def test_greedy_matches_reference(model, inputs, rep, cache_implementation):
+    golden, text_logits, crq_logits = _golden(rep)
+    out = model.generate_speech(
+        **inputs,
+        **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)),
+        output_logits=True,
+        cache_implementation=cache_implementation,
+    )
+    assert isinstance(out, FunAudioChatSpeechOutput)
+    assert torch.equal(out.sequences, golden["sequences"])
+    assert torch.equal(out.speech_ids, golden["speech_ids"])
+    torch.testing.assert_close(out.text_logits[0], text_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.speech_logits[0], crq_logits, atol=1e-4, rtol=1e-4)
+    assert out.audio is None  # no decoder attached
+
+
+@pytest.mark.parametrize("compile_scope", ["step", "parts"])
+def test_compiled_step_matches_eager(model, inputs, compile_scope):
+    """fullgraph=True fails on any graph break, so this also proves the decode step (or each part) is one graph."""
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
+    eager = model.generate_speech(**inputs, **kwargs)
+    compiled = model.generate_speech(
+        **inputs,
+        **kwargs,
+        compile={"backend": "aot_eager", "fullgraph": True},
+        compile_scope=compile_scope,
+    )
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.speech_ids, eager.speech_ids)
+    torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_speech_to_text_mode_matches_generate(model, inputs):
+    text_only = model.generate_speech(**inputs, **GOLDEN_KWARGS, disable_speech=True, force_text_abos=False)
+    reference = model.generate(**inputs, **GOLDEN_KWARGS)
+    assert text_only.speech_ids.shape == (1, 0)
+    assert torch.equal(text_only.sequences, reference)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Batching, state isolation, sampling
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_left_padded_batch_rows_equal_single_runs(model, inputs):
+    long_ids = inputs["input_ids"]
+    short_ids = _text_prompt(inputs, 40)
+    batch_ids = torch.full((2, long_ids.shape[1]), PAD)
+    batch_ids[0] = long_ids[0]
+    batch_ids[1, -short_ids.shape[1] :] = short_ids[0]
+    mask = torch.ones_like(batch_ids)
+    mask[1, : -short_ids.shape[1]] = 0
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    # eos 152 stops the audio row early (its 3rd token), so per-row stopping and padding are exercised too.
+    kwargs = dict(GOLDEN_KWARGS, eos_token_id=[IM_END, 152], repetition_penalty=1.2, output_logits=True)
+
+    batch = model.generate_speech(batch_ids, mask, **audio, **kwargs)
+    single_long = model.generate_speech(long_ids, **audio, **kwargs)
+    single_short = model.generate_speech(short_ids, **kwargs)
+
+    for row, (single, prompt_len) in enumerate([(single_long, long_ids.shape[1]), (single_short, 40)]):
+        new = single.sequences[0, prompt_len:]
+        assert torch.equal(batch.sequences[row, long_ids.shape[1] : long_ids.shape[1] + len(new)], new)
+        assert (batch.sequences[row, long_ids.shape[1] + len(new) :] == PAD).all()
+        groups = single.speech_ids.shape[1]
+        assert torch.equal(batch.speech_ids[row, :groups], single.speech_ids[0])
+        assert (batch.speech_ids[row, groups:] == SPEECH_PAD).all()
+        torch.testing.assert_close(batch.text_logits[row, : len(new)], single.text_logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch.speech_logits[row, : len(new)], single.speech_logits[0], atol=1e-4, rtol=1e-4)
+    assert single_long.sequences.shape[1] == long_ids.shape[1] + 3  # stopped on the eos 152 ...
+    assert single_long.sequences[0, -1] == 152
+    # ... and the batch runs until its last row stops.
+    assert single_short.sequences.shape[1] - 40 > 3
+    assert batch.sequences.shape[1] == long_ids.shape[1] + single_short.sequences.shape[1] - 40
+
+
+def test_consecutive_calls_and_threads_do_not_interfere(model, inputs):
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2)
+    first = model.generate_speech(**inputs, **kwargs)
+    other = model.generate_speech(_text_prompt(inputs, 30), **kwargs)  # different size in between
+    second = model.generate_speech(**inputs, **kwargs)
+    assert torch.equal(first.sequences, second.sequences) and torch.equal(first.speech_ids, second.speech_ids)
+
+    results = {}
+
+    def run(name, prompt_inputs):
+        results[name] = model.generate_speech(**prompt_inputs, **kwargs)
+
+    threads = [
+        threading.Thread(target=run, args=("audio", inputs)),
+        threading.Thread(target=run, args=("text", {"input_ids": _text_prompt(inputs, 30)})),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(results["audio"].speech_ids, first.speech_ids)
+    assert torch.equal(results["text"].sequences, other.sequences)
+
+
+def test_seeded_sampling_is_reproducible(model, inputs):
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2)
+    first = model.generate_speech(**inputs, **kwargs, seed=1234)
+    again = model.generate_speech(**inputs, **kwargs, seed=1234)
+    other = model.generate_speech(**inputs, **kwargs, seed=4321)
+    assert torch.equal(first.speech_ids, again.speech_ids) and torch.equal(first.sequences, again.sequences)
+    assert not torch.equal(first.speech_ids, other.speech_ids)
+    # The global seed drives the run when no seed/generator is given.
+    torch.manual_seed(7)
+    global_a = model.generate_speech(**inputs, **kwargs)
+    torch.manual_seed(7)
+    global_b = model.generate_speech(**inputs, **kwargs)
+    assert torch.equal(global_a.speech_ids, global_b.speech_ids)
+    # Text is greedy by default (text_greedy=True): sampling only changes speech, and so only its feedback.
+    greedy_text = model.generate_speech(**inputs, **kwargs, text_do_sample=False, seed=1234)
+    assert torch.equal(greedy_text.speech_ids, first.speech_ids)
+
+
+def test_text_sampling_overrides(model, inputs):
+    out = model.generate_speech(
+        **inputs, max_new_tokens=6, text_greedy=False, text_temperature=1.5, speech_do_sample=False, seed=0
+    )
+    greedy = model.generate_speech(**inputs, max_new_tokens=6, do_sample=False)
+    assert out.sequences.shape == greedy.sequences.shape
+    assert out.sequences[0, inputs["input_ids"].shape[1]] == AUDIO_BOS  # still forced
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_cache_overflow_raises(model, inputs):
+    length = inputs["input_ids"].shape[1]
+    with pytest.raises(ValueError, match="cache_max_length"):
+        model.generate_speech(**inputs, max_new_tokens=16, cache_max_length=length + 15)
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_max_length=length + 16)
+    assert torch.equal(out.sequences, _golden("1.0")[0]["sequences"])
+
+
+def test_bad_inputs_raise(model, inputs):
+    ids = _text_prompt(inputs, 10)
+    right_padded = torch.ones(1, 10, dtype=torch.long)
+    right_padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="left"):
+        model.generate_speech(ids, right_padded, max_new_tokens=2)
+    with pytest.raises(ValueError, match="Unknown"):
+        model.generate_speech(ids, max_new_tokens=2, temprature=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate_speech(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate_speech(ids, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="speech decoder"):
+        model.generate_speech(ids, max_new_tokens=2, return_audio=True)
+    with pytest.raises(ValueError, match="batch size 1"):
+        next(model.generate_speech_stream(torch.cat([ids, ids]), max_new_tokens=2))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Audio: offline and streaming, with a stub decoder that has the CosyVoice3Token2Wav interface
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class StubDecoder(torch.nn.Module):
+    """`forward(tokens (1, T)) -> (1, 960 T)`; its streaming decoder emits `token_hop_len` tokens of audio once
+    `token_hop_len + pre_lookahead_len` new tokens are buffered, like the CosyVoice3 chunk loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(sampling_rate=24000)
+        self.calls = []
+
+    def forward(self, speech_tokens, speaker=None, speaker_embedding=None, speech_token_lengths=None):
+        self.calls.append((speech_tokens.clone(), speaker, speech_token_lengths))
+        if speech_token_lengths is None:
+            speech_token_lengths = torch.full((len(speech_tokens),), speech_tokens.shape[1])
+        # Same output type as CosyVoice3Token2Wav: zero-padded (batch, samples) waveform + valid lengths.
+        waveform = torch.nn.functional.pad(speech_tokens.float().repeat_interleave(SAMPLES_PER_TOKEN, dim=-1), (0, 7))
+        return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=SAMPLES_PER_TOKEN * speech_token_lengths)
+
+    def streaming_decoder(self, speaker=None, speaker_embedding=None, token_hop_len=15, pre_lookahead_len=3):
+        decoder = self
+
+        class Stream:
+            def __init__(self):
+                self.tokens, self.offset = torch.zeros(0, dtype=torch.long), 0
+
+            def push(self, tokens):
+                self.tokens = torch.cat([self.tokens, tokens])
+                pieces = []
+                while len(self.tokens) >= self.offset + token_hop_len + pre_lookahead_len:
+                    chunk = self.tokens[None, self.offset : self.offset + token_hop_len]
+                    pieces.append(decoder(chunk).waveform[0, :-7])
+                    self.offset += token_hop_len
+                return torch.cat(pieces) if pieces else torch.zeros(0)
+
+            def finalize(self):
+                rest = self.tokens[self.offset :]
+                self.offset = len(self.tokens)
+                return decoder(rest[None]).waveform[0, :-7] if len(rest) else torch.zeros(0)
+
+        return Stream()
+
+
+def test_offline_audio_with_decoder(model, inputs):
+    decoder = StubDecoder()
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, speaker="中文女")
+    golden = _golden("1.0")[0]["speech_ids"][0]
+    valid = golden[(golden >= 0) & (golden < SPEECH_BOS)]
+    assert out.sampling_rate == 24000
+    assert len(out.audio) == 1 and out.audio[0].ndim == 1
+    torch.testing.assert_close(out.audio[0], valid.float().repeat_interleave(SAMPLES_PER_TOKEN))
+    assert decoder.calls[0][1] == "中文女"
+    assert model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, return_audio=False).audio is None
+
+
+def test_split_speech_segments():
+    assert [len(s) for s in split_speech_segments(torch.arange(1600))] == [750, 750, 100]
+    assert [len(s) for s in split_speech_segments(torch.arange(1520))] == [750, 385, 385]
+    assert [len(s) for s in split_speech_segments(torch.arange(30))] == [30]
+    assert torch.equal(torch.cat(split_speech_segments(torch.arange(1520))), torch.arange(1520))
+
+
+def test_stream_matches_offline_and_arrives_in_chunks(model, inputs):
+    decoder = StubDecoder()
+    offline = model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder)
+
+    class ToyTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(f"<{i}>" for i in ids if not (skip_special_tokens and i >= 320))
+
+    events = list(
+        model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, tokenizer=ToyTokenizer())
+    )
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+    prompt_len = inputs["input_ids"].shape[1]
+    assert torch.equal(torch.cat([e.text_ids for e in events]), offline.sequences[0, prompt_len:])
+    assert torch.equal(torch.cat([e.speech_ids for e in events]), offline.speech_ids[0])
+    audio = torch.cat([e.audio for e in events])
+    assert len(audio) == SAMPLES_PER_TOKEN * int(((offline.speech_ids >= 0) & (offline.speech_ids < SPEECH_BOS)).sum())
+    torch.testing.assert_close(audio, offline.audio[0])
+    chunks = [i for i, e in enumerate(events) if len(e.audio)]
+    assert len(chunks) >= 3
+    assert chunks[0] <= 6  # first audio after a few LLM steps (15 + 3 tokens), not at the end
+    assert "".join(e.text for e in events) == ToyTokenizer().decode(offline.sequences[0, prompt_len:].tolist())
+
+
+def test_transformers_streamer_receives_prompt_and_tokens(model, inputs):
+    class Recorder:
+        def __init__(self):
+            self.values, self.ended = [], False
+
+        def put(self, value):
+            self.values.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    recorder = Recorder()
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, streamer=recorder)
+    assert recorder.ended
+    assert torch.equal(recorder.values[0], inputs["input_ids"])
+    streamed = torch.cat([v.reshape(-1) for v in recorder.values[1:]])
+    assert torch.equal(streamed, out.sequences[0, inputs["input_ids"].shape[1] :])
+
+
+def test_two_turn_prompt(model, inputs):
+    """A second user turn after an earlier spoken answer (earlier assistant turn as text), built by hand."""
+    first = model.generate_speech(**inputs, **GOLDEN_KWARGS)
+    follow_up = _text_prompt(inputs, 12)  # "...<|im_end|>\n<|im_start|>user ...<|im_start|>assistant\n"
+    two_turn = torch.cat([first.sequences, torch.tensor([[IM_END, 198]]), follow_up], dim=1)
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    static = model.generate_speech(two_turn, **audio, **GOLDEN_KWARGS)
+    dynamic = model.generate_speech(two_turn, **audio, **GOLDEN_KWARGS, cache_implementation="dynamic")
+    assert static.sequences[0, two_turn.shape[1]] == AUDIO_BOS
+    assert torch.equal(static.sequences, dynamic.sequences) and torch.equal(static.speech_ids, dynamic.speech_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_scope", ["step", "parts"])
+def test_cuda_graph_step_matches_eager_on_gpu(inputs, compile_scope):
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    kwargs = dict(GOLDEN_KWARGS, compile_scope=compile_scope)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
+    eager = model.generate_speech(**inputs, **kwargs)
+    assert torch.equal(eager.sequences.cpu(), _golden("1.0")[0]["sequences"])
+    for _ in range(2):  # the second call replays the captured CUDA graph(s)
+        graphed = model.generate_speech(**inputs, **kwargs, compile=True)
+        assert torch.equal(graphed.sequences, eager.sequences)
+        assert torch.equal(graphed.speech_ids, eager.speech_ids)
+    sampled = [
+        model.generate_speech(**inputs, max_new_tokens=16, seed=3, compile=c, compile_scope=compile_scope).speech_ids
+        for c in (False, True)
+    ]
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_real_cosyvoice3_decoder_offline_and_streaming(model, inputs):
+    """With the tiny random CosyVoice3: offline audio has 960 samples per codec token and the stream arrives in
+    several chunks whose concatenation has the same length."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    offline = model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder)
+    valid = int(((offline.speech_ids >= 0) & (offline.speech_ids < SPEECH_BOS)).sum())
+    assert offline.sampling_rate == 24000
+    assert offline.audio[0].shape == (SAMPLES_PER_TOKEN * valid,) and offline.audio[0].abs().max() > 0
+    events = list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder))
+    audio = torch.cat([e.audio for e in events])
+    assert audio.shape == offline.audio[0].shape
+    assert sum(len(e.audio) > 0 for e in events) >= 3
+
+
+def test_offline_audio_of_a_batch_is_one_decoder_call_with_30s_segments():
+    from funaudiochat_hf.generation_funaudiochat import decode_speech_offline
+
+    decoder = StubDecoder()
+    rows = torch.full((2, 1700), SPEECH_PAD)
+    rows[0, :1600] = torch.arange(1600) % SPEECH_BOS  # 750 + 750 + 100 tokens
+    rows[1, :5] = SPEECH_BOS  # delay tokens only: no audio
+    rows[1, 5:45] = 7
+    audio = decode_speech_offline(decoder, rows, SPEECH_BOS, speaker="x")
+    assert len(decoder.calls) == 1
+    assert decoder.calls[0][2].tolist() == [750, 750, 100, 40]
+    expected = (torch.arange(1600) % SPEECH_BOS).float().repeat_interleave(SAMPLES_PER_TOKEN)
+    torch.testing.assert_close(audio[0], expected)
+    torch.testing.assert_close(audio[1], torch.full((40 * SAMPLES_PER_TOKEN,), 7.0))
+    assert [a.numel() for a in decode_speech_offline(decoder, torch.full((1, 10), SPEECH_BOS), SPEECH_BOS)] == [0]

@@ -1,0 +1,92 @@
+"""The sync-free samplers must match transformers' logits processors and draw from the right distribution."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from funaudiochat_hf.sampling_funaudiochat import (
+    SamplingSettings,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    mark_seen,
+    process_scores,
+    select_tokens,
+)
+
+
+def _seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
+    return mark_seen(torch.zeros(history.shape[0], vocab, dtype=torch.bool), history)
+
+
+def test_repetition_penalty_matches_transformers():
+    scores = torch.randn(3, 50) * 3
+    history = torch.randint(0, 50, (3, 12))
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(history, scores.clone())
+    torch.testing.assert_close(apply_repetition_penalty(scores, _seen_mask(history, 50), 1.3), expected)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.999])
+def test_top_p_matches_transformers(top_p):
+    scores = torch.randn(4, 64) * 2
+    expected = TopPLogitsWarper(top_p)(None, scores.clone())
+    assert torch.equal(apply_top_p(scores, top_p), expected)
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 64, 100])
+def test_top_k_matches_transformers(top_k):
+    scores = torch.randn(4, 64)
+    expected = TopKLogitsWarper(top_k)(None, scores.clone())
+    assert torch.equal(apply_top_k(scores, top_k), expected)
+
+
+def test_process_scores_chain_order():
+    scores = torch.randn(2, 30) * 2
+    history = torch.randint(0, 30, (2, 6))
+    settings = SamplingSettings(do_sample=True, temperature=0.7, top_p=0.8, top_k=10, repetition_penalty=1.2)
+    expected = RepetitionPenaltyLogitsProcessor(1.2)(history, scores.clone())
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
+        expected = warper(history, expected)
+    torch.testing.assert_close(process_scores(scores, settings, _seen_mask(history, 30)), expected)
+
+
+def test_greedy_ignores_warpers_and_noise():
+    scores = torch.tensor([[1.0, 3.0, 2.0], [-1.0, -3.0, -2.0]])
+    seen = torch.tensor([[False, True, False], [True, False, False]])
+    greedy = SamplingSettings(do_sample=False, temperature=0.1, top_k=1, repetition_penalty=2.0)
+    # row 0: the seen 3.0 becomes 1.5 < 2.0 -> id 2; row 1: the seen -1 becomes -2, a tie with id 2 -> first max, id 0
+    assert select_tokens(scores, greedy, seen).tolist() == [2, 0]
+
+
+def test_exponential_race_draws_from_the_distribution():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    draws = 40000
+    logits = probs.log().expand(draws, 4)
+    noise = torch.empty(draws, 4).exponential_(generator=generator)
+    tokens = select_tokens(logits, SamplingSettings(do_sample=True), exponential_noise=noise)
+    frequencies = torch.bincount(tokens, minlength=4).float() / draws
+    torch.testing.assert_close(frequencies, probs, atol=0.01, rtol=0)
+    assert frequencies[3] == 0
+
+
+def test_mark_seen_respects_row_mask():
+    seen = torch.zeros(2, 5, dtype=torch.bool)
+    updated = mark_seen(seen, torch.tensor([[1, 3], [2, 2]]), torch.tensor([True, False]))
+    assert updated.tolist() == [[False, True, False, True, False], [False] * 5]
+
+
+def test_invalid_settings_raise():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingSettings(do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingSettings(top_k=-1)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingSettings(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="exponential_noise"):
+        select_tokens(torch.zeros(1, 3), SamplingSettings(do_sample=True))
