@@ -184,7 +184,11 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
                 gr.Examples(examples=[[example_wav()]], inputs=[question], label="Example question")
             with gr.Column():
                 reply_audio = gr.Audio(
-                    label="Spoken reply", streaming=stream_audio, autoplay=True, interactive=False, elem_id="reply-audio"
+                    label="Spoken reply",
+                    streaming=stream_audio,
+                    autoplay=True,
+                    interactive=False,
+                    elem_id="reply-audio",
                 )
                 transcript = gr.Textbox(label="Reply text", interactive=False, elem_id="transcript")
                 chatbot = gr.Chatbot(label="Conversation", height=300, elem_id="conversation")
@@ -201,7 +205,7 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
 def main() -> None:
     pipe = load_pipeline()
     if getattr(pipe, "is_tiny_model", False):
-        print("note: FUNAUDIOCHAT_MODEL not set: serving the tiny offline model (its output is noise).", file=sys.stderr)
+        print("note: FUNAUDIOCHAT_MODEL is not set: serving the tiny offline model (noise).", file=sys.stderr)
     if not stream_audio_enabled():
         print("note: ffmpeg not found: reply audio is sent when complete (text still streams).", file=sys.stderr)
     app = create_app(pipe)

@@ -83,14 +83,14 @@ def log(*parts: Any) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class BudgetExceeded(Exception):
-    pass
+class BudgetExceeded(BaseException):
+    """Raised by the hard-stop alarm; a BaseException so library code catching `Exception` cannot swallow it."""
 
 
 class Budget:
     """Wall-clock budget of the whole run; a SIGALRM hard stop interrupts a measurement that overruns it."""
 
-    def __init__(self, seconds: float, hard_margin: float = 30.0):
+    def __init__(self, seconds: float, hard_margin: float = 20.0):
         self.start = time.perf_counter()
         self.seconds = seconds
         if hasattr(signal, "SIGALRM") and seconds > 0:
@@ -156,6 +156,9 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "tiny": args.tiny,
+        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}",
+        "decoder_compile": args.decoder_compile_config or "compile_estimator() defaults",
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     if args.device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(args.device)
@@ -202,7 +205,7 @@ def run_measurement(results: Results, budget: Budget, label: str, fn: Callable[[
     except Exception as error:  # record and continue with the next measurement
         import traceback
 
-        traceback.print_exc()
+        traceback.print_exc(limit=-8)  # the innermost frames: enough to find the cause, short enough for the log
         value, status = {"status": f"failed: {one_line(error)}"}, "failed"
     finally:
         cleanup(device)
@@ -333,6 +336,7 @@ def build_chat_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     # are computed by the constructors as usual (a meta-device build would leave them empty).
     with torch.device(args.device):
         model = FunAudioChatForConditionalGeneration._from_config(config, dtype=dtype)
+    model.to(args.device)  # no-op unless a constructor pinned something to another device
     reinit_small_(model)
     model.eval()
     model.requires_grad_(False)
@@ -379,7 +383,8 @@ def step_bytes(model: torch.nn.Module) -> dict:
     lm = model.language_model
     embed = lm.get_input_embeddings().weight
     head = lm.get_output_embeddings().weight if lm.get_output_embeddings() is not None else None
-    llm = nbytes(lm) - (nbytes(embed) if head is None or head.data_ptr() != embed.data_ptr() else 0)
+    # An untied input embedding is only gathered (one row per token); a tied one is read in full as the LM head.
+    llm = nbytes(lm) - (nbytes(embed) if head is not embed else 0)
     crq = model.audio_invert_tower
     crq_sub = nbytes(crq.crq_transformer) + nbytes(crq.input_matching) + nbytes(crq.output_matching)
     crq_sub += nbytes(crq.lm_head.weight)
@@ -443,6 +448,8 @@ def chat_token_ids(config) -> dict:
         "num_mel_bins": int(audio_cfg.num_mel_bins),
         "text_high": int(text_high),
         "vocab_size": int(text_cfg.vocab_size),
+        # An in-vocabulary pad id for finished rows (none finish with EOS disabled, but keep it valid).
+        "pad": int(next(x for x in (text_cfg.pad_token_id, text_cfg.bos_token_id, 0) if x is not None)),
     }
 
 
@@ -451,7 +458,8 @@ def make_chat_inputs(model: torch.nn.Module, batch: int, seconds: float, device:
 
     input_ids (batch, L): ~30 chat-template ids + <|audio_bos|> + ceil(25*seconds/5) <|AUDIO|> + <|audio_eos|> + 5 ids;
     speech_ids (batch, S) all <|audio_pad|>, S = 25*seconds rounded up to a multiple of 5; input_features
-    (batch, 128, 100*seconds) random log-mel-like values with a full feature_attention_mask; feature_exist_mask all true.
+    (batch, 128, 100*seconds) random log-mel-like values with a full feature_attention_mask; feature_exist_mask all
+    true.
     """
     ids = chat_token_ids(model.config)
     group = ids["group_size"]
@@ -508,7 +516,10 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "repetition_penalty": 1.2,
         # An id the text head can never produce (== vocab size): every run does exactly max_new_tokens steps.
         "eos_token_id": ids["vocab_size"],
+        "pad_token_id": ids["pad"],
         "compile": compile_argument(mode, args),
+        "compile_scope": args.compile_scope,
+        "compile_attention": args.compile_attention,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -533,7 +544,7 @@ def generated_steps(output, prompt_len: int) -> int | None:
 
 
 def generate(model, inputs: dict, kwargs: dict, notes: list[str]):
-    with torch.inference_mode():
+    with torch.no_grad():
         return call_with_supported_kwargs(model.generate_speech, {**inputs, **kwargs}, notes)
 
 
@@ -550,8 +561,11 @@ def measure_step_time(
     runs = {}
     reset_peak(device)
     first = {}
-    for n in (short, long):  # warm-up: compilation / CUDA-graph capture happens here, for each cache size
-        seconds, out = timed(lambda: generate(model, inputs, generation_kwargs(model, mode, args, n, **extra), notes), device)
+    def run(n: int):
+        return timed(lambda: generate(model, inputs, generation_kwargs(model, mode, args, n, **extra), notes), device)
+
+    for n in (short, long):  # warm-up: compilation / CUDA-graph capture happens here
+        seconds, out = run(n)
         first[n] = seconds
         steps = generated_steps(out, prompt_len)
         if steps is not None and steps != n:
@@ -559,8 +573,7 @@ def measure_step_time(
         runs[n] = {"steps": steps if steps is not None else n, "times": []}
     for _ in range(args.repeats):
         for n in (short, long):
-            seconds, _ = timed(lambda: generate(model, inputs, generation_kwargs(model, mode, args, n, **extra), notes), device)
-            runs[n]["times"].append(seconds)
+            runs[n]["times"].append(run(n)[0])
     t_short = statistics.median(runs[short]["times"])
     t_long = statistics.median(runs[long]["times"])
     d_steps = runs[long]["steps"] - runs[short]["steps"]
@@ -584,8 +597,9 @@ def measure_step_time(
     }
 
 
-def chat_step_row(model, info: dict, bandwidth: dict, mode: str, batch: int, args: argparse.Namespace) -> dict:
+def chat_step_row(model, bandwidth: dict, mode: str, batch: int, args: argparse.Namespace, results: Results) -> dict:
     device = args.device
+    info = results.data["chat_model"]  # filled by the (lazy) build of `model`
     inputs = make_chat_inputs(model, batch, args.input_seconds, device)
     long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
     short = max(1, long // 4)
@@ -632,7 +646,7 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
         synchronize(device)
         start = time.perf_counter()
         events, result = 0, None
-        with torch.inference_mode():
+        with torch.no_grad():
             stream = call_with_supported_kwargs(model.generate_speech_stream, {**inputs, **kwargs}, notes)
             try:
                 for event in stream:
@@ -790,7 +804,7 @@ def decoder_offline_row(decoder, mode: str, seconds: float, args: argparse.Names
     reset_peak(device)
 
     def run():
-        with torch.inference_mode():
+        with torch.no_grad():
             return waveform_of(decoder(tokens, speaker_embedding=emb))
 
     first_s, wav = timed(run, device)
@@ -820,7 +834,7 @@ def decoder_offline_row(decoder, mode: str, seconds: float, args: argparse.Names
 
 def stream_once(decoder, tokens: torch.Tensor, emb: torch.Tensor, hop: int, device: str, arrival: int) -> dict:
     """Pushes tokens `arrival` at a time (the chat loop emits 5 per LLM step); times every push that returns audio."""
-    with torch.inference_mode():
+    with torch.no_grad():
         stream = decoder.streaming_decoder(speaker_embedding=emb, token_hop_len=hop)
         chunk_ms, total, samples = [], 0.0, 0
         flat = tokens.reshape(-1)
@@ -841,7 +855,8 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
     tokens = random_speech_tokens(seconds, seed=100 + int(seconds)).to(device)
     emb = speaker_embedding(device)
     reset_peak(device)
-    warm = stream_once(decoder, tokens[:, : 4 * args.hop + 3], emb, args.hop, device, 5)  # compile / allocator warm-up
+    # Warm-up over two chunks (compilation, allocator) before the timed reply.
+    warm = stream_once(decoder, tokens[:, : 2 * args.hop + 3 + 5], emb, args.hop, device, 5)
     run = stream_once(decoder, tokens, emb, args.hop, device, 5)
     chunks = run["chunk_ms"]
     if not chunks:
@@ -853,7 +868,8 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
     name = f"stream {seconds:g} s"
     row = {
         "mode": mode,
-        "test": f"{name} (hop {args.hop})",
+        "test": name,
+        "hop": args.hop,
         "audio_s": seconds,
         "wall_s": run["total_s"],
         "rtf": run["total_s"] / seconds,
@@ -948,7 +964,7 @@ def render_chat(data: dict) -> str:
         "× faster than official (390 ms)",
         "compile s",
         "prefill+overhead s",
-        "peak GB",
+        "peak GB (chat)",
         "notes",
     ]
     out = [table(header, rows)]
@@ -1028,11 +1044,11 @@ def render_decoder(data: dict) -> str:
         if row_status(r):
             rows.append([r["mode"], r["test"]] + ["–"] * 7 + [notes_of(r)])
             continue
-        official = OFFICIAL_DECODER.get(r["test"].split(" (")[0], {})
+        official = OFFICIAL_DECODER.get(r["test"], {})
         rows.append(
             [
                 r["mode"],
-                r["test"],
+                r["test"] + (f" (hop {r['hop']})" if r.get("hop") else ""),
                 fmt(r["wall_s"], 3),
                 fmt(r["rtf"], 4),
                 fmt(r.get("first_chunk_ms"), 1),
@@ -1053,7 +1069,7 @@ def render_decoder(data: dict) -> str:
         "first chunk ms",
         "max chunk ms",
         "first → last chunk ms",
-        "peak GB",
+        "peak GB (decoder)",
         "official (performance.md) → ours ×",
         "notes",
     ]
@@ -1078,7 +1094,9 @@ def render_markdown(data: dict) -> str:
         f"`{meta['command']}`",
         "",
         f"torch {meta['torch']}, transformers {meta['transformers']}, CUDA {meta.get('cuda', '–')}, python "
-        f"{meta['python']}, funaudiochat_hf {meta.get('funaudiochat_hf')} (git {meta.get('git')})"
+        f"{meta['python']}, funaudiochat_hf {meta.get('funaudiochat_hf')} (git {meta.get('git') or '?'}); compiled "
+        f"= `generate_speech(compile={meta.get('chat_compile')})`, decoder `{meta.get('decoder_compile')}`; float32 "
+        f"matmul precision {meta.get('float32_matmul_precision')}"
         + (" — **tiny random configs, numbers are not meaningful**" if meta.get("tiny") else ""),
         "",
     ]
@@ -1116,8 +1134,10 @@ How to read the numbers:
 - **CRQ share**: 1 − (step with `disable_speech=True`) / (normal step).
 - Decoder: offline = one call on 10 s / 30 s of tokens (25 tokens/s); streaming = `streaming_decoder(token_hop_len=15)`
   fed 5 tokens per push, the chunk time being the push that returned it.
+- **peak GB**: `torch.cuda.max_memory_allocated` during the measurement minus the other model's weights (both models
+  stay resident in one run); the time-to-first-audio peak counts both.
 
-Reproduce (one GPU, ~10 min): `python scripts/benchmark.py` (defaults: `--batch-sizes 1,4,16 --modes eager,compiled
+Reproduce (one GPU, ~10 min): `python3 scripts/benchmark.py` (defaults: `--batch-sizes 1,4,16 --modes eager,compiled
 --parts chat,decoder --steps 128 --input-seconds 10 --time-budget 540`). It appends a section below; with `OUT` set it
 also writes `$OUT/benchmark.json` and `$OUT/benchmark.md`; `python scripts/benchmark.py --from-json benchmark.json`
 appends the section of a run made elsewhere. Smoke test of the script on CPU:
@@ -1151,13 +1171,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default=None, help="1,4,16 (1,2 with --tiny)")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--parts", default="chat,decoder")
-    p.add_argument("--input-seconds", type=float, default=None, help="length of the spoken question (10; 2 with --tiny)")
+    p.add_argument("--input-seconds", type=float, default=None, help="spoken question length (10; 2 with --tiny)")
     p.add_argument("--chat-dtype", default="auto", help="auto = bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--compile-config", default=None, help='JSON for generate_speech(compile=...), e.g. \'{"mode": "max-autotune"}\'')
+    p.add_argument(
+        "--compile-config", default=None, help='generate_speech(compile=...) as JSON, e.g. \'{"mode": "max-autotune"}\''
+    )
+    p.add_argument(
+        "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
+    )
+    p.add_argument(
+        "--compile-attention", default="default", choices=["math", "default"], help="generate_speech(compile_attention=...)"
+    )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
-    p.add_argument("--decoder-seconds", default=None, help="reply lengths for the decoder tests (10,30; 1,2 with --tiny)")
-    p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the time-to-first-audio stream (40; 12 with --tiny)")
+    p.add_argument("--decoder-seconds", default=None, help="decoder reply lengths (10,30; 1,2 with --tiny)")
+    p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the TTFA stream (40; 12 tiny)")
     p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (100; 3 with --tiny)")
     p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; remaining measurements are skipped")
@@ -1253,7 +1281,9 @@ def main(argv: list[str] | None = None) -> int:
     raise_recompile_limits()
 
     device = args.device
-    bandwidth = run_measurement(results, budget, "copy bandwidth", lambda: measure_copy_bandwidth(device, args.bandwidth_mb), device)
+    bandwidth = run_measurement(
+        results, budget, "copy bandwidth", lambda: measure_copy_bandwidth(device, args.bandwidth_mb), device
+    )
     results.data["bandwidth"] = bandwidth
     if bandwidth.get("copy_gb_per_s"):
         log(f"copy bandwidth: {bandwidth['copy_gb_per_s']:.0f} GB/s")
@@ -1298,31 +1328,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def resident_gb(model) -> float:
+    """Parameter + buffer bytes of a model on the device, in GB (0 for None)."""
+    if model is None:
+        return 0.0
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+
+
+def exclude_other_model(row: dict, other) -> dict:
+    """Peak memory of a measurement without the other model's weights (both models stay resident in one run)."""
+    other_gb = resident_gb(other)
+    if row.get("peak_gb") is not None and other_gb:
+        row["peak_gb"] -= other_gb
+        row["peak_excludes_gb"] = other_gb
+    return row
+
+
+def usable_mode(preferred: str, full_step_ms: dict) -> str:
+    """The compiled mode for TTFA / repeated calls, unless every compiled chat measurement failed (then eager)."""
+    measured = {mode for mode, _ in full_step_ms}
+    if preferred in measured or not measured:
+        return preferred
+    return "eager" if "eager" in measured else preferred
+
+
 def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state, full_step_ms) -> None:
-    device = args.device
+    def measure(label: str, fn: Callable[[], Any]):
+        return run_measurement(results, budget, label, fn, args.device)
+
     for kind, label, p in plan(args):
         mode = p.get("mode")
         if kind == "chat":
-            row = run_measurement(
-                results, budget, label, lambda: chat_step_row(chat_model(), results.data["chat_model"], bandwidth, mode, p["batch"], args), device
-            )
-            row = {"mode": mode, "batch": p["batch"], **row}
+            row = measure(label, lambda: chat_step_row(chat_model(), bandwidth, mode, p["batch"], args, results))
+            row = exclude_other_model({"mode": mode, "batch": p["batch"], **row}, state.get("decoder"))
             if "ms_per_step" in row:
                 full_step_ms[(mode, p["batch"])] = row["ms_per_step"]
-                log(f"  -> {row['ms_per_step']:.2f} ms/step, RTF {row['rtf']:.4f}, peak {fmt(row.get('peak_gb'), 1)} GB")
+                log(f"  -> {row['ms_per_step']:.2f} ms/step, RTF {row['rtf']:.4f}, peak {fmt(row.get('peak_gb'))} GB")
             results.add("chat", row)
         elif kind == "crq":
             full = full_step_ms.get((mode, p["batch"]))
-            row = run_measurement(results, budget, label, lambda: crq_share_row(chat_model(), mode, p["batch"], args, full), device)
+            row = measure(label, lambda: crq_share_row(chat_model(), mode, p["batch"], args, full))
             results.add("crq_share", {"mode": mode, "batch": p["batch"], **row})
         elif kind == "ttfa":
-            row = run_measurement(results, budget, label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args), device)
-            results.add("ttfa", {"mode": mode, "input_seconds": args.input_seconds, **row})
+            mode = usable_mode(mode, full_step_ms)
+            label = f"time to first audio ({mode})"
+            row = measure(label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args))
+            results.add("ttfa", {"mode": mode, "input_seconds": args.input_seconds, **row})  # both models count
         elif kind == "repeat":
-            row = run_measurement(results, budget, label, lambda: repeat_calls_row(chat_model(), mode, args), device)
-            results.add("repeat_calls", {"mode": mode, **row})
+            mode = usable_mode(mode, full_step_ms)
+            label = f"{args.repeat_calls} consecutive calls ({mode})"
+            row = measure(label, lambda: repeat_calls_row(chat_model(), mode, args))
+            results.add("repeat_calls", exclude_other_model({"mode": mode, **row}, state.get("decoder")))
         elif kind == "decoder_compile":
-            value = run_measurement(results, budget, label, lambda: compile_decoder(decoder_model(), args), device)
+            value = measure(label, lambda: compile_decoder(decoder_model(), args))
             if isinstance(value, dict):  # failed or skipped: no compiled decoder rows
                 state["decoder_compile_failed"] = value["status"]
             else:
@@ -1333,10 +1392,15 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
                 row = {"status": state["decoder_compile_failed"]}
             else:
                 fn = decoder_offline_row if kind == "decoder_offline" else decoder_stream_row
-                row = run_measurement(results, budget, label, lambda: fn(decoder_model(), mode, p["seconds"], args), device)
-            results.add("decoder", {"mode": mode, "test": name, **row})
+                row = measure(label, lambda: fn(decoder_model(), mode, p["seconds"], args))
+            results.add("decoder", exclude_other_model({"mode": mode, "test": name, **row}, state.get("chat")))
         log(f"  (elapsed {budget.elapsed():.0f} s of {args.time_budget:.0f} s)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without interpreter teardown: after a measurement interrupted by the time limit (e.g. inside a CUDA-graph
+    # capture or with compile workers alive) teardown can hang, and the results are already written.
+    os._exit(code)

@@ -66,7 +66,8 @@ def _model_card(chat: str, decoder: str | None, speakers: list[str]) -> str:
     voices = ", ".join(speakers) if speakers else "the decoder's default"
     decoder_line = f"speech decoder from `{decoder}`" if decoder else "speech decoder included in the chat checkpoint"
     return f"""---
-license: apache-2.0
+license: other
+license_name: upstream-model-licenses
 library_name: transformers
 pipeline_tag: audio-to-audio
 tags: [funaudiochat, speech-to-speech, cosyvoice3, custom_code]
@@ -99,15 +100,17 @@ Voices: {voices} (pass `speaker=`). Generation keywords (`max_new_tokens`, `temp
 
 ## Limits
 
-* Input: 16 kHz speech after resampling, up to 300 s per clip; replies are bounded by `max_new_tokens`
-  (5 LLM steps per second of speech).
+* Input: speech (resampled to 16 kHz) up to the feature extractor's `chunk_length` per clip (300 s for
+  Fun-Audio-Chat-8B); replies are bounded by `max_new_tokens` (5 LLM steps per second of speech).
 * The voice comes from a fixed speaker embedding (no voice cloning); timbre control is limited to the stored voices.
 * Half-duplex only: one turn in, one turn out. Multi-turn history keeps earlier assistant turns as text.
 * English and Chinese are the languages the model was trained for; quality elsewhere is untested.
 
 ## License
 
-Apache-2.0, like Fun-Audio-Chat-8B and Fun-CosyVoice3-0.5B-2512; check both upstream model cards before use.
+The weights keep the licenses of their upstream repos (`{chat}` and the CosyVoice3 decoder,
+Fun-CosyVoice3-0.5B-2512 for the official one): read those model cards before use. The code files are the
+funaudiochat_hf package's (Apache-2.0).
 """
 
 
@@ -115,6 +118,11 @@ def _update_json(path: Path, update: dict) -> None:
     data = json.loads(path.read_text(encoding="utf-8"))
     data.update(update)
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _looks_local(source: str) -> bool:
+    """A path rather than a Hub id (`owner/name`)."""
+    return source.startswith(("/", ".", "~")) or Path(source).expanduser().exists() or source.count("/") > 1
 
 
 def attach_decoder(model, decoder) -> None:
@@ -139,6 +147,9 @@ def build_hub_repo(
     from funaudiochat_hf import FunAudioChatForConditionalGeneration
     from funaudiochat_hf.pipeline_speech_to_speech import load_speech_decoder
 
+    for name, source in (("chat model", chat), ("decoder", decoder)):
+        if source is not None and _looks_local(source) and not Path(source).expanduser().is_dir():
+            raise FileNotFoundError(f"{name} folder not found: {source}")
     out = Path(out).expanduser()
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -191,8 +202,8 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, dry_run
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chat", required=True, help="chat model folder or Hub id (e.g. FunAudioLLM/Fun-Audio-Chat-8B)")
-    parser.add_argument("--decoder", help="CosyVoice3 folder or Hub id (official or converted); optional if --chat has one")
+    parser.add_argument("--chat", required=True, help="chat model folder or Hub id, e.g. FunAudioLLM/Fun-Audio-Chat-8B")
+    parser.add_argument("--decoder", help="CosyVoice3 folder or Hub id (official or converted), unless --chat has one")
     parser.add_argument("--speakers", help="speaker embeddings file (spk2info.pt) for an official decoder folder")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")

@@ -51,9 +51,9 @@ _CHECKPOINTING_ARG = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="Model folder or Hub id (e.g. tests/fixtures/funaudiochat_tiny).")
+    parser.add_argument("--model", required=True, help="Model folder or Hub id, e.g. tests/fixtures/funaudiochat_tiny.")
     parser.add_argument("--output-dir", required=True, help="Checkpoints, logs and the final model go here.")
-    parser.add_argument("--dataset", help="JSON-lines training file. Default: a synthetic dataset in <output-dir>/data.")
+    parser.add_argument("--dataset", help="JSON-lines training file (default: synthetic data in <output-dir>/data).")
     parser.add_argument("--eval-dataset", help="Optional JSON-lines evaluation file.")
     parser.add_argument("--synthetic-samples", type=int, default=16, help="Size of the synthetic dataset.")
     parser.add_argument("--max-steps", type=int, default=-1, help="Optimizer steps (overrides --epochs when > 0).")
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="Gradient accumulation steps.")
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="Reference full SFT: 1e-5; LoRA: ~1e-4.")
     parser.add_argument("--lr-scheduler", default="cosine")
-    parser.add_argument("--warmup", type=float, default=0.02, help="Warmup: a fraction of the steps (< 1) or a step count.")
+    parser.add_argument("--warmup", type=float, default=0.02, help="Warmup: fraction of the steps (< 1) or steps.")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--save-steps", type=int, default=500, help="Checkpoint every this many steps.")
@@ -113,6 +113,7 @@ def build_training_arguments(args: argparse.Namespace) -> TrainingArguments:
         bf16=args.bf16,
         remove_unused_columns=False,  # the collator needs the raw conversations
         dataloader_num_workers=args.num_workers,
+        dataloader_pin_memory=torch.cuda.is_available() and not args.use_cpu,
         report_to=[] if args.report_to == "none" else [args.report_to],
         use_cpu=args.use_cpu,
         deepspeed=args.deepspeed,
@@ -187,8 +188,13 @@ def main(argv: list[str] | None = None) -> Path:
 
     final_dir = Path(args.output_dir) / "final"
     if args.lora:
-        trainer.save_model(str(Path(args.output_dir) / "adapter"))
-        if trainer.is_world_process_zero():
+        adapter_dir = Path(args.output_dir) / "adapter"
+        trainer.save_model(str(adapter_dir))
+        if trainer.is_fsdp_enabled:
+            # The weights are sharded over the processes: merge offline (docs/finetuning.md, "LoRA").
+            logger.warning("FSDP: saved the LoRA adapter to %s; merge it offline with `merge_lora`.", adapter_dir)
+            final_dir = adapter_dir
+        elif trainer.is_world_process_zero():
             merged = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
             merged.save_pretrained(final_dir)
             processor.save_pretrained(final_dir)

@@ -104,3 +104,24 @@ def test_time_budget_skips_remaining_work(tmp_path):
     data = json.loads((tmp_path / "benchmark.json").read_text())
     assert data["chat"] and all(r["status"].startswith("skipped") for r in data["chat"])
     assert "Skipped (time budget)" in proc.stdout
+
+
+def test_hard_stop_interrupts_a_measurement():
+    """The SIGALRM hard stop turns an overrunning measurement into a 'failed' row and skips the rest."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.pop(0)
+    import time
+
+    args = benchmark.parse_args(["--tiny", "--device", "cpu", "--no-write"])
+    results = benchmark.Results(args, [])
+    budget = benchmark.Budget(0.2, hard_margin=0.5)  # alarm after 1 s
+    try:
+        value = benchmark.run_measurement(results, budget, "sleeper", lambda: time.sleep(5), "cpu")
+        after = benchmark.run_measurement(results, budget, "next", lambda: 1, "cpu")
+    finally:
+        budget.cancel_alarm()
+    assert value["status"].startswith("failed: BudgetExceeded")
+    assert after["status"].startswith("skipped")

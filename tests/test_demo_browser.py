@@ -65,8 +65,11 @@ def sync_playwright():
     return module.sync_playwright
 
 
-@pytest.fixture(scope="module")
-def demo_url(sync_playwright, tmp_path_factory):
+@pytest.fixture(scope="module", params=["streamed", "whole"])
+def demo_url(request, sync_playwright, tmp_path_factory):
+    """The app, once streaming the reply audio (needs ffmpeg) and once sending it whole (the no-ffmpeg fallback)."""
+    if request.param == "streamed" and shutil.which("ffmpeg") is None:
+        pytest.skip("Gradio streams audio through ffmpeg, which is not installed (the 'whole' variant still runs)")
     cache = tmp_path_factory.getbasetemp() / "cache"
     build_tiny_model(cache / f"tiny-{TINY_MODEL_VERSION}")  # shared with the other test modules of the session
     port = _free_port()
@@ -79,6 +82,7 @@ def demo_url(sync_playwright, tmp_path_factory):
         GRADIO_SERVER_PORT=str(port),
         GRADIO_ANALYTICS_ENABLED="False",
         HF_HUB_OFFLINE="1",
+        FUNAUDIOCHAT_STREAM_AUDIO="1" if request.param == "streamed" else "0",
     )
     env.pop("FUNAUDIOCHAT_MODEL", None)
     with open(log, "w") as sink:
@@ -100,7 +104,8 @@ def demo_url(sync_playwright, tmp_path_factory):
 
 
 QUESTION_PLAYER = "#question audio, #question [data-testid^='waveform']"
-REPLY_PLAYER = "#reply-audio audio, #reply-audio [data-testid^='waveform']"
+# streamed: an <audio> on a blob playlist; whole: a waveform player; both offer the reply for download
+REPLY_HAS_AUDIO = "() => !!document.querySelector('#reply-audio [data-testid=download-link][href]')"
 IDLE = "() => document.querySelectorAll('.generating, .pending').length === 0"
 
 
@@ -132,13 +137,22 @@ def test_upload_question_and_get_spoken_reply(page, tmp_path):
         "() => { const t = document.querySelector('#transcript textarea'); return t && t.value.length > 0; }",
         timeout=REPLY_TIMEOUT_MS,
     )
-    page.locator(REPLY_PLAYER).first.wait_for(timeout=REPLY_TIMEOUT_MS)
+    page.wait_for_function(REPLY_HAS_AUDIO, timeout=REPLY_TIMEOUT_MS)
     page.wait_for_function(IDLE, timeout=REPLY_TIMEOUT_MS)
     assert page.locator("#conversation").get_by_text("(1.5 s)").count() == 1
     transcript = page.locator("#transcript textarea").input_value()
     assert transcript.strip()
     page.screenshot(path=str(screenshot), full_page=True)
     assert screenshot.stat().st_size > 10_000
+
+    page.locator("#submit").click()  # a second turn joins the same conversation
+    page.wait_for_function(
+        "() => document.querySelectorAll('#conversation .message-row, #conversation [data-testid=user]').length >= 2"
+        " || document.querySelector('#conversation').innerText.split('(1.5 s)').length === 3",
+        timeout=REPLY_TIMEOUT_MS,
+    )
+    page.wait_for_function(IDLE, timeout=REPLY_TIMEOUT_MS)
+    assert page.locator("#conversation").get_by_text("(1.5 s)").count() == 2
 
     page.locator("#reset").click()  # a new conversation clears the transcript and the history
     page.wait_for_function("() => document.querySelector('#transcript textarea').value === ''")

@@ -166,6 +166,8 @@ def test_consecutive_calls_and_threads_do_not_interfere(model, inputs):
         thread.join()
     assert torch.equal(results["audio"].speech_ids, first.speech_ids)
     assert torch.equal(results["text"].sequences, other.sequences)
+    model.clear_speech_caches()  # freed buffers are rebuilt on demand
+    assert torch.equal(model.generate_speech(**inputs, **kwargs).speech_ids, first.speech_ids)
 
 
 def test_seeded_sampling_is_reproducible(model, inputs):

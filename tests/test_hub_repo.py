@@ -1,4 +1,4 @@
-"""scripts/build_hub_repo.py: the one-folder repo, loaded with trust_remote_code where funaudiochat_hf is NOT importable."""
+"""scripts/build_hub_repo.py: the one-folder repo, loaded with remote code where funaudiochat_hf is not importable."""
 
 import importlib.util
 import json
@@ -59,7 +59,7 @@ def test_folder_layout(builder, hub_dir):
             "pipeline_speech_to_speech.py", "audio_io.py", "modeling_cosyvoice3.py"} <= code
     assert not code & {"__init__.py", "cli.py", "tiny_model.py"}
     card = (hub_dir / "README.md").read_text()
-    assert card.startswith("---\nlicense: apache-2.0") and "trust_remote_code=True" in card and "## Limits" in card
+    assert card.startswith("---\nlicense: other") and "## License" in card and "trust_remote_code=True" in card and "## Limits" in card
 
 
 def test_code_files_follow_relative_imports(builder):
@@ -83,12 +83,10 @@ def test_push_to_hub_dry_run_lists_files_without_network(builder, hub_dir, capsy
     assert "config.json" in files and "pipeline_speech_to_speech.py" in files and "model.safetensors" in files
 
 
-def test_cli_errors_are_one_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--chat", str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode != 0 and "Traceback" not in result.stderr
+def test_cli_errors_are_one_line(builder, tmp_path, capsys):
+    code = builder.main(["--chat", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1 and err == [f"error: chat model folder not found: {tmp_path / 'missing'}"]
 
 
 _REMOTE_SCRIPT = r"""
@@ -107,7 +105,8 @@ repo = sys.argv[1]
 config = AutoConfig.from_pretrained(repo, trust_remote_code=True)
 assert type(config).__name__ == "FunAudioChatConfig", type(config)
 assert type(AutoProcessor.from_pretrained(repo, trust_remote_code=True)).__name__ == "FunAudioChatProcessor"
-assert type(AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_code=True)).__name__ == "FunAudioChatForConditionalGeneration"
+model = AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_code=True)
+assert type(model).__name__ == "FunAudioChatForConditionalGeneration"
 s2s = pipeline(model=repo, trust_remote_code=True, device="cpu")  # task inferred from custom_pipelines
 assert s2s.task == "speech-to-speech", s2s.task
 t = np.arange(16000) / 16000
@@ -134,3 +133,20 @@ def test_remote_code_load_without_the_package(hub_dir, tmp_path):
     assert report["module"].startswith("transformers_modules.")  # the repo's copy, not the package
     assert report["sampling_rate"] == 24000 and report["dtype"] == "float32" and report["samples"] > 0
     assert report["speakers"] == ["中文女", "中文男"]
+
+
+def test_build_from_the_official_two_repo_layout(builder, tmp_path):
+    """--chat (no decoder) + --decoder (official CosyVoice3 folder) + --speakers -> one folder with both."""
+    from transformers import AutoModel
+
+    from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_TINY
+
+    out = builder.build_hub_repo(
+        str(FUNAUDIOCHAT_TINY), tmp_path / "repo", decoder=str(COSYVOICE3_TINY),
+        speakers=str(COSYVOICE3_TINY / "spk2info.pt"),
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["token2wav_config"]["model_type"] == "cosyvoice3"
+    model = AutoModel.from_pretrained(out)
+    assert model.token2wav is not None and model.token2wav.config.speaker_names
+    assert model.token2wav.config.speaker_names == config["token2wav_config"]["speaker_names"]

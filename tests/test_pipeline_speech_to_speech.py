@@ -158,11 +158,25 @@ def test_generation_kwargs_pass_through(stub_pipe):
     assert "system_prompt" not in call and "sampling_rate" not in call
 
 
+def test_replies_stop_at_im_end_by_default(stub_pipe, processor):
+    # Regression: without an explicit eos the loop stopped only at the generation config's eos (<|endoftext|> in the
+    # official checkpoint), so real replies ran on past <|im_end|> up to max_new_tokens.
+    stub_pipe.model.generation_config = type("GenerationConfig", (), {"eos_token_id": 320})()
+    stub_pipe(synthetic_question(1.0))
+    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stub_pipe.model.calls[-1]["eos_token_id"] == [im_end, 320]
+    stub_pipe(synthetic_question(1.0), eos_token_id=7)
+    assert stub_pipe.model.calls[-1]["eos_token_id"] == 7
+
+
 def test_system_prompt_and_multi_turn_history(stub_pipe):
     chat = [
         {"role": "user", "content": [{"type": "audio", "audio": synthetic_question(1.0)}]},
         {"role": "assistant", "content": "first answer"},
-        {"role": "user", "content": [{"type": "audio", "audio": synthetic_question(2.0)}, {"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "audio", "audio": synthetic_question(2.0)}, {"type": "text", "text": "Be brief."}],
+        },
     ]
     reply = stub_pipe(chat, system_prompt="You are terse.")
     call = stub_pipe.model.calls[-1]
@@ -216,12 +230,20 @@ def test_stream_yields_deltas_and_audio_chunks(stub_pipe):
 
 
 def test_speakers_and_default_voice(processor):
-    pipe = SpeechToSpeechPipeline(model=StubChatModel(processor.tokenizer), processor=processor, device="cpu", speaker="中文男")
+    model = StubChatModel(processor.tokenizer)
+    pipe = SpeechToSpeechPipeline(model=model, processor=processor, device="cpu", speaker="中文男")
     assert pipe.speakers == ["中文女", "中文男"]
     pipe(synthetic_question(1.0))
     assert pipe.model.calls[-1]["speaker"] == "中文男"
     pipe(synthetic_question(1.0), speaker="中文女")
     assert pipe.model.calls[-1]["speaker"] == "中文女"
+
+
+def test_unknown_default_speaker_is_a_clear_error(processor):
+    with pytest.raises(ValueError, match="Unknown speaker 'nobody'"):
+        SpeechToSpeechPipeline(
+            model=StubChatModel(processor.tokenizer), processor=processor, device="cpu", speaker="nobody"
+        )
 
 
 def test_separate_decoder_is_passed_to_generation(processor):
@@ -236,7 +258,9 @@ def test_separate_decoder_is_passed_to_generation(processor):
 
 def test_model_without_decoder_is_a_clear_error(processor):
     with pytest.raises(ValueError, match="no speech decoder"):
-        SpeechToSpeechPipeline(model=StubChatModel(processor.tokenizer, with_decoder=False), processor=processor, device="cpu")
+        SpeechToSpeechPipeline(
+            model=StubChatModel(processor.tokenizer, with_decoder=False), processor=processor, device="cpu"
+        )
 
 
 def test_bad_decoder_folder_is_a_clear_error(processor, tmp_path):
@@ -303,3 +327,17 @@ def test_tiny_model_batch_equals_single_runs(tiny_pipe):
         single = tiny_pipe(clip, max_new_tokens=10, do_sample=False)
         assert reply["text"] == single["text"]
         np.testing.assert_allclose(reply["audio"], single["audio"], atol=1e-4)
+
+
+def test_official_two_repo_layout():
+    """Chat checkpoint without a decoder + an official CosyVoice3 folder, combined in one call."""
+    from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_TINY
+
+    pipe = pipeline(
+        "speech-to-speech", model=str(FUNAUDIOCHAT_TINY), decoder=str(COSYVOICE3_TINY),
+        speakers_file=str(COSYVOICE3_TINY / "spk2info.pt"), device="cpu",
+    )
+    assert getattr(pipe.model, "token2wav", None) is None and pipe.speech_decoder is not None
+    assert pipe.speakers  # read from the speaker file
+    reply = pipe(synthetic_question(1.0), max_new_tokens=10, do_sample=False, speaker=pipe.speakers[0])
+    assert reply["sampling_rate"] == 24000 and reply["audio"].size > 0 and np.isfinite(reply["audio"]).all()

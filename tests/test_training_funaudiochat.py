@@ -3,7 +3,6 @@ encoder, LoRA (+ merge), the JSON-lines dataset and scripts/finetune.py (checkpo
 
 import importlib.util
 import json
-import math
 import re
 import wave
 from pathlib import Path
@@ -30,6 +29,12 @@ from conftest import FUNAUDIOCHAT_TINY
 
 
 REPO = Path(__file__).resolve().parents[1]
+# transformers >= 5.20 renamed the TrainingArguments field (the old name still works, with a deprecation warning).
+_CHECKPOINTING_ARG = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +97,7 @@ def test_trainer_loss_goes_down_and_logs_text_and_speech_loss(processor, dataset
         args=_args(tmp_path, max_steps=24, logging_steps=4, eval_strategy="no"),
         train_dataset=dataset,
         eval_dataset=dataset,
-        processor=processor,
+        processing_class=processor,  # moved to `processor=`: Trainer must not realign the model's special ids
     )
     trainer.train()
     logs = _train_logs(trainer)
@@ -120,7 +125,9 @@ def test_logged_losses_are_exact_window_means(processor, dataset_path, tmp_path)
     expected = {name: sum(float(getattr(o, name)) for o in outs) / 2 for name in ("loss", "text_loss", "speech_loss")}
 
     args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.0)
-    ours = FunAudioChatTrainer(model=_model(), args=_args(tmp_path / "a", **args), train_dataset=two, processor=processor)
+    ours = FunAudioChatTrainer(
+        model=_model(), args=_args(tmp_path / "a", **args), train_dataset=two, processor=processor
+    )
     ours.train()
     plain = Trainer(
         model=_model(),
@@ -143,7 +150,8 @@ def test_gradient_checkpointing_recomputes_and_matches(processor, dataset_path):
     def run(checkpointing: bool):
         model = _model().train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            # (renamed `activation_checkpointing_enable` in transformers 5.20)
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         calls = {"llm": 0, "crq": 0, "encoder": 0}
         # Attention of checkpointed layers: it runs again when the backward pass recomputes its layer (torch may stop
         # the recomputation early, before the layer's MLP, so the MLP is not a reliable probe).
@@ -191,7 +199,8 @@ def test_lora_target_modules_cover_llm_and_crq_projections_only():
     model = _model()
     pattern = lora_target_modules()
     hit = sorted(name for name, _ in model.named_modules() if re.fullmatch(pattern, name))
-    n_llm, n_crq = model.config.text_config.num_hidden_layers, model.config.audio_config.crq_transformer_config.num_hidden_layers
+    n_llm = model.config.text_config.num_hidden_layers
+    n_crq = model.config.audio_config.crq_transformer_config.num_hidden_layers
     assert len(hit) == 7 * (n_llm + n_crq) + 3
     assert "audio_invert_tower.pre_matching" in hit and "audio_invert_tower.output_matching" in hit
     assert "language_model.model.layers.0.mlp.down_proj" in hit
@@ -213,7 +222,7 @@ def test_lora_trains_only_adapters_and_merge_reproduces(processor, dataset_path,
 
     trainer = FunAudioChatTrainer(
         model=peft_model,
-        args=_args(tmp_path / "run", max_steps=6, learning_rate=1e-2, **{"gradient_checkpointing": True}),
+        args=_args(tmp_path / "run", max_steps=6, learning_rate=1e-2, **{_CHECKPOINTING_ARG: True}),
         train_dataset=dataset,
         processor=processor,
     )
@@ -327,8 +336,9 @@ def test_finetune_resume_continues_the_same_run(uninterrupted_run, tmp_path):
 
     full_log = json.loads((full_dir / "log_history.json").read_text())
     resumed_log = json.loads((tmp_path / "log_history.json").read_text())
-    losses = [[entry.get(key) for key in ("step", "loss", "text_loss", "speech_loss")] for entry in full_log if "loss" in entry]
-    resumed = [[entry.get(key) for key in ("step", "loss", "text_loss", "speech_loss")] for entry in resumed_log if "loss" in entry]
+    keys = ("step", "loss", "text_loss", "speech_loss")
+    losses = [[entry.get(key) for key in keys] for entry in full_log if "loss" in entry]
+    resumed = [[entry.get(key) for key in keys] for entry in resumed_log if "loss" in entry]
     assert [row[0] for row in resumed] == [1, 2, 3, 4, 5, 6]
     for row, resumed_row in zip(losses, resumed):
         assert resumed_row == pytest.approx(row, rel=1e-6), row[0]
@@ -371,4 +381,23 @@ def test_finetuned_model_generates_speech(uninterrupted_run):
     codebook = model.config.audio_config.codebook_size
     assert output.speech_ids.shape[1] % model.config.audio_config.group_size == 0
     assert ((output.speech_ids >= 0) & (output.speech_ids < codebook)).all()
-    assert math.isfinite(float(model(**inputs).logits.abs().max()))
+
+
+def test_finetune_script_lora_saves_a_merged_model(tmp_path):
+    final = _finetune(
+        tmp_path, "--lora", "--lora-r", "4", "--freeze-audio-encoder", "--gradient-checkpointing",
+        "--max-steps", "3", "--save-steps", "3", "--learning-rate", "1e-2",
+    )  # fmt: skip
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    model = FunAudioChatForConditionalGeneration.from_pretrained(final)
+    base = _model()
+    assert model.audio_invert_tower.lm_head.weight is model.audio_tower.embed_tokens.weight
+    assert torch.equal(model.audio_tower.embed_tokens.weight, base.audio_tower.embed_tokens.weight)
+    assert torch.equal(model.continuous_audio_tower.conv1.weight, base.continuous_audio_tower.conv1.weight)
+    # the adapters are merged into the projections they target
+    merged_projections = (
+        "language_model.model.layers.0.self_attn.q_proj",
+        "audio_invert_tower.crq_transformer.layers.1.mlp.up_proj",
+    )
+    for name in merged_projections:
+        assert not torch.equal(model.get_submodule(name).weight, base.get_submodule(name).weight), name

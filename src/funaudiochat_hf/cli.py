@@ -18,39 +18,41 @@ from pathlib import Path
 import numpy as np
 
 
+TINY_MODEL_MAX_NEW_TOKENS = 48  # 9.6 s of speech at most
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="funaudiochat-s2s",
         description="Fun-Audio-Chat speech-to-speech: reply to a spoken question with text and 24 kHz speech.",
     )
-    parser.add_argument("input", nargs="?", help="the spoken question: an audio file (wav, flac, mp3, ogg; any rate, mono/stereo)")
-    parser.add_argument("-o", "--output", default="reply.wav", help="where to write the spoken reply (default: %(default)s)")
-    parser.add_argument(
+    add = parser.add_argument
+    add("input", nargs="?", help="the spoken question: an audio file (wav, flac, mp3, ogg; any rate, mono or stereo)")
+    add("-o", "--output", default="reply.wav", help="where to write the spoken reply (default: %(default)s)")
+    add(
         "--model",
-        default=None,
         help="chat model folder or Hub id, e.g. FunAudioLLM/Fun-Audio-Chat-8B or a one-folder repo from "
         "scripts/build_hub_repo.py (default: a tiny random-weight offline model whose output is noise)",
     )
-    parser.add_argument(
+    add(
         "--decoder",
-        default=None,
         help="CosyVoice3 speech decoder (official Fun-CosyVoice3-0.5B-2512 folder, a converted folder or a Hub id); "
         "needed when the chat model has none, as in the official two-repo layout",
     )
-    parser.add_argument("--speakers", default=None, help="speaker embeddings file (spk2info.pt) for an official decoder folder")
-    parser.add_argument("--voice", default=None, help="voice name stored in the decoder, e.g. 中文女 (see --list-voices)")
-    parser.add_argument("--list-voices", action="store_true", help="print the available voices and exit")
-    parser.add_argument("--stream", action="store_true", help="stream: print text and write audio while they are generated")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="reply length limit in LLM steps (0.2 s of speech each)")
-    parser.add_argument("--temperature", type=float, default=None, help="speech sampling temperature")
-    parser.add_argument("--top-p", type=float, default=None, help="speech nucleus sampling threshold")
-    parser.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    parser.add_argument("--system-prompt", default=None, help="system prompt (default: the official spoken-chat prompt)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    add("--speakers", help="speaker embeddings file (spk2info.pt) for an official decoder folder")
+    add("--voice", help="voice name stored in the decoder, e.g. 中文女 (see --list-voices)")
+    add("--list-voices", action="store_true", help="print the available voices and exit")
+    add("--stream", action="store_true", help="print text and write audio while they are generated")
+    add("--max-new-tokens", type=int, help="reply length limit in LLM steps (0.2 s of speech each)")
+    add("--temperature", type=float, help="speech sampling temperature")
+    add("--top-p", type=float, help="speech nucleus sampling threshold")
+    add("--greedy", action="store_true", help="greedy decoding (deterministic)")
+    add("--seed", type=int, help="random seed for reproducible sampling")
+    add("--system-prompt", help="system prompt (default: the official spoken-chat prompt)")
+    add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
+    add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
+    add("--debug", action="store_true", help="show full tracebacks")
     return parser
 
 
@@ -187,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.list_voices:
             if args.input is None:
-                raise ValueError("no input: pass the spoken question as an audio file, e.g. funaudiochat-s2s question.wav")
+                raise ValueError("no input: pass the spoken question as an audio file (funaudiochat-s2s question.wav)")
             if not Path(args.input).expanduser().is_file():
                 raise ValueError(f"input file not found: {args.input}")
         kwargs = _generate_kwargs(args)
+        if args.model is None:
+            # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
+            kwargs.setdefault("max_new_tokens", TINY_MODEL_MAX_NEW_TOKENS)
         pipe = _load_pipeline(args)
         if args.list_voices:
             print("\n".join(pipe.speakers) if pipe.speakers else "(this decoder stores no named voices)")

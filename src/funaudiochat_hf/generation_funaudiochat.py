@@ -19,11 +19,13 @@ streaming iterator that vocodes audio while decoding.
 """
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, StaticCache
 from transformers.utils import ModelOutput, logging
 
@@ -367,6 +369,24 @@ def _compiled(function, options: dict):
     return _COMPILED[key]
 
 
+class _MathAttention:
+    """Run a compiled step with SDPA restricted to its math backend (`compile_attention="math"`).
+
+    With the math backend Inductor generates the decode attention (one query over the static cache) itself instead
+    of calling the cuDNN / flash kernels. Measured on an H200 (BENCHMARKS.md, 2026-11-29) it is slower than PyTorch's
+    own kernel choice (batch 1: 20.7 vs 18.1 ms per LLM step; batch 16: 76.7 vs 32.5 ms, the GQA expansion is
+    materialised), so it is off by default and kept as a switch for other GPUs / torch versions. The backend is fixed
+    when the step is traced, so the context is held around every call.
+    """
+
+    def __init__(self, step_fn):
+        self.step_fn = step_fn
+
+    def __call__(self, model, ws: "_DecodeWorkspace", cfg: _StepConfig) -> None:
+        with sdpa_kernel(SDPBackend.MATH):
+            self.step_fn(model, ws, cfg)
+
+
 class _CompiledParts:
     """`_decode_step` with its three parts compiled separately (`compile_scope="parts"`)."""
 
@@ -469,6 +489,8 @@ def decode_speech_offline(decoder, speech_ids: torch.Tensor, speech_bos_id: int,
 # The mixin
 # --------------------------------------------------------------------------------------------------------------------
 
+# Reusable workspaces per model, kept outside the module so the model stays picklable and they die with it.
+_WORKSPACES: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
 _WORKSPACES_LOCK = threading.Lock()
 
 
@@ -568,6 +590,10 @@ class _SpeechRun:
             )
         self.cache_max_length = cache_max_length
         self.step_fn = self._pick_step_function(options["compile"], options["compile_scope"], device)
+        if options["compile_attention"] not in ("math", "default"):
+            raise ValueError(f"`compile_attention` must be 'math' or 'default', got {options['compile_attention']!r}.")
+        if self.step_fn is not _decode_step and options["compile_attention"] == "math" and device.type == "cuda":
+            self.step_fn = _MathAttention(self.step_fn)
         self.prompt_inputs = prompt_inputs
         self.generator = self._make_generator(options["generator"], options["seed"], device)
         self._owned_lock = None
@@ -617,7 +643,7 @@ class _SpeechRun:
             return _DecodeWorkspace(self.model, batch, self.cache_max_length, False, self.cfg.output_logits)
         key = (batch, self.cache_max_length, self.cfg.output_logits)
         with _WORKSPACES_LOCK:
-            workspaces = self.model.__dict__.setdefault("_speech_workspaces", OrderedDict())
+            workspaces = _WORKSPACES.setdefault(self.model, OrderedDict())
             workspace = workspaces.get(key)
             if workspace is not None and workspace.lock.acquire(blocking=False):
                 workspaces.move_to_end(key)
@@ -628,7 +654,7 @@ class _SpeechRun:
         workspace.lock.acquire()
         self._owned_lock = workspace.lock
         with _WORKSPACES_LOCK:
-            workspaces = self.model.__dict__.setdefault("_speech_workspaces", OrderedDict())
+            workspaces = _WORKSPACES.setdefault(self.model, OrderedDict())
             if key not in workspaces:
                 workspaces[key] = workspace
                 while len(workspaces) > MAX_CACHED_WORKSPACES:
@@ -709,6 +735,11 @@ class _SpeechRun:
 class FunAudioChatSpeechGenerationMixin:
     """Adds `generate_speech` (text + speech tokens + optional audio) and `generate_speech_stream` to the model."""
 
+    def clear_speech_caches(self) -> None:
+        """Free the KV caches and decode buffers that `generate_speech` keeps for reuse by later calls."""
+        with _WORKSPACES_LOCK:
+            _WORKSPACES.pop(self, None)
+
     def _speech_run(self, input_ids, attention_mask, prompt_inputs, kwargs) -> _SpeechRun:
         options = _resolve_options(kwargs)
         return _SpeechRun(
@@ -758,8 +789,9 @@ class FunAudioChatSpeechGenerationMixin:
                 `disable_speech` (False), `eos_token_id`, `pad_token_id` (default: `generation_config`),
                 `text_`/`speech_` prefixed overrides of do_sample/temperature/top_p/top_k/repetition_penalty,
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
-                ("step": the whole step is one graph; "parts": LLM part, CRQ sub-step and bookkeeping compiled
-                separately, ~5x faster to compile),
+                ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
+                compile than "step", the whole step as one graph), `compile_attention` ("default": PyTorch's SDPA kernel
+                choice; "math": decode attention generated by Inductor, slower on an H200),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
@@ -916,7 +948,8 @@ _DEFAULTS = {
     "generator": None,
     "seed": None,
     "compile": False,
-    "compile_scope": "step",
+    "compile_scope": "parts",
+    "compile_attention": "default",
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

@@ -292,7 +292,7 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
     @torch.no_grad()
     def init_noise(self) -> None:
         generator = torch.Generator(device="cpu").manual_seed(self.config.noise_seed)
-        noise = torch.randn(self.rand_noise.shape, generator=generator, dtype=torch.float32)
+        noise = torch.randn(self.rand_noise.shape, generator=generator, dtype=torch.float32, device="cpu")
         self.rand_noise.copy_(noise.to(self.rand_noise.device, self.rand_noise.dtype))
 
     def time_grid(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,10 +477,11 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
         """
         config = self.config
         generator = torch.Generator(device="cpu").manual_seed(config.noise_seed)
-        torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
-        torch.empty(config.vocab_size, config.token_embedding_dim).normal_(generator=generator)
-        torch.empty(config.mel_bins, config.spk_embed_dim).uniform_(generator=generator)
-        torch.empty(config.mel_bins).uniform_(generator=generator)
+        with torch.device("cpu"):  # the replay is on the CPU even under a `with torch.device("cuda")` build
+            torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
+            torch.empty(config.vocab_size, config.token_embedding_dim).normal_(generator=generator)
+            torch.empty(config.mel_bins, config.spk_embed_dim).uniform_(generator=generator)
+            torch.empty(config.mel_bins).uniform_(generator=generator)
         return generator
 
 

@@ -409,20 +409,22 @@ class CosyVoice3HiFTGenerator(nn.Module):
             max_samples: table length in samples (the longest source one call can produce). The reference uses
                 300 s at 24 kHz (259 MB in float32); a shorter table is an exact prefix of it.
         """
-        if generator is None:
-            generator = torch.Generator().manual_seed(0)
-            torch.randn(1, 80, 15000, generator=generator)  # CFM rand_noise
-            torch.empty(6561, 80).normal_(generator=generator)  # flow.input_embedding
-            _skip_default_init((80, 192), generator)  # flow.spk_embed_affine_layer
-        # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source module.
-        for module in self.f0_predictor.modules():
-            if isinstance(module, WeightNormCausalConv1d):
-                _skip_default_init(tuple(module.weight_v.shape), generator)
-            elif isinstance(module, nn.Linear):
-                _skip_default_init(tuple(module.weight.shape), generator)
-        rand_ini = torch.rand(1, self.num_harmonics, generator=generator)
-        rand_ini[:, 0] = 0
-        sine_waves = torch.rand(1, max_samples, self.num_harmonics, generator=generator)
+        # The replay draws on the CPU even when the model is built under `with torch.device("cuda")`.
+        with torch.device("cpu"):
+            if generator is None:
+                generator = torch.Generator().manual_seed(0)
+                torch.randn(1, 80, 15000, generator=generator)  # CFM rand_noise
+                torch.empty(6561, 80).normal_(generator=generator)  # flow.input_embedding
+                _skip_default_init((80, 192), generator)  # flow.spk_embed_affine_layer
+            # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source module.
+            for module in self.f0_predictor.modules():
+                if isinstance(module, WeightNormCausalConv1d):
+                    _skip_default_init(tuple(module.weight_v.shape), generator)
+                elif isinstance(module, nn.Linear):
+                    _skip_default_init(tuple(module.weight.shape), generator)
+            rand_ini = torch.rand(1, self.num_harmonics, generator=generator)
+            rand_ini[:, 0] = 0
+            sine_waves = torch.rand(1, max_samples, self.num_harmonics, generator=generator)
 
         sine_gen = self.m_source.l_sin_gen
         device = self.conv_pre.weight.device

@@ -32,8 +32,6 @@ from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
 DEFAULT_SAMPLING_RATE = 24000
 # Conversations per `generate_speech` call when a list is passed (override with `batch_size=`).
 DEFAULT_BATCH_SIZE = 8
-# Call arguments the pipeline consumes itself; every other keyword goes to `generate_speech`.
-_PREPROCESS_PARAMS = ("system_prompt", "sampling_rate")
 
 
 def _is_message(item: Any) -> bool:
@@ -92,6 +90,8 @@ class SpeechToSpeechPipeline(Pipeline):
                 "id (the official Fun-CosyVoice3-0.5B-2512 layout or one converted by scripts/convert_cosyvoice3.py), "
                 "or load a one-folder repo built by scripts/build_hub_repo.py."
             )
+        if speaker is not None and self.speakers and speaker not in self.speakers:
+            raise ValueError(f"Unknown speaker {speaker!r}; the decoder has: {', '.join(self.speakers)}.")
         self.default_speaker = speaker
 
     @staticmethod
@@ -233,7 +233,17 @@ class SpeechToSpeechPipeline(Pipeline):
             generate_kwargs["speaker"] = self.default_speaker
         if self.speech_decoder is not None:
             generate_kwargs.setdefault("speech_decoder", self.speech_decoder)
+        if generate_kwargs.get("eos_token_id") is None:
+            generate_kwargs["eos_token_id"] = self._reply_stop_ids()
         return generate_kwargs
+
+    def _reply_stop_ids(self) -> list[int]:
+        """A reply ends at the chat template's `<|im_end|>` (the tokenizer's eos, what the official S2S example passes
+        as `eos_token_id`), or at the generation config's eos (`<|endoftext|>` in the official checkpoint)."""
+        ids = [getattr(self.processor.tokenizer, "eos_token_id", None)]
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids += configured if isinstance(configured, (list, tuple)) else [configured]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def _split_inputs(self, inputs) -> tuple[list[list[dict[str, Any]]], bool]:
         """Normalize any accepted input into a list of chats and whether the caller passed a batch."""
@@ -273,9 +283,8 @@ class SpeechToSpeechPipeline(Pipeline):
                 messages.append({"role": "user", "content": text})
             elif role in ("assistant", "system"):
                 if not isinstance(content, str):
-                    content = "".join(
-                        part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
-                    )
+                    texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                    content = "".join(texts)
                 messages.append({"role": role, "content": content})
             else:
                 raise ValueError(f"Unknown chat role {role!r}: expected 'system', 'user' or 'assistant'.")

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import warnings
 import wave
 from pathlib import Path
 from typing import Any, Sequence
@@ -52,7 +53,8 @@ LOGGED_LOSSES = ("text_loss", "speech_loss")
 _QWEN3_PROJECTIONS = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 LLM_LORA_TARGETS = rf"language_model\.model\.layers\.\d+\.{_QWEN3_PROJECTIONS}"
 CRQ_LORA_TARGETS = (
-    rf"audio_invert_tower\.(crq_transformer\.layers\.\d+\.{_QWEN3_PROJECTIONS}|pre_matching|input_matching|output_matching)"
+    rf"audio_invert_tower\.(crq_transformer\.layers\.\d+\.{_QWEN3_PROJECTIONS}"
+    r"|pre_matching|input_matching|output_matching)"
 )
 
 
@@ -240,7 +242,9 @@ def merge_lora(peft_model) -> nn.Module:
     """
     base_model = peft_model.get_base_model()
     tie_word_embeddings = base_model.config.tie_word_embeddings
-    merged = peft_model.merge_and_unload()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Input and output embeddings are no longer tied")
+        merged = peft_model.merge_and_unload()
     merged.config.tie_word_embeddings = tie_word_embeddings
     return merged
 

@@ -1,0 +1,63 @@
+"""Profile the compiled `generate_speech` decode loop of the full-size model on one GPU (random weights).
+
+    python scripts/profile_step.py [--steps 24] [--compile-scope parts] [--batch 1]
+
+Prints why CUDA graphs were skipped (if they were), the number of kernel and graph launches per LLM step, and the
+kernels that take the most GPU time. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives the
+numbers to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmark  # noqa: E402  (same folder: reuse its model builder and inputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compile-scope", default="parts", choices=["step", "parts"])
+    parser.add_argument("--compile-config", default=None, help="generate_speech(compile=...) as JSON")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
+
+    bench_args = benchmark.parse_args(["--no-write", "--compile-scope", args.compile_scope] + (
+        ["--compile-config", args.compile_config] if args.compile_config else []))
+    model, info = benchmark.build_chat_model(bench_args)
+    print(f"built {info['parameters'] / 1e9:.2f} G parameters in {info['build_s']} s", flush=True)
+    inputs = benchmark.make_chat_inputs(model, args.batch, 10.0, "cuda")
+    prompt_len = inputs["input_ids"].shape[1]
+    kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, args.steps,
+                                         cache_max_length=benchmark.cache_length(prompt_len, bench_args))
+    for attempt in range(3):  # compile, capture, warm
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate_speech(**inputs, **kwargs)
+        torch.cuda.synchronize()
+        print(f"warm-up {attempt}: {time.perf_counter() - start:.2f} s", flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.no_grad():
+            model.generate_speech(**inputs, **kwargs)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = {e.key: e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                                                            "cuLaunchKernelEx", "cudaLaunchKernelExC")}
+    print(f"launch API calls for {args.steps} steps (+ prefill): {launches}")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
