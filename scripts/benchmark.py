@@ -1180,7 +1180,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
     )
     p.add_argument(
-        "--compile-attention", default="default", choices=["math", "default"], help="generate_speech(compile_attention=...)"
+        "--compile-attention", default="default", choices=["default", "math", "efficient", "cudnn"],
+        help="generate_speech(compile_attention=...)",
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")

@@ -226,6 +226,10 @@ def test_bad_inputs_raise(model, inputs):
         model.generate_speech(ids, max_new_tokens=2, return_audio=True)
     with pytest.raises(ValueError, match="batch size 1"):
         next(model.generate_speech_stream(torch.cat([ids, ids]), max_new_tokens=2))
+    with pytest.raises(ValueError, match="compile_attention"):
+        model.generate_speech(ids, max_new_tokens=2, compile=True, compile_attention="flashy")
+    with pytest.raises(ValueError, match="compile_scope"):
+        model.generate_speech(ids, max_new_tokens=2, compile=True, compile_scope="layer")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -226,6 +226,22 @@ def test_placeholder_count_mismatch_raises_naming_both_counts(model, prompt_inpu
         model.embed_prompt(input_ids)
 
 
+def test_token_ids_out_of_range_raise_clear_errors(model, prompt_inputs):
+    inputs = dict(prompt_inputs)
+    inputs.pop("attention_mask")
+    vocab = model.get_input_embeddings().num_embeddings
+    too_big = inputs["input_ids"].clone()
+    too_big[0, 0] = vocab
+    with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {vocab}\)"):
+        model.embed_prompt(**dict(inputs, input_ids=too_big))
+    negative = inputs["speech_ids"].clone()
+    negative[0, 0] = -1
+    with pytest.raises(ValueError, match="speech_ids must lie in"):
+        model(**dict(inputs, speech_ids=negative))
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        model.generate_speech(too_big[:, :20], max_new_tokens=2)
+
+
 def test_empty_clip_gives_zero_rows_and_does_not_change_the_other_clip(model):
     encoder = model.continuous_audio_tower
     torch.manual_seed(0)

@@ -361,6 +361,16 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         return BaseModelOutput(last_hidden_state=output)
 
 
+def _check_token_ids(name: str, ids: torch.Tensor, num_embeddings: int) -> None:
+    """A clear error for ids outside an embedding table (instead of an index error deep inside, or a device assert on
+    CUDA). One host sync, at the prompt only."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= num_embeddings:
+        raise ValueError(f"{name} must lie in [0, {num_embeddings}), got ids from {low} to {high}.")
+
+
 class FunAudioChatForConditionalGeneration(
     FunAudioChatSpeechGenerationMixin, FunAudioChatPreTrainedModel, GenerationMixin
 ):
@@ -466,6 +476,9 @@ class FunAudioChatForConditionalGeneration(
     ) -> FunAudioChatPromptEmbeddings:
         """Spec §5.1; see `embed_prompt`. Also returns what the losses need."""
         embed_tokens = self.get_input_embeddings()
+        _check_token_ids("input_ids", input_ids, embed_tokens.num_embeddings)
+        if speech_ids is not None:
+            _check_token_ids("speech_ids", speech_ids, self.audio_tower.embed_tokens.num_embeddings)
         text_embeds = embed_tokens(input_ids)
         audio_token_mask = input_ids == self.config.audio_token_index
         if speech_ids is None:
