@@ -1180,7 +1180,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
     )
     p.add_argument(
-        "--compile-attention", default="default", choices=["default", "math", "efficient", "cudnn"],
+        "--compile-attention", default="default", choices=["default", "math", "efficient", "cudnn", "gqa_matmul"],
         help="generate_speech(compile_attention=...)",
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")

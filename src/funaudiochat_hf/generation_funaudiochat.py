@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, StaticCache
 from transformers.utils import ModelOutput, logging
 
+from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
 from .sampling_funaudiochat import SamplingSettings, mark_seen, select_tokens
 
@@ -394,6 +395,35 @@ class _PinnedAttention:
             self.step_fn(model, ws, cfg)
 
 
+class _GQADecodeAttention:
+    """Run a compiled step with the LLM and CRQ attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
+
+    The decode attention becomes two batched GEMMs over the KV heads (no `repeat_kv` copy of the cache, no SDPA
+    backend choice); the eager prefill keeps the model's own attention. The switch is the configs'
+    `_attn_implementation`, set around every call and restored in `finally`: it is per model, not per thread, so an
+    eager forward of the same model in another thread during a step also runs through it (same results: the function
+    delegates to `sdpa` for more than one query position and computes the same attention for one). `torch.compile`
+    guards on the value, so alternating with "default" on one model recompiles once per variant.
+    """
+
+    def __init__(self, step_fn):
+        self.step_fn = step_fn
+        self.implementation = register_gqa_decode_attention()
+
+    def __call__(self, model, ws: "_DecodeWorkspace", cfg: _StepConfig) -> None:
+        configs = [model.language_model.config]
+        if model.audio_invert_tower is not None:
+            configs.append(model.audio_invert_tower.crq_transformer.config)
+        saved = [config._attn_implementation for config in configs]
+        try:
+            for config in configs:
+                config._attn_implementation = self.implementation
+            self.step_fn(model, ws, cfg)
+        finally:
+            for config, implementation in zip(configs, saved):
+                config._attn_implementation = implementation
+
+
 class _CompiledParts:
     """`_decode_step` with its three parts compiled separately (`compile_scope="parts"`)."""
 
@@ -598,11 +628,14 @@ class _SpeechRun:
         self.cache_max_length = cache_max_length
         self.step_fn = self._pick_step_function(options["compile"], options["compile_scope"], device)
         attention = options["compile_attention"]
-        if attention != "default" and attention not in _SDPA_BACKENDS:
+        if attention not in ("default", "gqa_matmul") and attention not in _SDPA_BACKENDS:
             raise ValueError(
-                f"`compile_attention` must be 'default' or one of {sorted(_SDPA_BACKENDS)}, got {attention!r}."
+                "`compile_attention` must be 'default', 'gqa_matmul' or one of "
+                f"{sorted(_SDPA_BACKENDS)}, got {attention!r}."
             )
-        if self.step_fn is not _decode_step and attention != "default" and device.type == "cuda":
+        if self.step_fn is not _decode_step and attention == "gqa_matmul":
+            self.step_fn = _GQADecodeAttention(self.step_fn)
+        elif self.step_fn is not _decode_step and attention != "default" and device.type == "cuda":
             self.step_fn = _PinnedAttention(self.step_fn, attention)
         self.prompt_inputs = prompt_inputs
         self.generator = self._make_generator(options["generator"], options["seed"], device)
@@ -801,7 +834,8 @@ class FunAudioChatSpeechGenerationMixin:
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
                 ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
                 compile than "step", the whole step as one graph), `compile_attention` ("default": PyTorch's SDPA kernel
-                choice; "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA),
+                choice; "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA;
+                "gqa_matmul": the compiled step's attention as two GQA-aware batched matmuls, any device),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:

@@ -1,7 +1,7 @@
 """Chunked (streaming) CosyVoice3 token2wav with a bounded cost per chunk."""
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ class CosyVoice3StreamingDecoder:
         pre_lookahead_len: int = 3,
         flow_left_context_tokens: int = 200,
         hift_left_context_frames: int = 64,
+        flow_window_bucket_tokens: Optional[int] = None,
     ):
         if token_hop_len < 1:
             raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
@@ -62,12 +63,17 @@ class CosyVoice3StreamingDecoder:
             )
         if flow_left_context_tokens < 0 or hift_left_context_frames < 8:
             raise ValueError("flow_left_context_tokens must be >= 0 and hift_left_context_frames >= 8")
+        if flow_window_bucket_tokens is not None and flow_window_bucket_tokens < 1:
+            raise ValueError(f"flow_window_bucket_tokens must be None or >= 1, got {flow_window_bucket_tokens}")
         self.model = model
         self.speaker_embedding = speaker_embedding
         self.hop = token_hop_len
         self.lookahead = pre_lookahead_len
         self.flow_left_context = flow_left_context_tokens
         self.hift_left_context = hift_left_context_frames
+        self.flow_bucket = flow_window_bucket_tokens
+        # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
+        self.max_flow_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
         self.ratio = model.config.token_mel_ratio
         self.samples_per_frame = model.hift.upsample_scale
         device = model.device
@@ -123,12 +129,7 @@ class CosyVoice3StreamingDecoder:
         if end > self.token_offset + (0 if finalize else self.lookahead):
             window_start = max(0, self.token_offset - self.flow_left_context)
             window = self.tokens[window_start - self.token_start : end - self.token_start]
-            mel = self.model.tokens_to_mel(
-                window.unsqueeze(0),
-                self.speaker_embedding,
-                finalize=finalize,
-                noise_offset=self.ratio * window_start,
-            )
+            mel = self._flow(window, finalize, noise_offset=self.ratio * window_start)
             new_mel = mel[:, :, self.ratio * (self.token_offset - window_start) :]
             self.mel = torch.cat([self.mel, new_mel], dim=2)
             self.token_offset = end if finalize else self.token_offset + self.hop
@@ -137,6 +138,37 @@ class CosyVoice3StreamingDecoder:
             self.tokens = self.tokens[keep_from - self.token_start :]
             self.token_start = keep_from
         return self._vocode(finalize)
+
+    def _flow(self, window: torch.Tensor, finalize: bool, noise_offset: int) -> torch.Tensor:
+        """Mel (1, mel_bins, ratio * tokens') of the token window (tokens,), as `tokens_to_mel` computes it.
+
+        With `flow_window_bucket_tokens`, the window is right-padded to a bucket boundary (at most
+        `max_flow_window` tokens) and the padding is hidden from attention; the flow's convs look left only
+        (apart from the pre-lookahead conv, which then sees zeros exactly where a final call pads), so the real
+        frames are unchanged up to float rounding while every call has one of a few fixed shapes.
+        """
+        model = self.model
+        num_tokens = window.shape[0]
+        padded = num_tokens
+        if self.flow_bucket is not None:
+            padded = min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, max(self.max_flow_window, num_tokens))
+        if padded == num_tokens:
+            return model.tokens_to_mel(
+                window.unsqueeze(0), self.speaker_embedding, finalize=finalize, noise_offset=noise_offset
+            )
+        flow = model.flow
+        tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
+        # Embeddings past `num_tokens` are zeroed: the pre-lookahead conv of the last real tokens sees the real
+        # look-ahead tokens (non-final) or zeros (final), exactly as the unpadded call.
+        hidden = flow.encode_tokens(tokens, torch.tensor([num_tokens], device=tokens.device), finalize=True)
+        mu = hidden.repeat_interleave(self.ratio, dim=1).transpose(1, 2)
+        real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
+        frames = mu.shape[2]
+        # Key-padding mask (1, 1, frames, frames), True = may attend (the layout `build_attention_mask` returns).
+        mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
+        spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
+        mel = flow.decoder(mu, spks, torch.zeros_like(mu), mask, noise_offset)
+        return mel[:, :, :real_frames]
 
     def _vocode(self, finalize: bool) -> torch.Tensor:
         hift = self.model.hift
