@@ -379,3 +379,157 @@ def test_builds_under_a_cuda_default_device():
     model.flow.init_noise()
     _close(model.flow.rand_noise.cpu(), reference.flow.rand_noise)
     torch.testing.assert_close(model.hift.m_source.l_sin_gen.sine_waves.cpu(), reference.hift.m_source.l_sin_gen.sine_waves)
+
+
+# -- streaming: bounded cost per chunk (issue 3) ----------------------------------------------------------------------
+
+
+class _NewAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of every storage an op allocates (outputs that are not views of an input): `total` and
+    `largest`. Slicing the 300 s noise / source tables is free; copying, casting or masking over them is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+                size = tensor.untyped_storage().nbytes()
+                self.total += size
+                self.largest = max(self.largest, size)
+        return out
+
+
+def test_streaming_chunk_cost_is_bounded_and_does_not_grow(original_model):
+    """Regression (issue 3: the full-size stream peaked at 19.8 GB vs 2.3 GB offline, with ~6x slow chunks): once
+    the flow and HiFT windows are full, every chunk allocates exactly the same bytes (no growing history), and no
+    intermediate comes near the size of the fixed tables (no copy, cast, mask or phase over the 300 s noise or the
+    7.2M-sample source table)."""
+    model = original_model
+    table_bytes = model.hift.m_source.l_sin_gen.sine_waves.nbytes
+    noise_bytes = model.flow.decoder.rand_noise.nbytes
+    assert table_bytes >= 200e6 and noise_bytes >= 4e6  # the tiny fixture keeps the full-size tables
+    hop, flow_context, hift_context = 15, 30, 32
+    decoder = model.streaming_decoder(
+        speaker="中文女",
+        token_hop_len=hop,
+        flow_left_context_tokens=flow_context,
+        hift_left_context_frames=hift_context,
+    )
+    tokens = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    chunks = []
+    for start in range(0, len(tokens), 5):
+        with _NewAllocations() as counter:
+            audio = decoder.push(tokens[start : start + 5])
+        if audio.numel():
+            chunks.append((counter.total, counter.largest))
+            # Carried state stays bounded by the windows, whatever the reply length.
+            assert decoder.tokens.numel() <= flow_context + hop + model.config.pre_lookahead_len + 5
+            assert decoder.mel.shape[-1] <= hift_context + model.config.token_mel_ratio * hop + 8
+            assert decoder.f0.shape[1] == decoder.phase_cycles.shape[1] <= decoder.mel.shape[-1]
+    assert len(chunks) == 19
+    steady = chunks[3:]  # both windows are full from the 3rd chunk on (flow: 2 hops > 30 tokens)
+    assert all(chunk == steady[0] for chunk in steady), chunks
+    largest = max(largest for _, largest in chunks)
+    assert largest < min(table_bytes, 100 * noise_bytes) / 100, largest
+    with _NewAllocations() as counter:
+        decoder.finalize()
+    assert counter.largest < table_bytes / 100
+
+
+def test_streaming_flow_window_buckets_fix_the_shapes(original_model):
+    """`flow_window_bucket_tokens` right-pads each flow window (masked) so the flow sees a few fixed shapes (one here);
+    the mel of the real frames is unchanged up to float rounding."""
+    model = original_model
+    shapes = []
+    hook = model.flow.decoder.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    tokens = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(1))
+    try:
+        for bucket, expected_shapes in ((None, 3), (48, 1)):  # windows of 18, 33 and 48 tokens / all padded to 48
+            shapes.clear()
+            decoder = model.streaming_decoder(
+                speaker="中文女", token_hop_len=15, flow_left_context_tokens=30, flow_window_bucket_tokens=bucket
+            )
+            pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)]
+            audio = torch.cat(pieces + [decoder.finalize()])
+            assert audio.shape == (120 * 960,) and torch.isfinite(audio).all()
+            assert len(set(shapes)) == expected_shapes, shapes
+    finally:
+        hook.remove()
+    padded = model.streaming_decoder(speaker="中文女", flow_window_bucket_tokens=64, flow_left_context_tokens=100)
+    exact = model.streaming_decoder(speaker="中文女", flow_left_context_tokens=100)
+    for length, finalize in ((20, False), (40, False), (33, True)):
+        window = tokens[:length]
+        _close(padded._flow(window, finalize, noise_offset=6), exact._flow(window, finalize, noise_offset=6), atol=1e-5)
+    with pytest.raises(ValueError, match="flow_window_bucket_tokens"):
+        model.streaming_decoder(flow_window_bucket_tokens=0)
+
+
+def _largest_allocation(snapshot: dict) -> str:
+    """The largest allocation in a `torch.cuda.memory._snapshot()` with its Python frames (innermost first)."""
+    allocs = [event for trace in snapshot["device_traces"] for event in trace if event["action"] == "alloc"]
+    if not allocs:
+        return "no allocation recorded"
+    event = max(allocs, key=lambda event: event["size"])
+    frames = " <- ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event.get("frames", [])[:15])
+    return f"{event['size'] / 1e9:.2f} GB at {frames}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bucket", [None, 256])  # 256 >= the longest window (218 tokens): one flow shape
+def test_cuda_full_size_streaming_memory_and_chunk_times_are_bounded(bucket):
+    """Issue 3 on the device it was seen on: the full-size stream must not need more memory than an offline decode of
+    the same reply (it peaked at 19.8 GB vs 2.3 GB), and no chunk may cost several times the others (one took ~1.1 s
+    vs ~170 ms). On failure the message names the largest allocation and where it came from."""
+    import time
+
+    with torch.device("cuda"):
+        model = CosyVoice3Token2Wav._from_config(CosyVoice3Config(), dtype=torch.float32)
+    model.flow.decoder.init_noise()
+    model.hift.init_source_tables()
+    model.eval()
+    embedding = torch.randn(192, generator=torch.Generator().manual_seed(1)).cuda()
+    tokens = torch.randint(0, 6561, (250,), generator=torch.Generator().manual_seed(2)).cuda()  # 10 s
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model(tokens, speaker_embedding=embedding)
+    torch.cuda.synchronize()
+    offline_extra = torch.cuda.max_memory_allocated() - base
+
+    def stream(num_tokens: int = len(tokens)) -> list[float]:
+        decoder = model.streaming_decoder(
+            speaker_embedding=embedding, token_hop_len=15, flow_window_bucket_tokens=bucket
+        )
+        chunk_seconds = []
+        for start in range(0, num_tokens, 5):
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            audio = decoder.push(tokens[start : start + 5])
+            torch.cuda.synchronize()
+            if audio.numel():
+                chunk_seconds.append(time.perf_counter() - begin)
+        decoder.finalize()
+        torch.cuda.synchronize()
+        return chunk_seconds
+
+    stream(38)  # warm-up over two chunks, like scripts/benchmark.py: later window shapes are still new
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        chunk_seconds = stream()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    stream_extra = torch.cuda.max_memory_allocated() - base
+    assert stream_extra <= 1.5 * offline_extra + 100e6, (
+        f"stream needs {stream_extra / 1e9:.2f} GB over the weights vs {offline_extra / 1e9:.2f} GB offline; largest "
+        f"allocation: {_largest_allocation(snapshot)}"
+    )
+    median = sorted(chunk_seconds)[len(chunk_seconds) // 2]
+    assert max(chunk_seconds) <= 3 * median + 0.05, [round(s * 1e3, 1) for s in chunk_seconds]

@@ -37,6 +37,21 @@ class CosyVoice3StreamingDecoder:
         HiFT's output equals the reference's whole-history run up to float rounding (tested), as long as
         `hift_left_context_frames` covers its receptive field (about 30 frames; default 64).
 
+    Cost per chunk (measured for issue 3): once the windows are full, every chunk runs exactly the same work (a
+    flow call over `flow_left_context_tokens + token_hop_len + pre_lookahead_len` tokens and HiFT over
+    `hift_left_context_frames` + 2 * hop + 8 frames) and allocates no more than that; no intermediate is
+    proportional to the reply length or to the 300 s noise / source tables (tested). The flow call dominates and
+    its compute is proportional to its window: with the default 200 tokens of left context a steady chunk costs
+    about 12x the flow compute of the 18-token first chunk; `flow_left_context_tokens` trades that cost against
+    how much past the flow sees.
+
+    `flow_window_bucket_tokens` (default None: exact shapes): right-pad every flow window to a multiple of this many
+    tokens (capped at the longest window), hiding the padding from attention with a key mask. The flow then sees
+    at most ceil(longest window / bucket) shapes (one when bucket >= longest window) instead of a new shape for each
+    of the first flow_left_context_tokens / hop chunks, so kernel plans (cuDNN, cuFFT), compiled graphs and CUDA
+    graphs are reused across chunks; short windows pay for the padding. The mel is unchanged up to float rounding
+    (~1e-6).
+
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
     `flow_left_context_tokens`, without the distant past), so the mel (and therefore the audio) differs from a
@@ -148,14 +163,12 @@ class CosyVoice3StreamingDecoder:
         frames are unchanged up to float rounding while every call has one of a few fixed shapes.
         """
         model = self.model
-        num_tokens = window.shape[0]
-        padded = num_tokens
-        if self.flow_bucket is not None:
-            padded = min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, max(self.max_flow_window, num_tokens))
-        if padded == num_tokens:
+        if self.flow_bucket is None:
             return model.tokens_to_mel(
                 window.unsqueeze(0), self.speaker_embedding, finalize=finalize, noise_offset=noise_offset
             )
+        num_tokens = window.shape[0]
+        padded = max(num_tokens, min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, self.max_flow_window))
         flow = model.flow
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
         # Embeddings past `num_tokens` are zeroed: the pre-lookahead conv of the last real tokens sees the real
@@ -163,9 +176,11 @@ class CosyVoice3StreamingDecoder:
         hidden = flow.encode_tokens(tokens, torch.tensor([num_tokens], device=tokens.device), finalize=True)
         mu = hidden.repeat_interleave(self.ratio, dim=1).transpose(1, 2)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
-        frames = mu.shape[2]
+        frames = mu.shape[2]  # ratio * padded: the look-ahead tokens' frames are computed too, then hidden
         # Key-padding mask (1, 1, frames, frames), True = may attend (the layout `build_attention_mask` returns).
-        mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
+        mask = None
+        if real_frames < frames:
+            mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
         spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
         mel = flow.decoder(mu, spks, torch.zeros_like(mu), mask, noise_offset)
         return mel[:, :, :real_frames]
