@@ -156,7 +156,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "tiny": args.tiny,
-        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}",
+        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}",
         "decoder_compile": args.decoder_compile_config or "compile_estimator() defaults",
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
@@ -520,6 +520,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile": compile_argument(mode, args),
         "compile_scope": args.compile_scope,
         "compile_attention": args.compile_attention,
+        "fuse_crq_projections": args.fuse_crq_projections,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -1182,6 +1183,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compile-attention", default="default", choices=["default", "math", "efficient", "cudnn", "gqa_matmul"],
         help="generate_speech(compile_attention=...)",
+    )
+    p.add_argument(
+        "--fuse-crq-projections", action="store_true", help="generate_speech(fuse_crq_projections=True)"
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")

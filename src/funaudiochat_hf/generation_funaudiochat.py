@@ -31,6 +31,7 @@ from transformers.utils import ModelOutput, logging
 
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
+from .fused_crq_funaudiochat import fused_crq_forward, fused_crq_projections
 from .sampling_funaudiochat import SamplingSettings, mark_seen, select_tokens
 
 
@@ -109,6 +110,7 @@ class _StepConfig:
     audio_eos_index: int
     pad_token_id: int
     output_logits: bool
+    fuse_crq_projections: bool = False
 
 
 class _DecodeWorkspace:
@@ -169,6 +171,8 @@ class _DecodeWorkspace:
         self.group_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
         self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
         self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
+        # `fuse_crq_projections=True`: the CRQ's fused weights, set by the run using the workspace (not a buffer).
+        self.fused_crq = None
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
         self.text_logits = self.speech_logits = None
         if output_logits:
@@ -217,13 +221,19 @@ def _run_crq(model, ws: _DecodeWorkspace, cfg: _StepConfig, sub_inputs: torch.Te
     """
     tower = model.audio_invert_tower
     k = ws.sub_step.view(1)
-    hidden = tower.crq_transformer(
-        inputs_embeds=tower.input_matching(sub_inputs + ws.prev_speech_embed[:, None]),
-        attention_mask=ws.crq_mask,
-        position_ids=positions,
-        use_cache=True,
-        **cache_kwargs(ws.crq_cache),
-    ).last_hidden_state
+    inputs_embeds = tower.input_matching(sub_inputs + ws.prev_speech_embed[:, None])
+    if cfg.fuse_crq_projections:
+        hidden = fused_crq_forward(
+            tower.crq_transformer, ws.fused_crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache
+        )
+    else:
+        hidden = tower.crq_transformer(
+            inputs_embeds=inputs_embeds,
+            attention_mask=ws.crq_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(ws.crq_cache),
+        ).last_hidden_state
     logits = tower.lm_head(tower.output_matching(hidden[:, -1])).float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     token = select_tokens(logits, cfg.speech, ws.group_seen if cfg.speech.uses_history else None, noise)
@@ -606,6 +616,7 @@ class _SpeechRun:
             audio_eos_index=text_config.audio_eos_index,
             pad_token_id=int(pad),
             output_logits=bool(options["output_logits"]),
+            fuse_crq_projections=bool(options["fuse_crq_projections"]) and not disable_speech,
         )
         self.speech_pad_id = audio_config.pad_token_id
         self.max_new_tokens = max_new_tokens
@@ -705,6 +716,9 @@ class _SpeechRun:
         return workspace
 
     def release(self) -> None:
+        ws = getattr(self, "ws", None)
+        if ws is not None:
+            ws.fused_crq = None  # a cached workspace must not keep a stale copy alive after the weights change
         if self._owned_lock is not None:
             self._owned_lock.release()
             self._owned_lock = None
@@ -734,6 +748,9 @@ class _SpeechRun:
         ws.llm_mask[:, :length] = self.mask
         ws.crq_mask.fill_(True)
         ws.crq_mask[:, : length * k] = self.mask.repeat_interleave(k, dim=1)
+        if cfg.fuse_crq_projections:
+            # Looked up (and rebuilt if the weights changed) here, outside the compiled step.
+            ws.fused_crq = fused_crq_projections(model.audio_invert_tower.crq_transformer)
         if not cfg.disable_speech:
             bos = torch.full((ws.batch_size,), cfg.speech_bos_id, dtype=torch.long, device=ws.device)
             ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(bos).to(ws.device))
@@ -836,6 +853,9 @@ class FunAudioChatSpeechGenerationMixin:
                 compile than "step", the whole step as one graph), `compile_attention` ("default": PyTorch's SDPA kernel
                 choice; "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA;
                 "gqa_matmul": the compiled step's attention as two GQA-aware batched matmuls, any device),
+                `fuse_crq_projections` (False; True: the CRQ layers run with their q/k/v and gate/up projections
+                fused into one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those
+                weights, ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
@@ -994,6 +1014,7 @@ _DEFAULTS = {
     "compile": False,
     "compile_scope": "parts",
     "compile_attention": "default",
+    "fuse_crq_projections": False,
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

@@ -1,0 +1,273 @@
+"""Fused q/k/v and gate/up projections for the CRQ speech head (`generate_speech(fuse_crq_projections=True)`).
+
+At batch 1 a CRQ sub-step is latency-bound: each of its Qwen3 layers runs 7 small GEMMs (q, k, v, o, gate, up, down)
+of a few microseconds each on a GPU, far above the time their weights take to read. Concatenating the q/k/v weights
+into one `(q + 2 * kv, hidden)` matrix and the gate/up weights into one `(2 * intermediate, hidden)` matrix makes it
+4 GEMMs per layer. Everything else is transformers' own: `fused_crq_forward` mirrors `Qwen3Model.forward` and
+`Qwen3DecoderLayer.forward` line by line, calling the model's own norms, rotary embedding, mask builder, cache
+object, attention function (`config._attn_implementation`), `o_proj` and `down_proj`, so positions, masks and the
+cache layout are exactly those of `crq_transformer(...)`. Results equal it up to float rounding of the GEMMs (a
+concatenated GEMM may pick another kernel / reduction order than three separate ones).
+
+Cost: one extra copy of the CRQ's q/k/v and gate/up weights (about 0.6 GB in bfloat16 for the full-size 28-layer,
+1024-wide CRQ), built on first use and kept while the model lives.
+"""
+
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, apply_rotary_pos_emb, eager_attention_forward
+
+
+def _attention_passes_kwargs_to_cache() -> bool:
+    # Newer transformers (5.24) hand the attention kwargs on to `Cache.update(..., kwargs=kwargs)`, older ones (5.17)
+    # do not. The KV layer classes ignore them today; we do what the installed Qwen3Attention does regardless.
+    try:
+        return "kwargs=kwargs" in inspect.getsource(Qwen3Attention.forward)
+    except (OSError, TypeError):
+        return False
+
+
+_CACHE_UPDATE_GETS_KWARGS = _attention_passes_kwargs_to_cache()
+
+
+@dataclass
+class FusedLayerProjections:
+    """Concatenated input projections of one Qwen3 decoder layer.
+
+    Attributes:
+        qkv_weight: `(q_size + 2 * kv_size, hidden)`, rows of q_proj, then k_proj, then v_proj.
+        qkv_bias: `(q_size + 2 * kv_size,)` or None (Qwen3 has biases only with `attention_bias=True`).
+        gate_up_weight: `(2 * intermediate, hidden)`, rows of gate_proj then up_proj.
+        gate_up_bias: `(2 * intermediate,)` or None.
+        qkv_split: `(q_size, kv_size, kv_size)` output sizes of the fused q/k/v GEMM.
+        intermediate_size: output size of gate_proj (= up_proj).
+    """
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    qkv_split: tuple[int, int, int]
+    intermediate_size: int
+
+
+@dataclass
+class FusedCRQProjections:
+    """The fused projections of every layer of one CRQ Transformer, and the state of the weights they were built from.
+
+    Attributes:
+        layers: one [`FusedLayerProjections`] per decoder layer.
+        source_state: `(data_ptr, _version)` of every source weight / bias at build time; any in-place update
+            (`load_state_dict`, an optimizer step) bumps `_version`, any re-allocation (`.to()`, `.half()`) changes
+            `data_ptr`, so a mismatch means the copies are stale.
+    """
+
+    layers: list[FusedLayerProjections]
+    source_state: tuple[tuple[int, int], ...]
+
+
+# One set of fused copies per CRQ module; dies with the module (the model stays picklable: nothing is attached to it).
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, FusedCRQProjections]" = weakref.WeakKeyDictionary()
+_FUSED_LOCK = threading.Lock()
+
+
+def _plain_linear(module: nn.Module, name: str) -> nn.Linear:
+    # Subclasses (quantized linears) and wrappers (LoRA) compute something else than `weight @ x`: fusing their raw
+    # `weight` would silently drop that, so refuse them.
+    if type(module) is not nn.Linear:
+        raise ValueError(
+            f"`fuse_crq_projections=True` needs plain `nn.Linear` CRQ projections, but `{name}` is a "
+            f"{type(module).__name__} (merge adapters / dequantize first, or leave the option off)."
+        )
+    if module.weight.device.type == "meta":
+        raise ValueError(f"`fuse_crq_projections=True`: the weight of `{name}` is not loaded (meta device).")
+    return module
+
+
+def _source_linears(crq: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """`[(q_proj, k_proj, v_proj, gate_proj, up_proj)]` per decoder layer, validated."""
+    layers = []
+    for index, layer in enumerate(crq.layers[: crq.config.num_hidden_layers]):
+        attention, mlp = layer.self_attn, layer.mlp
+        names = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj")]
+        names += [("mlp", "gate_proj"), ("mlp", "up_proj")]
+        layers.append(
+            tuple(
+                _plain_linear(getattr(attention if part == "self_attn" else mlp, proj), f"layers.{index}.{part}.{proj}")
+                for part, proj in names
+            )
+        )
+    return layers
+
+
+def _source_state(linears: list[tuple[nn.Linear, ...]]) -> tuple[tuple[int, int], ...]:
+    tensors = [t for layer in linears for linear in layer for t in (linear.weight, linear.bias) if t is not None]
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+def _concat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(t is None for t in tensors):
+        return None
+    if any(t is None for t in tensors):
+        raise ValueError("`fuse_crq_projections=True`: some of the projections to fuse have a bias and some do not.")
+    fused = torch.cat([t.detach() for t in tensors], dim=0)
+    # Static address: a CUDA-graphed step reads the copy in place, like a parameter, instead of copying it per call.
+    torch._dynamo.mark_static_address(fused)
+    return fused
+
+
+def _build(linears: list[tuple[nn.Linear, ...]], source_state) -> FusedCRQProjections:
+    layers = []
+    for q, k, v, gate, up in linears:
+        layers.append(
+            FusedLayerProjections(
+                qkv_weight=_concat([q.weight, k.weight, v.weight]),
+                qkv_bias=_concat([q.bias, k.bias, v.bias]),
+                gate_up_weight=_concat([gate.weight, up.weight]),
+                gate_up_bias=_concat([gate.bias, up.bias]),
+                qkv_split=(q.out_features, k.out_features, v.out_features),
+                intermediate_size=gate.out_features,
+            )
+        )
+    return FusedCRQProjections(layers=layers, source_state=source_state)
+
+
+@torch.no_grad()
+def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
+    """The fused q/k/v and gate/up weights of `crq` (a transformers `Qwen3Model`), built once and cached.
+
+    The cached copies are rebuilt when the source weights changed since (in place or re-allocated, see
+    [`FusedCRQProjections`]). Call this outside `torch.compile`d code (it reads `Tensor._version`) and hand the
+    result to [`fused_crq_forward`].
+
+    Raises:
+        ValueError: when a projection is not a plain loaded `nn.Linear` (LoRA wrapper, quantized layer, meta weight).
+    """
+    linears = _source_linears(crq)
+    state = _source_state(linears)
+    with _FUSED_LOCK:
+        fused = _FUSED.get(crq)
+        if fused is None or fused.source_state != state:
+            _FUSED.pop(crq, None)  # free the stale copy before allocating the new one
+            fused = _build(linears, state)
+            _FUSED[crq] = fused
+    return fused
+
+
+def _fused_decoder_layer(
+    layer: nn.Module,
+    fused: FusedLayerProjections,
+    hidden_states: torch.Tensor,
+    attention_mask,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_ids: torch.Tensor | None,
+    cache,
+) -> torch.Tensor:
+    """`Qwen3DecoderLayer.forward` (with `Qwen3Attention.forward` and `Qwen3MLP.forward` inlined) on fused GEMMs.
+
+    Args:
+        hidden_states: `(batch, n, hidden)`.
+        position_embeddings: `(cos, sin)`, each `(batch, n, head_dim)`.
+    Returns:
+        `(batch, n, hidden)`.
+    """
+    attention = layer.self_attn
+    residual = hidden_states
+    hidden_states = layer.input_layernorm(hidden_states)
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, attention.head_dim)
+    qkv = nn.functional.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)
+    query, key, value = qkv.split(fused.qkv_split, dim=-1)
+    query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)  # (batch, heads, n, head_dim)
+    key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)  # (batch, kv_heads, n, head_dim)
+    value_states = value.view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    # What the decoder layer hands the attention as **kwargs (besides the named arguments).
+    kwargs = {"position_ids": position_ids, "use_cache": True}
+    if cache is not None:
+        update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
+        key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, _ = attention_interface(
+        attention,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not attention.training else attention.attention_dropout,
+        scaling=attention.scaling,
+        sliding_window=attention.sliding_window,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    hidden_states = residual + attention.o_proj(attn_output)
+
+    residual = hidden_states
+    hidden_states = layer.post_attention_layernorm(hidden_states)
+    gate_up = nn.functional.linear(hidden_states, fused.gate_up_weight, fused.gate_up_bias)
+    gate, up = gate_up.split(fused.intermediate_size, dim=-1)
+    mlp = layer.mlp
+    return residual + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def fused_crq_forward(
+    crq: nn.Module,
+    fused: FusedCRQProjections,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    position_ids: torch.Tensor,
+    cache=None,
+) -> torch.Tensor:
+    """`crq(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`, with
+    the q/k/v and gate/up GEMMs of every layer fused (`fused` from [`fused_crq_projections`]`(crq)`).
+
+    Args:
+        crq: the CRQ's transformers `Qwen3Model` (`audio_invert_tower.crq_transformer`).
+        inputs_embeds: `(batch, n, hidden)`.
+        attention_mask: `(batch, kv_len)` 2-D padding mask (True / 1 = attend) as `Qwen3Model` takes it, or a
+            prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.
+        position_ids: `(batch, n)` rotary positions.
+        cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
+
+    Returns:
+        `(batch, n, hidden)` final hidden states (after the final norm).
+    """
+    config = crq.config
+    causal_mask_mapping = attention_mask
+    if not isinstance(causal_mask_mapping, dict):
+        # Positional: the cache argument's name differs between transformers releases.
+        mask_args = (config, inputs_embeds, attention_mask, cache, position_ids)
+        causal_mask_mapping = {"full_attention": create_causal_mask(*mask_args)}
+        if crq.has_sliding_layers:
+            causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
+
+    hidden_states = inputs_embeds
+    position_embeddings = crq.rotary_emb(hidden_states, position_ids)
+    layers = crq.layers[: config.num_hidden_layers]
+    if len(fused.layers) != len(layers):
+        raise ValueError(f"`fused` has {len(fused.layers)} layers but the CRQ Transformer has {len(layers)}.")
+    for index, (layer, fused_layer) in enumerate(zip(layers, fused.layers)):
+        hidden_states = _fused_decoder_layer(
+            layer,
+            fused_layer,
+            hidden_states,
+            causal_mask_mapping[config.layer_types[index]],
+            position_embeddings,
+            position_ids,
+            cache,
+        )
+    return crq.norm(hidden_states)

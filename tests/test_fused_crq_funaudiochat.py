@@ -1,0 +1,275 @@
+"""Tests of the fused q/k/v + gate/up CRQ forward (`generate_speech(fuse_crq_projections=True)`) on tiny configs.
+
+Golden parity: tests/fixtures/MANIFEST.md §2e (reference `generate` with text_greedy, do_sample=False,
+max_new_tokens 16, eos 322, pad 320).
+"""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModel, DynamicCache, Qwen3Config, StaticCache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+from funaudiochat_hf.compat import cache_kwargs
+from funaudiochat_hf.fused_crq_funaudiochat import _FUSED, fused_crq_forward, fused_crq_projections
+from funaudiochat_hf.generation_funaudiochat import _WORKSPACES, _resolve_options
+
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+
+
+GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, eos_token_id=322, pad_token_id=320)
+AUDIO_TOKEN, PAD = 346, 320
+ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The CI machine is shared: with several intra-op threads tiny ops get ~1000x slower under contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
+    data.pop("waveform_16k")
+    return data
+
+
+def _golden(rep: str) -> dict:
+    return load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
+
+
+def _make_cache(kind: str, config, max_len: int):
+    return StaticCache(config=config, max_cache_len=max_len) if kind == "static" else DynamicCache(config=config)
+
+
+def _assert_fused_matches(crq: nn.Module, cache_kind: str, batch: int = 2, prefill: int = 13, steps: int = 3) -> None:
+    """Prefill of `prefill` positions (row 1 left-padded by 4), then `steps` single decode positions, both ways."""
+    hidden = crq.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    max_len = prefill + steps
+    padding = torch.tensor([0] + [4] * (batch - 1))
+    mask = torch.ones(batch, max_len, dtype=torch.bool)
+    mask[1:, :4] = False
+    reference_cache, fused_cache = (_make_cache(cache_kind, crq.config, max_len) for _ in range(2))
+    fused = fused_crq_projections(crq)
+
+    def both(embeds, positions, length):
+        # A StaticCache takes the mask over the whole cache, a DynamicCache the mask up to the current length.
+        step_mask = mask if cache_kind == "static" else mask[:, :length]
+        with torch.no_grad():
+            reference = crq(
+                inputs_embeds=embeds,
+                attention_mask=step_mask,
+                position_ids=positions,
+                use_cache=True,
+                **cache_kwargs(reference_cache),
+            ).last_hidden_state
+            ours = fused_crq_forward(crq, fused, embeds, step_mask, positions, fused_cache)
+        assert ours.shape == reference.shape == (batch, embeds.shape[1], hidden)
+        torch.testing.assert_close(ours, reference, atol=ATOL, rtol=RTOL)
+
+    positions = (torch.arange(prefill)[None] - padding[:, None]).clamp(min=0)
+    both(torch.randn(batch, prefill, hidden, generator=generator), positions, prefill)
+    for step in range(steps):
+        positions = (prefill + step - padding)[:, None]
+        both(torch.randn(batch, 1, hidden, generator=generator), positions, prefill + step + 1)
+    # The caches were filled identically.
+    torch.testing.assert_close(fused_cache.layers[0].keys, reference_cache.layers[0].keys, atol=ATOL, rtol=RTOL)
+
+
+def _small_qwen3(**overrides) -> Qwen3Model:
+    config = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        vocab_size=16,
+        max_position_embeddings=64,
+    )
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = Qwen3Model(Qwen3Config(**config)).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so a mistake in them shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The fused forward against transformers' Qwen3Model
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_fused_forward_matches_crq_transformer(model, cache_kind):
+    _assert_fused_matches(model.audio_invert_tower.crq_transformer, cache_kind)
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_fused_forward_with_attention_bias(cache_kind):
+    crq = _small_qwen3(attention_bias=True)
+    assert crq.layers[0].self_attn.q_proj.bias is not None
+    fused = fused_crq_projections(crq)
+    assert fused.layers[0].qkv_bias.shape == (4 * 8 + 2 * 2 * 8,)
+    assert fused.layers[0].gate_up_bias is None
+    _assert_fused_matches(crq, cache_kind)
+
+
+def test_fused_forward_without_cache_matches():
+    crq = _small_qwen3()
+    embeds = torch.randn(1, 7, 32)
+    positions = torch.arange(7)[None]
+    with torch.no_grad():
+        reference = crq(inputs_embeds=embeds, position_ids=positions, use_cache=False).last_hidden_state
+        ours = fused_crq_forward(crq, fused_crq_projections(crq), embeds, None, positions, None)
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=RTOL)
+
+
+def test_fused_weights_are_cached_and_rebuilt_after_weight_changes():
+    crq = _small_qwen3()
+    first = fused_crq_projections(crq)
+    assert fused_crq_projections(crq) is first  # no change: the cached copy
+    layer = crq.layers[1]
+    expected = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+    assert torch.equal(first.layers[1].qkv_weight, expected)
+
+    state = {name: tensor + 0.1 for name, tensor in crq.state_dict().items()}
+    crq.load_state_dict(state)  # in place: same data pointers, bumped versions
+    second = fused_crq_projections(crq)
+    assert second is not first
+    assert torch.equal(second.layers[1].gate_up_weight, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+    _assert_fused_matches(crq, "static")
+
+    crq.to(torch.float64)  # re-allocated weights
+    third = fused_crq_projections(crq)
+    assert third is not second and third.layers[0].qkv_weight.dtype == torch.float64
+
+
+def test_non_plain_linear_projection_raises():
+    class LoraLikeLinear(nn.Linear):
+        pass
+
+    crq = _small_qwen3()
+    old = crq.layers[1].mlp.up_proj
+    crq.layers[1].mlp.up_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj.*LoraLikeLinear"):
+        fused_crq_projections(crq)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# generate_speech(fuse_crq_projections=True)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_option_is_off_by_default():
+    assert _resolve_options({})["fuse_crq_projections"] is False
+
+
+@pytest.mark.parametrize("rep", ["1.0", "1.2"])
+def test_generate_matches_reference(model, inputs, rep):
+    golden = _golden(rep)
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, repetition_penalty=float(rep), fuse_crq_projections=True)
+    assert torch.equal(out.sequences, golden["sequences"])
+    assert torch.equal(out.speech_ids, golden["speech_ids"])
+
+
+@pytest.mark.parametrize(
+    "rep, compile_scope, compile_attention",
+    [("1.0", "parts", "default"), ("1.2", "parts", "default"), ("1.2", "step", "default"), ("1.2", "parts", "gqa_matmul")],
+)
+def test_compiled_generate_matches_reference(model, inputs, rep, compile_scope, compile_attention):
+    """fullgraph=True fails on any graph break, so this also proves the fused CRQ sub-step is one graph."""
+    golden = _golden(rep)
+    out = model.generate_speech(
+        **inputs,
+        **GOLDEN_KWARGS,
+        repetition_penalty=float(rep),
+        fuse_crq_projections=True,
+        compile={"backend": "aot_eager", "fullgraph": True},
+        compile_scope=compile_scope,
+        compile_attention=compile_attention,
+    )
+    assert torch.equal(out.sequences, golden["sequences"])
+    assert torch.equal(out.speech_ids, golden["speech_ids"])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_copy_is_what_runs(model, inputs, compiled):
+    """Corrupting the cached fused copy (the source weights are untouched, so it is not rebuilt) changes the output:
+    the option really runs the fused weights, eagerly and inside the compiled step."""
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, fuse_crq_projections=True)
+    if compiled:
+        kwargs["compile"] = {"backend": "aot_eager", "fullgraph": True}
+    other = copy.deepcopy(model)
+    crq = other.audio_invert_tower.crq_transformer
+    good = other.generate_speech(**inputs, **kwargs)
+    with torch.no_grad():
+        for layer in _FUSED[crq].layers:
+            layer.gate_up_weight.mul_(3.0)
+    bad = other.generate_speech(**inputs, **kwargs)
+    assert not torch.allclose(bad.speech_logits, good.speech_logits, atol=1e-3)
+    plain = other.generate_speech(**inputs, **dict(kwargs, fuse_crq_projections=False))
+    torch.testing.assert_close(plain.speech_logits, good.speech_logits, atol=ATOL, rtol=RTOL)
+
+
+def test_fused_logits_match_unfused(model, inputs):
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
+    plain = model.generate_speech(**inputs, **kwargs)
+    fused = model.generate_speech(**inputs, **kwargs, fuse_crq_projections=True)
+    torch.testing.assert_close(fused.speech_logits, plain.speech_logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused.text_logits, plain.text_logits, atol=ATOL, rtol=RTOL)
+
+
+def test_batch_rows_equal_single_runs(model, inputs):
+    long_ids = inputs["input_ids"]
+    ids = long_ids[0][long_ids[0] != AUDIO_TOKEN]
+    short_ids = ids[-40:][None]
+    batch_ids = torch.full((2, long_ids.shape[1]), PAD)
+    batch_ids[0] = long_ids[0]
+    batch_ids[1, -40:] = short_ids[0]
+    mask = torch.ones_like(batch_ids)
+    mask[1, :-40] = 0
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, fuse_crq_projections=True)
+
+    batch = model.generate_speech(batch_ids, mask, **audio, **kwargs)
+    singles = [model.generate_speech(long_ids, **audio, **kwargs), model.generate_speech(short_ids, **kwargs)]
+    for row, (single, prompt_len) in enumerate(zip(singles, (long_ids.shape[1], 40))):
+        new = single.sequences[0, prompt_len:]
+        assert torch.equal(batch.sequences[row, long_ids.shape[1] : long_ids.shape[1] + len(new)], new)
+        groups = single.speech_ids.shape[1]
+        assert torch.equal(batch.speech_ids[row, :groups], single.speech_ids[0])
+
+
+def test_generate_uses_new_weights_after_load_state_dict(model, inputs):
+    changed = copy.deepcopy(model)
+    crq = changed.audio_invert_tower.crq_transformer
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, fuse_crq_projections=True)
+    before = changed.generate_speech(**inputs, **kwargs)
+    built = _FUSED[crq]
+    generator = torch.Generator().manual_seed(1)
+    crq.load_state_dict({name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in crq.state_dict().items()})
+    fused = changed.generate_speech(**inputs, **kwargs)
+    plain = changed.generate_speech(**inputs, **dict(kwargs, fuse_crq_projections=False))
+    assert _FUSED[crq] is not built
+    assert not torch.allclose(fused.speech_logits, before.speech_logits, atol=1e-3)
+    torch.testing.assert_close(fused.speech_logits, plain.speech_logits, atol=ATOL, rtol=RTOL)
+    assert torch.equal(fused.speech_ids, plain.speech_ids)
+    # A finished run does not keep the fused copy alive through its cached workspace.
+    assert all(ws.fused_crq is None for ws in _WORKSPACES[changed].values())
