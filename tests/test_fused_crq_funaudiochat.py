@@ -153,7 +153,8 @@ def test_fused_weights_are_cached_and_rebuilt_after_weight_changes():
     crq.load_state_dict(state)  # in place: same data pointers, bumped versions
     second = fused_crq_projections(crq)
     assert second is not first
-    assert torch.equal(second.layers[1].gate_up_weight, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+    expected = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+    assert torch.equal(second.layers[1].gate_up_weight, expected)
     _assert_fused_matches(crq, "static")
 
     crq.to(torch.float64)  # re-allocated weights
@@ -191,7 +192,12 @@ def test_generate_matches_reference(model, inputs, rep):
 
 @pytest.mark.parametrize(
     "rep, compile_scope, compile_attention",
-    [("1.0", "parts", "default"), ("1.2", "parts", "default"), ("1.2", "step", "default"), ("1.2", "parts", "gqa_matmul")],
+    [
+        ("1.0", "parts", "default"),
+        ("1.2", "parts", "default"),
+        ("1.2", "step", "default"),
+        ("1.2", "parts", "gqa_matmul"),
+    ],
 )
 def test_compiled_generate_matches_reference(model, inputs, rep, compile_scope, compile_attention):
     """fullgraph=True fails on any graph break, so this also proves the fused CRQ sub-step is one graph."""
@@ -264,7 +270,8 @@ def test_generate_uses_new_weights_after_load_state_dict(model, inputs):
     before = changed.generate_speech(**inputs, **kwargs)
     built = _FUSED[crq]
     generator = torch.Generator().manual_seed(1)
-    crq.load_state_dict({name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in crq.state_dict().items()})
+    noisy = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in crq.state_dict().items()}
+    crq.load_state_dict(noisy)
     fused = changed.generate_speech(**inputs, **kwargs)
     plain = changed.generate_speech(**inputs, **dict(kwargs, fuse_crq_projections=False))
     assert _FUSED[crq] is not built
@@ -273,3 +280,19 @@ def test_generate_uses_new_weights_after_load_state_dict(model, inputs):
     assert torch.equal(fused.speech_ids, plain.speech_ids)
     # A finished run does not keep the fused copy alive through its cached workspace.
     assert all(ws.fused_crq is None for ws in _WORKSPACES[changed].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_scope", ["step", "parts"])
+def test_cuda_graph_fused_step_matches_reference_on_gpu(inputs, compile_scope):
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    golden = _golden("1.0")  # rep 1.0: the widest greedy margins (MANIFEST §2e)
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.0, compile_scope=compile_scope, fuse_crq_projections=True)
+    eager = model.generate_speech(**inputs, **kwargs)
+    assert torch.equal(eager.sequences.cpu(), golden["sequences"])
+    assert torch.equal(eager.speech_ids.cpu(), golden["speech_ids"])
+    for _ in range(2):  # the second call replays the captured CUDA graph(s), reading the fused copy in place
+        graphed = model.generate_speech(**inputs, **kwargs, compile=True)
+        assert torch.equal(graphed.sequences, eager.sequences)
+        assert torch.equal(graphed.speech_ids, eager.speech_ids)

@@ -95,15 +95,9 @@ def _source_linears(crq: nn.Module) -> list[tuple[nn.Linear, ...]]:
     """`[(q_proj, k_proj, v_proj, gate_proj, up_proj)]` per decoder layer, validated."""
     layers = []
     for index, layer in enumerate(crq.layers[: crq.config.num_hidden_layers]):
-        attention, mlp = layer.self_attn, layer.mlp
-        names = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj")]
-        names += [("mlp", "gate_proj"), ("mlp", "up_proj")]
-        layers.append(
-            tuple(
-                _plain_linear(getattr(attention if part == "self_attn" else mlp, proj), f"layers.{index}.{part}.{proj}")
-                for part, proj in names
-            )
-        )
+        modules = [(f"self_attn.{name}", getattr(layer.self_attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
+        modules += [(f"mlp.{name}", getattr(layer.mlp, name)) for name in ("gate_proj", "up_proj")]
+        layers.append(tuple(_plain_linear(module, f"layers.{index}.{name}") for name, module in modules))
     return layers
 
 
