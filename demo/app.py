@@ -76,14 +76,10 @@ def load_pipeline():
 def example_wav() -> str:
     """A deterministic 2-s voice-like clip written to a temp file (an example input that works offline)."""
     import soundfile
+    from funaudiochat_hf.tiny_model import synthetic_question
 
-    t = np.arange(2 * INPUT_SAMPLING_RATE) / INPUT_SAMPLING_RATE
-    pitch = 140.0 + 30.0 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(pitch) / INPUT_SAMPLING_RATE
-    voice = sum(np.sin(k * phase) / k for k in range(1, 8))
-    envelope = 0.5 * (1 - np.cos(2 * np.pi * 3.0 * t)) * np.minimum(1.0, 10 * t) * np.minimum(1.0, 10 * (t[-1] - t))
     path = Path(tempfile.gettempdir()) / "funaudiochat_demo_example.wav"
-    soundfile.write(path, (0.1 * voice * envelope).astype(np.float32), INPUT_SAMPLING_RATE)
+    soundfile.write(path, synthetic_question(2.0, INPUT_SAMPLING_RATE), INPUT_SAMPLING_RATE)
     return str(path)
 
 

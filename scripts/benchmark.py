@@ -922,6 +922,12 @@ def notes_of(row: dict) -> str:
     return "; ".join(parts).replace("|", "/")
 
 
+def notes_suffix(row: dict) -> str:
+    """" (notes)" for a report sentence, or "" when the row has none."""
+    notes = notes_of(row)
+    return f" ({notes})" if notes else ""
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -1014,7 +1020,7 @@ def render_extras(data: dict) -> str:
                 f"- CRQ share ({r['mode']}, batch {r['batch']}): LLM-only step (`disable_speech=True`) "
                 f"{r['llm_only_ms_per_step']:.2f} ms vs full {fmt(r.get('full_ms_per_step'), 2)} ms → CRQ "
                 f"{'–' if share is None else f'{share * 100:.0f} %'} of the step."
-                + (f" ({notes_of(r)})" if notes_of(r) else "")
+                + notes_suffix(r)
             )
     for r in data.get("ttfa", []):
         if row_status(r):
@@ -1024,7 +1030,7 @@ def render_extras(data: dict) -> str:
                 f"- Time to first audio chunk ({r['mode']}, {r['input_seconds']:g} s question, full decoder, hop 15): "
                 f"**{r['ttfa_ms']:.0f} ms** warm (first call {r['first_call_ttfa_ms']:.0f} ms), after "
                 f"{r['events_before_audio']} stream events; peak {fmt(r.get('peak_gb'), 1)} GB."
-                + (f" ({notes_of(r)})" if notes_of(r) else "")
+                + notes_suffix(r)
             )
     for r in data.get("repeat_calls", []):
         if row_status(r):
@@ -1034,7 +1040,7 @@ def render_extras(data: dict) -> str:
                 f"- {r['calls']} consecutive `generate_speech` calls ({r['mode']}, {r['steps_per_call']} steps each): "
                 f"median {r['median_call_ms']:.0f} ms, max {r['max_call_ms']:.0f} ms; allocated memory "
                 f"{fmt(r.get('allocated_before_gb'), 3)} GB before → {fmt(r.get('allocated_after_gb'), 3)} GB after; "
-                f"peak {fmt(r.get('peak_gb'), 1)} GB." + (f" ({notes_of(r)})" if notes_of(r) else "")
+                f"peak {fmt(r.get('peak_gb'), 1)} GB." + notes_suffix(r)
             )
     return "\n".join(lines)
 

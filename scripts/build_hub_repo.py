@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         if args.push_to_hub:
             push_to_hub(out, args.push_to_hub, private=args.private, dry_run=args.dry_run)
-    except (ValueError, FileExistsError, FileNotFoundError, OSError) as error:
+    except (ValueError, OSError) as error:  # OSError covers FileExistsError / FileNotFoundError
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

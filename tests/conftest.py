@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_dynamo():
+    # Compiled graphs of one test module must not count against the recompile limits of the next one, so the suite
+    # passes in any order.
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

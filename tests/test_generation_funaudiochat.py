@@ -353,6 +353,17 @@ def test_two_turn_prompt(model, inputs):
     assert torch.equal(static.sequences, dynamic.sequences) and torch.equal(static.speech_ids, dynamic.speech_ids)
 
 
+def test_compiled_loop_survives_many_distinct_sampling_settings(model, inputs):
+    # Regression: every new top_k is a new graph, and with fullgraph=True dynamo's default limit of 8 graphs per
+    # function made the 9th distinct setting of a long-running process a hard error.
+    ids = _text_prompt(inputs, 12)
+    for i in range(10):
+        # dynamic=False, as compile=True uses: every int setting is a specialised constant of the graph
+        compile_options = {"backend": "eager", "fullgraph": True, "dynamic": False}
+        out = model.generate_speech(ids, max_new_tokens=2, top_k=i + 1, seed=0, compile=compile_options)
+        assert out.sequences.shape == (1, 14)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_scope", ["step", "parts"])
 def test_cuda_graph_step_matches_eager_on_gpu(inputs, compile_scope):

@@ -136,6 +136,22 @@ def test_from_original_errors(tmp_path):
         CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY, speaker_names=["nobody"])
 
 
+def test_from_original_without_speakers_file_any_speaker_width(tmp_path):
+    # Regression: a folder without spk2info.pt used to be checked against a hard-coded 192-dim empty table.
+    yaml_text = (COSYVOICE3_TINY / "cosyvoice3.yaml").read_text(encoding="utf-8")
+    assert "spk_embed_dim: 192" in yaml_text
+    (tmp_path / "cosyvoice3.yaml").write_text(yaml_text.replace("spk_embed_dim: 192", "spk_embed_dim: 64"))
+    (tmp_path / "hift.pt").write_bytes((COSYVOICE3_TINY / "hift.pt").read_bytes())
+    flow = torch.load(COSYVOICE3_TINY / "flow.pt", map_location="cpu", weights_only=True)
+    flow["spk_embed_affine_layer.weight"] = flow["spk_embed_affine_layer.weight"][:, :64].clone()
+    torch.save(flow, tmp_path / "flow.pt")
+    model = CosyVoice3Token2Wav.from_original(tmp_path)
+    assert model.config.spk_embed_dim == 64
+    assert model.config.speaker_names == []
+    assert tuple(model.speaker_embeddings.shape) == (0, 64)
+    assert torch.equal(model.flow.spk_embed_affine_layer.weight, flow["spk_embed_affine_layer.weight"])
+
+
 # -- flow parity ------------------------------------------------------------------------------------------------------
 
 
@@ -533,3 +549,31 @@ def test_cuda_full_size_streaming_memory_and_chunk_times_are_bounded(bucket):
     )
     median = sorted(chunk_seconds)[len(chunk_seconds) // 2]
     assert max(chunk_seconds) <= 3 * median + 0.05, [round(s * 1e3, 1) for s in chunk_seconds]
+
+
+def test_streaming_holdback_follows_the_hift_look_ahead():
+    """Regression: the streaming decoder held back a literal 8 mel frames (3 F0 + 4 conv_pre look-ahead + 1), which
+    duplicated audio for a HiFT with another `conv_pre_look_right`."""
+    torch.manual_seed(0)
+    config = CosyVoice3Config(
+        vocab_size=64,
+        pre_lookahead_channels=16,
+        dit_dim=32,
+        dit_depth=1,
+        dit_heads=2,
+        dit_dim_head=16,
+        noise_frames=200,
+        hift_config={"base_channels": 16, "conv_pre_look_right": 2, "f0_predictor": {"cond_channels": 16}},
+    )
+    model = CosyVoice3Token2Wav(config).eval()
+    assert model.hift.conv_pre_look_right == 2
+    spk = torch.randn(config.spk_embed_dim)
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+
+    def stream(**kwargs):
+        decoder = model.streaming_decoder(speaker_embedding=spk, token_hop_len=10, **kwargs)
+        return torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)] + [decoder.finalize()])
+
+    whole_history = stream(hift_left_context_frames=10_000)
+    assert whole_history.shape == (len(tokens) * config.samples_per_token,)
+    _close(stream(hift_left_context_frames=16), whole_history, atol=1e-4)

@@ -2,6 +2,7 @@
 
 import inspect
 
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 
@@ -9,13 +10,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 # 5.40). Every call that hands a cache to a transformers model goes through `cache_kwargs` so one line decides.
 CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen3Model.forward).parameters else "past_key_values"
 
+# The same rename for the cache field of transformers' output classes.
+OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 def cache_kwargs(cache) -> dict:
     """`{"cache": cache}` on transformers >= 5.24, `{"past_key_values": cache}` before."""
     return {CACHE_KWARG: cache}
-
-
-def output_cache(outputs):
-    """The cache returned by a transformers model output, whatever the release calls it."""
-    cache = getattr(outputs, "cache", None)
-    return cache if cache is not None else getattr(outputs, "past_key_values", None)

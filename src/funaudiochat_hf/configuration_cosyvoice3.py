@@ -1,5 +1,6 @@
 """Configuration of the CosyVoice3 token2wav decoder (speech tokens -> 24 kHz waveform)."""
 
+import math
 from typing import Any, Optional
 
 from transformers import PreTrainedConfig
@@ -126,10 +127,7 @@ class CosyVoice3Config(PreTrainedConfig):
         """Output samples per mel frame: the HiFT upsampling product times the iSTFT hop (8*5*3*4 = 480)."""
         rates = self.hift_config.get("upsample_rates", [8, 5, 3])
         hop = self.hift_config.get("istft_params", {}).get("hop_len", 4)
-        product = 1
-        for rate in rates:
-            product *= rate
-        return product * hop
+        return math.prod(rates) * hop
 
 
 __all__ = ["CosyVoice3Config"]

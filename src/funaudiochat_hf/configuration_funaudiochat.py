@@ -111,6 +111,7 @@ class FunAudioChatAudioEncoderConfig(PreTrainedConfig):
             encoder output, `"replace"` or `"add"`.
         enable_audio_invert_tower (`bool`, defaults to `True`): build the CRQ speech decoder.
         crq_transformer_config (`dict` or `Qwen3Config`, defaults to Qwen3-0.6B dims): the CRQ Transformer body.
+        encoder_layerdrop (`float`, defaults to 0.0): stored for compatibility, never applied.
     """
 
     model_type = "funaudiochat_audio_encoder"

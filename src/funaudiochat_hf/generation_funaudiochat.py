@@ -124,8 +124,8 @@ class _DecodeWorkspace:
     def __init__(self, model, batch_size: int, max_length: int, static: bool, output_logits: bool):
         text_config = model.config.text_config
         audio_config = model.config.audio_config
-        self.device = model.language_model.get_input_embeddings().weight.device
-        self.dtype = model.language_model.get_input_embeddings().weight.dtype
+        embedding_weight = model.language_model.get_input_embeddings().weight
+        self.device, self.dtype = embedding_weight.device, embedding_weight.dtype
         self.batch_size, self.max_length, self.static = batch_size, max_length, static
         self.lock = threading.Lock()
         k = audio_config.group_size
@@ -347,7 +347,7 @@ def _decode_step(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
 
 def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding, force_token) -> None:
     """The first step: LLM over the prompt and CRQ over `K * L0 - (K - 1)` sub-positions, each in one pass."""
-    batch, length = input_ids.shape
+    length = input_ids.shape[1]
     k = cfg.group_size
     language_model = model.language_model
     positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
@@ -373,9 +373,18 @@ def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_em
 _COMPILED: dict = {}
 
 
+# Each distinct set of sampling settings, batch size or cache length is its own graph (they are Python constants of
+# the step), and with `fullgraph=True` dynamo's default limit of 8 graphs per function is a hard error, not a fallback:
+# a long-running process that varies its settings would fail on the 9th. Raise the limit (never lower a user's).
+_RECOMPILE_LIMIT = 64
+
+
 def _compiled(function, options: dict):
     key = (function.__name__, tuple(sorted((name, repr(value)) for name, value in options.items())))
     if key not in _COMPILED:
+        dynamo_config = torch._dynamo.config
+        if hasattr(dynamo_config, "recompile_limit"):
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
         _COMPILED[key] = torch.compile(function, **options)
     return _COMPILED[key]
 
@@ -558,8 +567,9 @@ class _SpeechRun:
         self.model = model
         self.options = options
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ValueError(f"`input_ids` must be a (batch, length) LongTensor, got {type(input_ids)}.")
-        batch, length = input_ids.shape
+            got = f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"`input_ids` must be a (batch, length) LongTensor, got {got}.")
+        length = input_ids.shape[1]
         if length == 0:
             raise ValueError("`input_ids` is empty: the prompt needs at least one token.")
         max_new_tokens = options["max_new_tokens"]
@@ -632,7 +642,7 @@ class _SpeechRun:
         elif needed > cache_max_length:
             raise ValueError(
                 f"The request needs {needed} LLM cache positions (prompt {length} + max_new_tokens {max_new_tokens}) "
-                f"and {config.audio_config.group_size * needed} CRQ positions, but the caches hold only "
+                f"and {audio_config.group_size * needed} CRQ positions, but the caches hold only "
                 f"`cache_max_length`={cache_max_length} LLM positions. Raise `cache_max_length` or lower "
                 "`max_new_tokens`."
             )
@@ -661,10 +671,8 @@ class _SpeechRun:
         if not self.static:
             logger.warning("`compile` needs `cache_implementation='static'`; running the dynamic-cache loop eagerly.")
             return _decode_step
-        device_map = getattr(self.model, "hf_device_map", None)
-        if device_map and (
-            len(set(map(str, device_map.values()))) > 1 or {"cpu", "disk"} & set(map(str, device_map.values()))
-        ):
+        mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
+        if len(mapped_devices) > 1 or mapped_devices & {"cpu", "disk"}:
             logger.warning(
                 "The model is dispatched over several devices (device_map); the compiled decode step cannot capture "
                 "it, so the loop runs eagerly."

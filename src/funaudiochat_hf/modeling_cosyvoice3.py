@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_cosyvoice3 import CosyVoice3Config
-from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
 
@@ -63,8 +63,8 @@ class CosyVoice3CausalConvPositionEmbedding(nn.Module):
 
 
 class CosyVoice3InputEmbedding(nn.Module):
-    """concat[noisy mel, prompt mel, token condition, speaker] (batch, frames, 320) -> (batch, frames, dim), plus the
-    causal conv position embedding."""
+    """concat[noisy mel, prompt mel, token condition, speaker] (batch, frames, 2 * mel_dim + mu_dim + spk_dim)
+    -> (batch, frames, dim), plus the causal conv position embedding."""
 
     def __init__(self, mel_dim: int, mu_dim: int, spk_dim: int, dim: int, kernel_size: int, groups: int):
         super().__init__()
@@ -467,22 +467,16 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
             if not getattr(module.inv_freq, "_is_hf_initialized", False):  # keep the checkpoint's table if loaded
                 module.inv_freq.copy_(module.compute_inv_freq(self.config.dit_dim_head, self.config.rope_theta))
         elif module is getattr(getattr(getattr(self, "hift", None), "m_source", None), "l_sin_gen", None):
-            self.hift.init_source_tables(generator=self._reference_rng_after_flow())
-
-    def _reference_rng_after_flow(self) -> torch.Generator:
-        """A CPU generator in the state the reference's global RNG has when HiFT draws its source tables.
-
-        Loading cosyvoice3.yaml, the CFM re-seeds the global RNG (to 0) and draws its start noise; the flow then
-        initialises its token embedding (normal) and speaker projection (uniform weight, then bias); HiFT comes next.
-        """
-        config = self.config
-        generator = torch.Generator(device="cpu").manual_seed(config.noise_seed)
-        with torch.device("cpu"):  # the replay is on the CPU even under a `with torch.device("cuda")` build
-            torch.randn(1, config.mel_bins, config.noise_frames, generator=generator)
-            torch.empty(config.vocab_size, config.token_embedding_dim).normal_(generator=generator)
-            torch.empty(config.mel_bins, config.spk_embed_dim).uniform_(generator=generator)
-            torch.empty(config.mel_bins).uniform_(generator=generator)
-        return generator
+            config = self.config
+            generator = reference_rng_after_flow(
+                config.noise_seed,
+                config.mel_bins,
+                config.noise_frames,
+                config.vocab_size,
+                config.token_embedding_dim,
+                config.spk_embed_dim,
+            )
+            self.hift.init_source_tables(generator=generator)
 
 
 class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
@@ -635,10 +629,13 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     # -- vocoder --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def mel_to_wav(self, mel: torch.Tensor, source: Optional[torch.Tensor] = None, finalize: bool = True):
-        """HiFT: mel (batch, mel_bins, frames) -> waveform (batch, samples) in [-0.99, 0.99].
+    def mel_to_wav(
+        self, mel: torch.Tensor, source: Optional[torch.Tensor] = None, finalize: bool = True
+    ) -> torch.Tensor:
+        """HiFT: mel (batch, mel_bins, frames) -> waveform (batch, samples) in [-audio_limit, audio_limit].
 
-        finalize=True: samples = samples_per_mel_frame * frames; False: the last 8 frames are held back (look-ahead).
+        finalize=True: samples = samples_per_mel_frame * frames; False: the last frames (8 with the default HiFT:
+        3 F0 + 4 conv_pre look-ahead + 1) are held back.
         """
         wav, _ = self.hift(mel.to(self.device, torch.float32), finalize=finalize, source=source)
         return wav
@@ -755,7 +752,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         token_hop_len: int = 15,
         pre_lookahead_len: Optional[int] = None,
         **kwargs,
-    ) -> "CosyVoice3StreamingDecoder":
+    ) -> CosyVoice3StreamingDecoder:
         """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking and the defaults of
         `flow_left_context_tokens` / `hift_left_context_frames`, passed through `kwargs`)."""
         return CosyVoice3StreamingDecoder(

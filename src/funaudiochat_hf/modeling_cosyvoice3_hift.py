@@ -403,19 +403,16 @@ class CosyVoice3HiFTGenerator(nn.Module):
         untouched).
 
         Args:
-            generator: a CPU generator positioned right after the flow's construction draws. Default: seed 0 advanced
-                past the full-size CosyVoice3 flow (noise (1, 80, 15000), Embedding(6561, 80), Linear(192, 80)); the
-                flow of every published CosyVoice3 config has these sizes.
+            generator: a CPU generator positioned right after the flow's construction draws. Default:
+                `reference_rng_after_flow()` with the full-size CosyVoice3 flow sizes, which every published
+                CosyVoice3 config has.
             max_samples: table length in samples (the longest source one call can produce). The reference uses
                 300 s at 24 kHz (259 MB in float32); a shorter table is an exact prefix of it.
         """
         # The replay draws on the CPU even when the model is built under `with torch.device("cuda")`.
         with torch.device("cpu"):
             if generator is None:
-                generator = torch.Generator().manual_seed(0)
-                torch.randn(1, 80, 15000, generator=generator)  # CFM rand_noise
-                torch.empty(6561, 80).normal_(generator=generator)  # flow.input_embedding
-                _skip_default_init((80, 192), generator)  # flow.spk_embed_affine_layer
+                generator = reference_rng_after_flow()
             # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source module.
             for module in self.f0_predictor.modules():
                 if isinstance(module, WeightNormCausalConv1d):
@@ -475,11 +472,15 @@ class CosyVoice3HiFTGenerator(nn.Module):
         # Upsampled in (batch, harmonics, samples) memory layout like the reference, so that the Linear below reduces
         # in the same order (bit-identical source on CPU).
         sines = _hold(sines.transpose(1, 2), scale).transpose(1, 2)  # (batch, samples, harmonics)
-        f0_up = self.f0_to_sample_rate(f0)  # (batch, samples, 1)
+        return self.merge_source(sines, self.f0_to_sample_rate(f0), table[:, :num_samples])
+
+    def merge_source(self, sines: torch.Tensor, f0_up: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The excitation from its sample-rate pieces, in float32: `sines` (batch, samples, harmonics) = 0.1 sin(phase),
+        `f0_up` (batch, samples, 1) the held f0 in Hz, `noise` (1 or batch, samples, harmonics) the fixed uniform table
+        at those samples -> tanh(Linear(sines * voiced + amp(voiced) * noise)) (batch, 1, samples)."""
         voiced = (f0_up > self.voiced_threshold).to(torch.float32)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        noise = noise_amp * table[:, :num_samples].to(torch.float32)
-        sines = sines * voiced + noise
+        sines = sines * voiced + noise_amp * noise.to(torch.float32)
         linear = self.m_source.l_linear
         merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
         return merged.transpose(1, 2)
@@ -554,6 +555,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
         finalize=True: samples = source_samples = 480 * frames. finalize=False (streaming on a mel history whose end
         is not final; needs frames > 8): F0 uses the last 3 frames as look-ahead (source_samples = 480 * (frames - 3)),
         conv_pre the 4 before them, and the last frame of audio is dropped: samples = 480 * (frames - 8).
+        (Numbers for the default sizes: 480 = `upsample_scale`, 3 = `f0_predictor.lookahead`, 4 =
+        `conv_pre_look_right`.)
         Re-running on a longer history reproduces these samples exactly.
 
         A given `source` replaces the internally computed excitation (it must have source_samples samples).
@@ -601,6 +604,29 @@ class CosyVoice3HiFTGenerator(nn.Module):
         envelope = overlap_add(squared_window, [1, length], 1, self.n_fft, self.hop_length)
         trim = slice(self.n_fft // 2, length - self.n_fft // 2)
         return wav[:, trim] / envelope[:, trim]
+
+
+def reference_rng_after_flow(
+    noise_seed: int = 0,
+    mel_bins: int = 80,
+    noise_frames: int = 15000,
+    vocab_size: int = 6561,
+    token_embedding_dim: int = 80,
+    spk_embed_dim: int = 192,
+) -> torch.Generator:
+    """A CPU generator in the state the reference's global RNG has when HiFT starts drawing (defaults: the full-size
+    CosyVoice3 flow).
+
+    Loading cosyvoice3.yaml, the CFM re-seeds the global RNG (to `noise_seed`) and draws its start noise
+    (1, mel_bins, noise_frames); the flow then initialises its token embedding (normal) and speaker projection
+    (uniform weight, then bias).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(noise_seed)
+    with torch.device("cpu"):  # the replay is on the CPU even under a `with torch.device("cuda")` build
+        torch.randn(1, mel_bins, noise_frames, generator=generator)  # CFM rand_noise
+        torch.empty(vocab_size, token_embedding_dim).normal_(generator=generator)  # flow.input_embedding
+        _skip_default_init((mel_bins, spk_embed_dim), generator)  # flow.spk_embed_affine_layer
+    return generator
 
 
 def _skip_default_init(weight_shape: tuple[int, ...], generator: torch.Generator) -> None:

@@ -23,14 +23,10 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPas
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
-from .compat import CACHE_KWARG, cache_kwargs
+from .compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, cache_kwargs
 from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
 from .generation_funaudiochat import FunAudioChatSpeechGenerationMixin
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
-
-
-# Name of the cache field of transformers' output classes (`cache` from 5.24 on, `past_key_values` before).
-_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def sinusoid_position_table(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -770,7 +766,7 @@ class FunAudioChatForConditionalGeneration(
             speech_loss=speech_loss,
             speech_logits=speech_logits,
             last_hidden_state=last_hidden_state,
-            **{_OUTPUT_CACHE_FIELD: getattr(decoder_outputs, _OUTPUT_CACHE_FIELD, None)},
+            **{OUTPUT_CACHE_FIELD: getattr(decoder_outputs, OUTPUT_CACHE_FIELD, None)},
         )
 
     # ----------------------------------------------------------------------------------------------------------

@@ -82,6 +82,11 @@ def _is_audio_item(item: Any) -> bool:
     return isinstance(item, dict) and (item.get("type") in ("audio", "input_audio") or "audio" in item)
 
 
+def _is_clip_list(value: Any) -> bool:
+    """A list/tuple of clips, as opposed to one waveform given as a plain list of numbers."""
+    return isinstance(value, (list, tuple)) and not (len(value) and isinstance(value[0], (int, float)))
+
+
 def _parse_json_item(item: Any) -> dict | None:
     """The reference JSON item `{"path": ..., "token": ..., "text": ...}` (as a dict or a JSON string), else None."""
     if isinstance(item, dict) and "token" in item:
@@ -297,7 +302,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         elif isinstance(audio, Sequence):
             clips = []
             for clip in audio:  # allow one nested level: a list of clips per prompt
-                if isinstance(clip, (list, tuple)) and not (len(clip) and isinstance(clip[0], (int, float))):
+                if _is_clip_list(clip):
                     clips.extend(clip)
                 else:
                     clips.append(clip)
@@ -477,9 +482,7 @@ class FunAudioChatProcessor(ProcessorMixin):
 
     @staticmethod
     def _as_clip_list(audio: Any) -> list:
-        if isinstance(audio, (list, tuple)) and not (len(audio) and isinstance(audio[0], (int, float))):
-            return list(audio)
-        return [audio]
+        return list(audio) if _is_clip_list(audio) else [audio]
 
     # ------------------------------------------------------------------------------------------------------------
     # decoding
@@ -491,9 +494,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         Leading `<|audio_bos|>` / `<|sil|>` and trailing `<|audio_eos|>` / `<|sil|>` / `<|im_end|>` are stripped, and
         padding tokens are dropped. Accepts one sequence (list / 1-D tensor) -> `str`, or a batch -> `list[str]`.
         """
-        if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.tolist()
-        elif isinstance(token_ids, np.ndarray):
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
             token_ids = token_ids.tolist()
         if token_ids and isinstance(token_ids[0], (list, tuple)):
             return [self.decode_reply(ids, **kwargs) for ids in token_ids]

@@ -79,7 +79,7 @@ def process_scores(scores: torch.Tensor, settings: SamplingSettings, seen: torch
         scores: `(batch, vocab)` float32 logits.
         seen: `(batch, vocab)` bool history mask, required when `settings.repetition_penalty != 1`.
     """
-    if settings.repetition_penalty != 1.0:
+    if settings.uses_history:
         if seen is None:
             raise ValueError("A repetition penalty needs the `seen` history mask.")
         scores = apply_repetition_penalty(scores, seen, settings.repetition_penalty)

@@ -76,8 +76,10 @@ class CosyVoice3StreamingDecoder:
                 f"pre_lookahead_len must equal the model's pre-lookahead ({model.config.pre_lookahead_len}); "
                 f"got {pre_lookahead_len}"
             )
-        if flow_left_context_tokens < 0 or hift_left_context_frames < 8:
-            raise ValueError("flow_left_context_tokens must be >= 0 and hift_left_context_frames >= 8")
+        if flow_left_context_tokens < 0:
+            raise ValueError(f"flow_left_context_tokens must be >= 0, got {flow_left_context_tokens}")
+        if hift_left_context_frames < 8:
+            raise ValueError(f"hift_left_context_frames must be >= 8, got {hift_left_context_frames}")
         if flow_window_bucket_tokens is not None and flow_window_bucket_tokens < 1:
             raise ValueError(f"flow_window_bucket_tokens must be None or >= 1, got {flow_window_bucket_tokens}")
         self.model = model
@@ -91,6 +93,8 @@ class CosyVoice3StreamingDecoder:
         self.max_flow_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
         self.ratio = model.config.token_mel_ratio
         self.samples_per_frame = model.hift.upsample_scale
+        # Mel frames whose audio a non-final HiFT call holds back: F0 look-ahead + conv_pre look-ahead + the last frame.
+        self.hift_holdback_frames = model.hift.f0_predictor.lookahead + model.hift.conv_pre_look_right + 1
         device = model.device
         # Tokens [token_start, token_start + len(tokens)); mel frames of tokens [0, token_offset) are done.
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
@@ -188,7 +192,7 @@ class CosyVoice3StreamingDecoder:
     def _vocode(self, finalize: bool) -> torch.Tensor:
         hift = self.model.hift
         mel_end = self.mel_start + self.mel.shape[-1]
-        audio_end = mel_end if finalize else mel_end - 8  # frames whose audio is final after this call
+        audio_end = mel_end if finalize else mel_end - self.hift_holdback_frames  # frames final after this call
         if audio_end <= self.emitted_frames:
             return self._concat([])
         window_start = max(self.mel_start, self.emitted_frames - self.hift_left_context)
@@ -240,8 +244,6 @@ class CosyVoice3StreamingDecoder:
         f0 = self.f0[:, first : end - self.f0_start]
         phase = self.phase_cycles[:, first : end - self.f0_start].to(torch.float32) * 2 * math.pi
         sines = (torch.sin(phase * scale) * hift.sine_amp).repeat_interleave(scale, dim=1)
-        voiced = (f0.repeat_interleave(scale, dim=1).unsqueeze(-1) > hift.voiced_threshold).to(torch.float32)
-        noise_amp = voiced * hift.noise_std + (1 - voiced) * hift.sine_amp / 3
         table = hift.m_source.l_sin_gen.sine_waves
         table_len = table.shape[1]
         if table_len == 0:
@@ -252,10 +254,7 @@ class CosyVoice3StreamingDecoder:
         else:  # past 300 s the reference would fail; wrap around the table instead
             index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
             noise = table.index_select(1, index)
-        sines = sines * voiced + noise_amp * noise.to(torch.float32)
-        linear = hift.m_source.l_linear
-        merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
-        return merged.transpose(1, 2)
+        return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
 
 
 __all__ = ["CosyVoice3StreamingDecoder"]
