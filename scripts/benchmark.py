@@ -64,14 +64,12 @@ SPEECH_VOCAB = 6561  # valid CosyVoice3 token ids are [0, 6561)
 
 # Official numbers (spec/performance.md, one H200, batch 1), quoted as context for the ratios.
 OFFICIAL_CHAT_MS = {"default SDPA": 390.0, "cuDNN SDPA off": 189.0}
-OFFICIAL_CHAT_PEAK_GB = 23.3
 OFFICIAL_DECODER = {
     "offline 10 s": {"wall_s": 0.32, "rtf": 0.032},
     "offline 30 s": {"wall_s": 0.65, "rtf": 0.022},
     "stream 10 s": {"wall_s": 9.4, "rtf": 0.94, "first_chunk_ms": 600.0},
     "stream 30 s": {"wall_s": 24.6, "rtf": 0.82, "first_chunk_ms": 460.0},
 }
-OFFICIAL_DECODER_PEAK_GB = 19.3
 
 
 def log(*parts: Any) -> None:

@@ -152,6 +152,18 @@ def test_from_original_without_speakers_file_any_speaker_width(tmp_path):
     assert torch.equal(model.flow.spk_embed_affine_layer.weight, flow["spk_embed_affine_layer.weight"])
 
 
+def test_speaker_names_without_a_speakers_file_raise(tmp_path):
+    for name in ("cosyvoice3.yaml", "flow.pt", "hift.pt"):
+        (tmp_path / name).write_bytes((COSYVOICE3_TINY / name).read_bytes())
+    with pytest.raises(ValueError, match="no speakers file"):
+        CosyVoice3Token2Wav.from_original(tmp_path, speaker_names=["中文女"])
+
+
+def test_zero_segment_tokens_is_an_error_not_whole_rows(model):
+    with pytest.raises(ValueError, match="segment_tokens must be >= 1"):
+        model(torch.zeros(1, 10, dtype=torch.long), speaker="中文女", segment_tokens=0)
+
+
 # -- flow parity ------------------------------------------------------------------------------------------------------
 
 

@@ -151,6 +151,11 @@ def load_original_checkpoint(
     if speakers_file is None:
         found = [model_dir / name for name in SPEAKER_FILES if (model_dir / name).is_file()]
         speakers_file = found[0] if found else None
+    if speakers_file is None and speaker_names:
+        raise ValueError(
+            f"speaker_names={speaker_names} were given but {model_dir} has no speakers file "
+            f"({' / '.join(SPEAKER_FILES)}); pass `speakers_file=` (e.g. Fun-Audio-Chat's utils/new_spk2info.pt)."
+        )
     names, embeddings = ([], None) if speakers_file is None else read_speakers(speakers_file, speaker_names)
     config = config_from_yaml(model_dir / "cosyvoice3.yaml", names)
     model = cls(config)

@@ -685,7 +685,11 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         # Pieces: (row, first token, end token); each is decoded independently as one row of a flow batch.
         pieces = []
         for row in range(batch):
-            bounds = self.segment_bounds(int(lengths[row]), segment_tokens) if segment_tokens else [(0, lengths[row])]
+            bounds = (
+                self.segment_bounds(int(lengths[row]), segment_tokens)
+                if segment_tokens is not None
+                else [(0, lengths[row])]
+            )
             pieces += [(row, int(first), int(end)) for first, end in bounds if end > first]
         per_token = self.config.samples_per_token
         waveform = torch.zeros(batch, per_token * int(lengths.max()) if batch else 0, device=self.device)
