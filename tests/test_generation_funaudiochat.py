@@ -354,13 +354,18 @@ def test_two_turn_prompt(model, inputs):
 
 
 def test_compiled_loop_survives_many_distinct_sampling_settings(model, inputs):
-    # Regression: every new top_k is a new graph, and with fullgraph=True dynamo's default limit of 8 graphs per
-    # function made the 9th distinct setting of a long-running process a hard error.
+    # Regression: every structural sampling switch combination (sampling on/off, top-k / top-p / repetition penalty
+    # on/off) is its own graph, and with fullgraph=True dynamo's default limit of 8 graphs per function made the 9th
+    # distinct combination of a long-running process a hard error. (Values alone reuse one graph: see below.)
     ids = _text_prompt(inputs, 12)
-    for i in range(10):
-        # dynamic=False, as compile=True uses: every int setting is a specialised constant of the graph
-        compile_options = {"backend": "eager", "fullgraph": True, "dynamic": False}
-        out = model.generate_speech(ids, max_new_tokens=2, top_k=i + 1, seed=0, compile=compile_options)
+    combos = [(True, k, p, r) for k in (0, 5) for p in (1.0, 0.9) for r in (1.0, 1.2)]
+    combos += [(False, 0, 1.0, r) for r in (1.0, 1.2)]  # 10 distinct graphs
+    compile_options = {"backend": "eager", "fullgraph": True, "dynamic": False}  # as compile=True
+    for do_sample, top_k, top_p, penalty in combos:
+        out = model.generate_speech(
+            ids, max_new_tokens=2, do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=penalty, seed=0,
+            compile=compile_options,
+        )
         assert out.sequences.shape == (1, 14)
 
 
@@ -412,3 +417,27 @@ def test_offline_audio_of_a_batch_is_one_decoder_call_with_30s_segments():
     torch.testing.assert_close(audio[0], expected)
     torch.testing.assert_close(audio[1], torch.full((40 * SAMPLES_PER_TOKEN,), 7.0))
     assert [a.numel() for a in decode_speech_offline(decoder, torch.full((1, 10), SPEECH_BOS), SPEECH_BOS)] == [0]
+
+
+def test_new_sampling_values_reuse_the_compiled_step(model, inputs):
+    """Issue 4: temperature / top_p / top_k / penalty values are workspace tensors, not graph constants, so only the
+    first call with a given set of switches compiles; every call still matches the eager loop token for token."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compile_options = {"backend": counter, "fullgraph": True, "dynamic": False}
+    ids = _text_prompt(inputs, 12)
+    values = [
+        dict(temperature=0.7, top_p=0.8, top_k=5, repetition_penalty=1.1),
+        dict(temperature=1.3, top_p=0.95, top_k=50, repetition_penalty=1.3),
+        dict(temperature=0.2, top_p=0.5, top_k=1, repetition_penalty=0.9),
+    ]
+    frames = []
+    for i, settings in enumerate(values):
+        kwargs = dict(max_new_tokens=4, do_sample=True, seed=i, **settings)
+        compiled = model.generate_speech(ids, **kwargs, compile=compile_options)
+        eager = model.generate_speech(ids, **kwargs)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.speech_ids, eager.speech_ids)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == [frames[0]] * len(values)

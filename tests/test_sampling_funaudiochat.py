@@ -1,5 +1,7 @@
 """The sync-free samplers must match transformers' logits processors and draw from the right distribution."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -10,7 +12,9 @@ from transformers.generation.logits_process import (
 )
 
 from funaudiochat_hf.sampling_funaudiochat import (
+    SamplingParameters,
     SamplingSettings,
+    SamplingSwitches,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
@@ -90,3 +94,54 @@ def test_invalid_settings_raise():
         SamplingSettings(repetition_penalty=0.0)
     with pytest.raises(ValueError, match="exponential_noise"):
         select_tokens(torch.zeros(1, 3), SamplingSettings(do_sample=True))
+
+
+# Values as 0-d tensors (what the compiled decode step passes, so new values reuse its graph) must give exactly the
+# same scores as the Python values.
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 7, 64, 100])
+def test_tensor_top_k_matches_transformers_with_ties(top_k):
+    scores = torch.randint(-3, 4, (4, 64)).float()  # many ties at the k-th best score
+    expected = TopKLogitsWarper(top_k)(None, scores.clone())
+    assert torch.equal(apply_top_k(scores, torch.tensor(top_k)), expected)
+    assert torch.equal(apply_top_k(scores, top_k), expected)
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.3, 0.7, 0.95])
+def test_tensor_top_p_matches_transformers(top_p):
+    scores = torch.randn(4, 64) * 2
+    expected = TopPLogitsWarper(top_p)(None, scores.clone())
+    assert torch.equal(apply_top_p(scores, torch.tensor(top_p, dtype=torch.float64)), expected)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SamplingSettings(do_sample=True, temperature=0.7, top_p=0.8, top_k=10, repetition_penalty=1.2),
+        SamplingSettings(do_sample=True, temperature=1.3, top_p=1.0, top_k=0, repetition_penalty=1.0),
+        SamplingSettings(do_sample=False, temperature=0.3, top_k=4, repetition_penalty=0.8),
+    ],
+)
+def test_switches_with_parameters_equal_settings(settings):
+    scores = torch.randn(2, 30) * 3
+    seen = _seen_mask(torch.randint(0, 30, (2, 6)), 30)
+    expected = process_scores(scores, settings, seen)
+    parameters = SamplingParameters(settings=settings)
+    assert torch.equal(process_scores(scores, settings.switches, seen, parameters), expected)
+    # Refilling the same tensors in place with other values changes the result accordingly.
+    other = dataclasses.replace(settings, temperature=2.0, top_k=settings.top_k and settings.top_k + 3)
+    parameters.fill_(other)
+    refilled = process_scores(scores, settings.switches, seen, parameters)
+    assert torch.equal(refilled, process_scores(scores, other, seen))
+
+
+def test_switches_are_the_structure_only():
+    a = SamplingSettings(temperature=0.7, top_p=0.8, top_k=10, repetition_penalty=1.2)
+    b = SamplingSettings(temperature=1.5, top_p=0.3, top_k=2, repetition_penalty=1.05)
+    assert a.switches == b.switches and hash(a.switches) == hash(b.switches)
+    assert a.switches != SamplingSettings(temperature=0.7, top_p=1.0, top_k=10, repetition_penalty=1.2).switches
+    greedy = SamplingSettings(do_sample=False, top_k=5, top_p=0.5)
+    assert greedy.switches == SamplingSwitches(False, False, False, False)
+    with pytest.raises(ValueError, match="parameters"):
+        process_scores(torch.zeros(1, 3), a.switches)

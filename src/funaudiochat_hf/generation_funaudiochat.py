@@ -32,7 +32,7 @@ from transformers.utils import ModelOutput, logging
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
 from .fused_crq_funaudiochat import fused_crq_forward, fused_crq_projections
-from .sampling_funaudiochat import SamplingSettings, mark_seen, select_tokens
+from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 
 
 logger = logging.get_logger(__name__)
@@ -98,10 +98,14 @@ class SpeechStreamEvent:
 
 @dataclass(frozen=True)
 class _StepConfig:
-    """Python constants of one decoding run (hashable: `torch.compile` specialises on them)."""
+    """Python constants of one decoding run (hashable: `torch.compile` specialises on them).
 
-    text: SamplingSettings
-    speech: SamplingSettings
+    Only the sampling *switches* are here; their values live in the workspace as tensors, so a new temperature /
+    top-p / top-k / penalty reuses the compiled step.
+    """
+
+    text: SamplingSwitches
+    speech: SamplingSwitches
     disable_speech: bool
     group_size: int
     speech_bos_id: int
@@ -171,6 +175,9 @@ class _DecodeWorkspace:
         self.group_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
         self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
         self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
+        # Sampling values of the run (0-d tensors, filled by `reset`): read by the graph, not baked into it.
+        self.text_sampling = SamplingParameters(dev)
+        self.speech_sampling = SamplingParameters(dev)
         # `fuse_crq_projections=True`: the CRQ's fused weights, set by the run using the workspace (not a buffer).
         self.fused_crq = None
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
@@ -182,9 +189,20 @@ class _DecodeWorkspace:
             torch._dynamo.mark_static_address(tensor)
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+        tensors = [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+        return tensors + self.text_sampling.tensors() + self.speech_sampling.tensors()
 
-    def reset(self, eos_ids: torch.Tensor, speech_pad_id: int) -> None:
+    def reset(
+        self,
+        eos_ids: torch.Tensor,
+        speech_pad_id: int,
+        text_settings: SamplingSettings | None = None,
+        speech_settings: SamplingSettings | None = None,
+    ) -> None:
+        if text_settings is not None:
+            self.text_sampling.fill_(text_settings)
+        if speech_settings is not None:
+            self.speech_sampling.fill_(speech_settings)
         for cache in (self.llm_cache, self.crq_cache):
             if cache is not None and self.static:
                 cache.reset()
@@ -236,7 +254,8 @@ def _run_crq(model, ws: _DecodeWorkspace, cfg: _StepConfig, sub_inputs: torch.Te
         ).last_hidden_state
     logits = tower.lm_head(tower.output_matching(hidden[:, -1])).float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
-    token = select_tokens(logits, cfg.speech, ws.group_seen if cfg.speech.uses_history else None, noise)
+    seen = ws.group_seen if cfg.speech.uses_history else None
+    token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
         ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
     # The CRQ's output matrix is tied to the speech embedding, so this is the reference's `lm_head.weight[token]`.
@@ -288,7 +307,8 @@ def _finish_part(model, ws: _DecodeWorkspace, cfg: _StepConfig, force_token: int
     k = cfg.group_size
     text_logits = ws.text_logits_step
     noise = ws.text_noise if cfg.text.do_sample else None
-    token = select_tokens(text_logits, cfg.text, ws.text_seen if cfg.text.uses_history else None, noise)
+    seen = ws.text_seen if cfg.text.uses_history else None
+    token = select_tokens(text_logits, cfg.text, seen, noise, ws.text_sampling)
     if force_token is not None:
         token = torch.full_like(token, force_token)
     done = ws.done
@@ -373,9 +393,10 @@ def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_em
 _COMPILED: dict = {}
 
 
-# Each distinct set of sampling settings, batch size or cache length is its own graph (they are Python constants of
-# the step), and with `fullgraph=True` dynamo's default limit of 8 graphs per function is a hard error, not a fallback:
-# a long-running process that varies its settings would fail on the 9th. Raise the limit (never lower a user's).
+# Each distinct set of sampling switches (do_sample, top-k / top-p / penalty on or off), batch size or cache length is
+# its own graph (they are Python constants of the step; the sampling values are workspace tensors), and with
+# `fullgraph=True` dynamo's default limit of 8 graphs per function is a hard error, not a fallback: a long-running
+# process that varies them would fail on the 9th. Raise the limit (never lower a user's).
 _RECOMPILE_LIMIT = 64
 
 
@@ -615,9 +636,10 @@ class _SpeechRun:
             pad = eos_ids[0] if eos_ids else 0
         self.eos_ids = torch.tensor(eos_ids if eos_ids else (-1,), dtype=torch.long, device=device)
 
+        self.text_settings, self.speech_settings = options["text_settings"], options["speech_settings"]
         self.cfg = _StepConfig(
-            text=options["text_settings"],
-            speech=options["speech_settings"],
+            text=self.text_settings.switches,
+            speech=self.speech_settings.switches,
             disable_speech=disable_speech,
             group_size=audio_config.group_size,
             speech_bos_id=audio_config.bos_token_id,
@@ -749,7 +771,7 @@ class _SpeechRun:
         model, cfg = self.model, self.cfg
         ws = self._acquire_workspace()
         self.ws = ws
-        ws.reset(self.eos_ids, self.speech_pad_id)
+        ws.reset(self.eos_ids, self.speech_pad_id, self.text_settings, self.speech_settings)
         length = self.input_ids.shape[1]
         k = cfg.group_size
         ws.llm_mask.fill_(True)

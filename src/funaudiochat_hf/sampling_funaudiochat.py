@@ -5,11 +5,25 @@ Every function here works on whole `(batch, vocab)` tensors with no `.item()`, n
 transformers logits processors the reference runs (`RepetitionPenaltyLogitsProcessor`, `TemperatureLogitsWarper`,
 `TopKLogitsWarper`, `TopPLogitsWarper`) with the token history kept as a `(batch, vocab)` "seen" mask instead of a
 growing list of ids (the penalty only depends on *which* ids occurred, not how often).
+
+A compiled step specialises on Python constants, so the settings are split in two: `SamplingSwitches` (which
+processors run at all: the structure of the graph) and `SamplingParameters` (their values, as 0-d tensors the graph
+reads at run time). Changing only a value (temperature, top-p, top-k, penalty) then reuses the compiled graph.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingSwitches:
+    """Which processors of one token stream run: the static structure of a compiled sampler (hashable)."""
+
+    do_sample: bool
+    uses_top_k: bool
+    uses_top_p: bool
+    uses_history: bool
 
 
 @dataclass(frozen=True)
@@ -41,63 +55,137 @@ class SamplingSettings:
         """Whether the scores depend on the previously emitted tokens (repetition penalty)."""
         return self.repetition_penalty != 1.0
 
+    @property
+    def switches(self) -> SamplingSwitches:
+        """The structural part of these settings (what a compiled step specialises on)."""
+        return SamplingSwitches(
+            do_sample=self.do_sample,
+            uses_top_k=self.do_sample and self.top_k > 0,
+            uses_top_p=self.do_sample and self.top_p < 1.0,
+            uses_history=self.uses_history,
+        )
 
-def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+
+class SamplingParameters:
+    """The values of one stream's settings as fixed-address 0-d tensors, refilled per run with `fill_`.
+
+    `temperature`, `top_p` and `repetition_penalty` are float64 (exactly the Python values; each use casts them to
+    the scores' dtype, as a Python scalar operand is cast), `top_k` is int64.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, settings: SamplingSettings | None = None):
+        self.temperature = torch.ones((), dtype=torch.float64, device=device)
+        self.top_p = torch.ones((), dtype=torch.float64, device=device)
+        self.top_k = torch.zeros((), dtype=torch.long, device=device)
+        self.repetition_penalty = torch.ones((), dtype=torch.float64, device=device)
+        if settings is not None:
+            self.fill_(settings)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.temperature, self.top_p, self.top_k, self.repetition_penalty]
+
+    def fill_(self, settings: SamplingSettings) -> "SamplingParameters":
+        """Copy the values of `settings` in place (no host sync, the addresses stay the same)."""
+        self.temperature.fill_(settings.temperature)
+        self.top_p.fill_(settings.top_p)
+        self.top_k.fill_(settings.top_k)
+        self.repetition_penalty.fill_(settings.repetition_penalty)
+        return self
+
+
+def apply_repetition_penalty(
+    scores: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor
+) -> torch.Tensor:
     """`RepetitionPenaltyLogitsProcessor` on a seen-mask.
 
     Args:
         scores: `(batch, vocab)` float logits.
         seen: `(batch, vocab)` bool, True for every id in the history.
-        penalty: > 1 discourages repeats (negative scores are multiplied, positive ones divided).
+        penalty: > 1 discourages repeats (negative scores are multiplied, positive ones divided); a float or a 0-d
+            tensor.
     """
+    if isinstance(penalty, torch.Tensor):
+        penalty = penalty.to(scores.dtype)
     penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
     return torch.where(seen, penalised, scores)
 
 
-def apply_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`TopKLogitsWarper`: keep the `top_k` best scores (ties with the k-th included), others -> -inf."""
-    top_k = min(top_k, scores.shape[-1])
-    kth_best = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+def apply_top_k(scores: torch.Tensor, top_k: int | torch.Tensor) -> torch.Tensor:
+    """`TopKLogitsWarper`: keep the `top_k` best scores (ties with the k-th included), others -> -inf.
+
+    `top_k` may be a 0-d int tensor (>= 1; larger than the vocabulary keeps everything): the k-th best score is then
+    read from the sorted scores, so the value of k is not baked into a compiled graph.
+    """
+    vocab = scores.shape[-1]
+    if isinstance(top_k, torch.Tensor):
+        kth_index = (top_k.clamp(min=1, max=vocab) - 1).view(1, 1).expand(*scores.shape[:-1], 1)
+        kth_best = scores.sort(dim=-1, descending=True).values.gather(-1, kth_index)
+    else:
+        kth_best = torch.topk(scores, min(top_k, vocab), dim=-1).values[..., -1:]
     return scores.masked_fill(scores < kth_best, float("-inf"))
 
 
-def apply_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`TopPLogitsWarper` (nucleus filter) with `min_tokens_to_keep=1`, as fixed-shape sort/scatter ops."""
+def apply_top_p(scores: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """`TopPLogitsWarper` (nucleus filter) with `min_tokens_to_keep=1`, as fixed-shape sort/scatter ops.
+
+    `top_p` is a float or a 0-d tensor (best float64: `1 - top_p` is then rounded to the scores' dtype exactly as the
+    Python scalar is).
+    """
     sorted_scores, sorted_indices = torch.sort(scores, dim=-1, descending=False)
     cumulative_probs = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    sorted_remove = cumulative_probs <= (1 - top_p)
+    removed_mass = 1 - top_p
+    if isinstance(removed_mass, torch.Tensor):
+        removed_mass = removed_mass.to(cumulative_probs.dtype)
+    sorted_remove = cumulative_probs <= removed_mass
     # Always keep the most likely token (the last one in ascending order).
     sorted_remove[..., -1] = False
     remove = sorted_remove.scatter(-1, sorted_indices, sorted_remove)
     return scores.masked_fill(remove, float("-inf"))
 
 
-def process_scores(scores: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None = None) -> torch.Tensor:
+def _switches_and_parameters(settings, parameters, device):
+    if isinstance(settings, SamplingSettings):
+        return settings.switches, parameters if parameters is not None else SamplingParameters(device, settings)
+    if parameters is None:
+        raise ValueError("`SamplingSwitches` need their values as `parameters` (a `SamplingParameters`).")
+    return settings, parameters
+
+
+def process_scores(
+    scores: torch.Tensor,
+    settings: SamplingSettings | SamplingSwitches,
+    seen: torch.Tensor | None = None,
+    parameters: SamplingParameters | None = None,
+) -> torch.Tensor:
     """Apply the processors/warpers of `settings` in transformers' order (penalty, temperature, top-k, top-p).
 
     Args:
         scores: `(batch, vocab)` float32 logits.
-        seen: `(batch, vocab)` bool history mask, required when `settings.repetition_penalty != 1`.
+        settings: full `SamplingSettings`, or only their `SamplingSwitches` with the values in `parameters`.
+        seen: `(batch, vocab)` bool history mask, required when the repetition penalty is active.
+        parameters: the values as 0-d tensors (a compiled step passes them so new values reuse its graph).
     """
-    if settings.uses_history:
+    switches, parameters = _switches_and_parameters(settings, parameters, scores.device)
+    if switches.uses_history:
         if seen is None:
             raise ValueError("A repetition penalty needs the `seen` history mask.")
-        scores = apply_repetition_penalty(scores, seen, settings.repetition_penalty)
-    if settings.do_sample:
-        if settings.temperature != 1.0:
-            scores = scores / settings.temperature
-        if settings.top_k > 0:
-            scores = apply_top_k(scores, settings.top_k)
-        if settings.top_p < 1.0:
-            scores = apply_top_p(scores, settings.top_p)
+        scores = apply_repetition_penalty(scores, seen, parameters.repetition_penalty)
+    if switches.do_sample:
+        # Dividing by a temperature of 1.0 is exact, so it needs no switch of its own.
+        scores = scores / parameters.temperature.to(scores.dtype)
+        if switches.uses_top_k:
+            scores = apply_top_k(scores, parameters.top_k)
+        if switches.uses_top_p:
+            scores = apply_top_p(scores, parameters.top_p)
     return scores
 
 
 def select_tokens(
     scores: torch.Tensor,
-    settings: SamplingSettings,
+    settings: SamplingSettings | SamplingSwitches,
     seen: torch.Tensor | None = None,
     exponential_noise: torch.Tensor | None = None,
+    parameters: SamplingParameters | None = None,
 ) -> torch.Tensor:
     """Pick one token per row: argmax when not sampling, else an exponential race (no host sync).
 
@@ -108,14 +196,15 @@ def select_tokens(
 
     Args:
         scores: `(batch, vocab)` float logits.
-        settings: decoding settings of this stream.
+        settings: decoding settings of this stream, or only their `SamplingSwitches` with the values in `parameters`.
         seen: `(batch, vocab)` bool history mask for the repetition penalty.
-        exponential_noise: `(batch, vocab)` float32 samples of Exp(1); required when `settings.do_sample`.
+        exponential_noise: `(batch, vocab)` float32 samples of Exp(1); required when sampling.
+        parameters: the values of the settings as 0-d tensors (see `process_scores`).
 
     Returns:
         `(batch,)` int64 token ids.
     """
-    scores = process_scores(scores.float(), settings, seen)
+    scores = process_scores(scores.float(), settings, seen, parameters)
     if not settings.do_sample:
         return scores.argmax(dim=-1)
     if exponential_noise is None:
