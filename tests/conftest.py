@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    # The golden fixtures were made with one thread, and on the shared 2-core CI machine tiny ops are far faster on one
+    # thread than with two threads fighting over it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _fresh_dynamo():
     # Compiled graphs of one test module must not count against the recompile limits of the next one, so the suite
     # passes in any order.

@@ -30,15 +30,6 @@ AUDIO_TOKEN, IM_END, PAD, SPEECH_PAD = 346, 322, 320, 38
 BATCH, HEADS, KV_HEADS, KV_LEN, HEAD_DIM = 3, 8, 2, 11, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The CI machine is shared: with several intra-op threads tiny ops get ~1000x slower under contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # The attention function against SDPA
 # --------------------------------------------------------------------------------------------------------------------

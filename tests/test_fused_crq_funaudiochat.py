@@ -26,15 +26,6 @@ AUDIO_TOKEN, PAD = 346, 320
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The CI machine is shared: with several intra-op threads tiny ops get ~1000x slower under contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()

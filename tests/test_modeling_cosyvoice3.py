@@ -26,14 +26,6 @@ def _close(actual, expected, atol=ATOL):
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the fixtures were generated single-threaded; also keeps the shared CPU free
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def original_model():
     return CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)

@@ -39,15 +39,6 @@ def build_hift(state_dict=None) -> CosyVoice3HiFTGenerator:
     return hift
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # The goldens were made with one thread; one thread is also much faster on the shared CI cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def hift():
     return build_hift()

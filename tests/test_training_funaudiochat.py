@@ -37,15 +37,6 @@ _CHECKPOINTING_ARG = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny model is far faster on one thread than with two threads fighting over a loaded machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def processor():
     return FunAudioChatProcessor.from_pretrained(FUNAUDIOCHAT_TINY)
