@@ -124,6 +124,7 @@ class Results:
             "repeat_calls": [],
             "decoder_model": {},
             "decoder": [],
+            "decoder_precision": [],
             "log": [],
         }
 
@@ -156,6 +157,8 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "tiny": args.tiny,
         "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}",
         "decoder_compile": args.decoder_compile_config or "compile_estimator() defaults",
+        "decoder_precision": args.decoder_precision,
+        "stream_options": args.stream_options or "streaming_decoder() defaults",
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     if args.device.startswith("cuda") and torch.cuda.is_available():
@@ -518,7 +521,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile": compile_argument(mode, args),
         "compile_scope": args.compile_scope,
         "compile_attention": args.compile_attention,
-        "fuse_crq_projections": args.fuse_crq_projections,
+        "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -734,6 +737,12 @@ def build_decoder(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         source = "CosyVoice3Config() defaults, random init"
     if not args.tiny or source.endswith("random init"):
         init_fixed_tables_(model)
+    if args.decoder_precision == "bfloat16":
+        model.config.estimator_autocast_dtype = "bfloat16"
+    elif args.decoder_precision == "tf32":
+        # Process-wide (the chat model runs in bfloat16, unaffected): a flag toggled around each flow call made
+        # every compiled chunk re-dispatch (~1 s per chunk measured on the H200), so it is set once, like a user would.
+        torch.backends.cuda.matmul.allow_tf32 = True
     model.eval()
     model.requires_grad_(False)
     synchronize(args.device)
@@ -742,6 +751,7 @@ def build_decoder(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         "source": source,
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": "float32",
+        "precision": args.decoder_precision,
     }
     bad = check_buffers_finite(model)
     if bad:
@@ -781,6 +791,47 @@ def waveform_of(output) -> torch.Tensor:
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"decoder returned {type(output).__name__}, expected a waveform tensor")
     return output
+
+
+@contextlib.contextmanager
+def decoder_precision(decoder, precision: str):
+    """Run the DiT estimator in `precision` (float32 / tf32 / bfloat16) inside the block."""
+    config = decoder.config
+    saved = (config.estimator_autocast_dtype, torch.backends.cuda.matmul.allow_tf32)
+    config.estimator_autocast_dtype = "bfloat16" if precision == "bfloat16" else None
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        config.estimator_autocast_dtype, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    noise = (other.double() - reference.double()).pow(2).sum()
+    return float(10 * torch.log10(reference.double().pow(2).sum() / noise.clamp_min(1e-30)))
+
+
+def decoder_precision_row(decoder, args: argparse.Namespace) -> dict:
+    """How far `--decoder-precision` moves the decoder's output from float32 (eager, 10 s of random tokens)."""
+    device = args.device
+    tokens = random_speech_tokens(10.0, seed=7).to(device)
+    emb = speaker_embedding(device)
+    outputs = {}
+    with torch.no_grad():
+        for precision in ("float32", args.decoder_precision):
+            with decoder_precision(decoder, precision):
+                mel = decoder.tokens_to_mel(tokens, emb)
+            outputs[precision] = (mel, decoder.mel_to_wav(mel))
+    (mel_ref, wav_ref), (mel, wav) = outputs["float32"], outputs[args.decoder_precision]
+    notes = [] if bool(torch.isfinite(wav).all()) else ["non-finite audio"]
+    return {
+        "precision": args.decoder_precision,
+        "mel_snr_db": snr_db(mel_ref, mel),
+        "mel_max_abs_diff": float((mel - mel_ref).abs().max()),
+        "mel_std": float(mel_ref.std()),
+        "wav_snr_db": snr_db(wav_ref, wav),
+        "notes": notes,
+    }
 
 
 def compile_decoder(decoder, args: argparse.Namespace) -> str:
@@ -831,10 +882,12 @@ def decoder_offline_row(decoder, mode: str, seconds: float, args: argparse.Names
     return row
 
 
-def stream_once(decoder, tokens: torch.Tensor, emb: torch.Tensor, hop: int, device: str, arrival: int) -> dict:
+def stream_once(
+    decoder, tokens: torch.Tensor, emb: torch.Tensor, hop: int, device: str, arrival: int, stream_options: dict
+) -> dict:
     """Pushes tokens `arrival` at a time (the chat loop emits 5 per LLM step); times every push that returns audio."""
     with torch.no_grad():
-        stream = decoder.streaming_decoder(speaker_embedding=emb, token_hop_len=hop)
+        stream = decoder.streaming_decoder(speaker_embedding=emb, token_hop_len=hop, **stream_options)
         chunk_ms, total, samples = [], 0.0, 0
         flat = tokens.reshape(-1)
         for i in range(0, flat.numel(), arrival):
@@ -846,7 +899,14 @@ def stream_once(decoder, tokens: torch.Tensor, emb: torch.Tensor, hop: int, devi
         seconds, audio = timed(stream.finalize, device)
         total += seconds
         samples += audio.numel() if audio is not None else 0
-    return {"total_s": total, "chunk_ms": chunk_ms, "finalize_ms": seconds * 1e3, "samples": samples}
+    return {
+        "total_s": total,
+        "chunk_ms": chunk_ms,
+        "finalize_ms": seconds * 1e3,
+        "samples": samples,
+        "cuda_graphs": bool(getattr(stream, "cuda_graphs", False)),
+        "flow_bucket": getattr(stream, "flow_bucket", None),
+    }
 
 
 def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namespace) -> dict:
@@ -855,8 +915,9 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
     emb = speaker_embedding(device)
     reset_peak(device)
     # Warm-up over two chunks (compilation, allocator) before the timed reply.
-    warm = stream_once(decoder, tokens[:, : 2 * args.hop + 3 + 5], emb, args.hop, device, 5)
-    run = stream_once(decoder, tokens, emb, args.hop, device, 5)
+    options = json.loads(args.stream_options) if args.stream_options else {}
+    warm = stream_once(decoder, tokens[:, : 2 * args.hop + 3 + 5], emb, args.hop, device, 5, options)
+    run = stream_once(decoder, tokens, emb, args.hop, device, 5, options)
     chunks = run["chunk_ms"]
     if not chunks:
         raise RuntimeError("streaming decoder returned no audio before finalize()")
@@ -864,6 +925,10 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
     notes = []
     if run["samples"] != expected:
         notes.append(f"{run['samples']} samples, expected {expected}")
+    if run["cuda_graphs"]:
+        notes.append("flow solver + HiFT replayed as CUDA graphs")
+    if run["flow_bucket"]:
+        notes.append(f"flow window padded to {run['flow_bucket']} tokens")
     name = f"stream {seconds:g} s"
     row = {
         "mode": mode,
@@ -1110,7 +1175,22 @@ def render_markdown(data: dict) -> str:
     elif data.get("bandwidth"):
         parts += [render_extras(data), ""]
     if data["decoder"] or data.get("decoder_model"):
-        parts += ["### CosyVoice3 decoder (float32), random weights", "", render_decoder(data), ""]
+        precision = meta.get("decoder_precision", "float32")
+        streaming = meta.get("stream_options", "streaming_decoder() defaults")
+        parts += [
+            f"### CosyVoice3 decoder ({precision} estimator; streaming: {streaming}), random weights",
+            "",
+            render_decoder(data),
+            "",
+        ]
+        for row in data.get("decoder_precision", []):
+            if "mel_snr_db" in row:
+                parts += [
+                    f"Precision check ({row['precision']} vs float32, eager, 10 s of random tokens): mel SNR "
+                    f"{row['mel_snr_db']:.1f} dB (max abs diff {row['mel_max_abs_diff']:.3g}, mel std "
+                    f"{row['mel_std']:.3g}), waveform SNR {row['wav_snr_db']:.1f} dB{notes_suffix(row)}.",
+                    "",
+                ]
     skipped = [entry for entry in data.get("log", []) if entry["status"].startswith("skipped")]
     if skipped:
         parts += ["Skipped (time budget): " + ", ".join(e["label"] for e in skipped) + ".", ""]
@@ -1185,13 +1265,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
     )
     p.add_argument(
-        "--compile-attention", default="default", choices=["default", "math", "efficient", "cudnn", "gqa_matmul"],
+        "--compile-attention", default="auto",
+        choices=["auto", "default", "math", "efficient", "cudnn", "gqa_matmul"],
         help="generate_speech(compile_attention=...)",
     )
     p.add_argument(
-        "--fuse-crq-projections", action="store_true", help="generate_speech(fuse_crq_projections=True)"
+        "--fuse-crq-projections", default="auto", choices=["auto", "on", "off"],
+        help="generate_speech(fuse_crq_projections=None | True | False)",
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
+    p.add_argument(
+        "--decoder-precision", default="float32", choices=["float32", "tf32", "bfloat16"],
+        help="DiT estimator precision: float32; tf32 (torch.backends.cuda.matmul.allow_tf32 = True);\n"
+        "bfloat16 (config.estimator_autocast_dtype). A precision check row compares it with float32",
+    )
+    p.add_argument("--decoder-tests", default="offline,stream", help="which decoder measurements to run")
+    p.add_argument("--decoder-modes", default=None, help="decoder modes (default: --modes)")
+    p.add_argument(
+        "--stream-options", default=None, help='JSON kwargs for streaming_decoder(), e.g. \'{"flow_left_context_tokens": 100}\''
+    )
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
     p.add_argument("--decoder-seconds", default=None, help="decoder reply lengths (10,30; 1,2 with --tiny)")
     p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the TTFA stream (40; 12 tiny)")
@@ -1238,15 +1330,20 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
             items.append(("crq", f"CRQ share eager batch {first_batch}", {"mode": "eager", "batch": first_batch}))
     if "decoder" in parts:
         seconds = [float(s) for s in csv(args.decoder_seconds)]
+        if args.decoder_precision != "float32":
+            items.append(("decoder_precision", f"decoder precision check ({args.decoder_precision})", {}))
+        decoder_modes = csv(args.decoder_modes) if args.decoder_modes else modes
         for mode in ("eager", "compiled"):
-            if mode not in modes:
+            if mode not in decoder_modes:
                 continue
             if mode == "compiled":
                 items.append(("decoder_compile", "decoder compile", {"mode": mode}))
-            for s in seconds:
-                items.append(("decoder_offline", f"decoder {mode} offline {s:g} s", {"mode": mode, "seconds": s}))
-            for s in seconds:
-                items.append(("decoder_stream", f"decoder {mode} stream {s:g} s", {"mode": mode, "seconds": s}))
+            for test in ("offline", "stream"):
+                if test not in csv(args.decoder_tests):
+                    continue
+                for s in seconds:
+                    label = f"decoder {mode} {test} {s:g} s"
+                    items.append((f"decoder_{test}", label, {"mode": mode, "seconds": s}))
     if "chat" in parts:
         rest = sorted([b for b in batches if b != first_batch], reverse=True)  # batch 16 before batch 4
         for b in rest:
@@ -1389,6 +1486,11 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
             label = f"{args.repeat_calls} consecutive calls ({mode})"
             row = measure(label, lambda: repeat_calls_row(chat_model(), mode, args))
             results.add("repeat_calls", exclude_other_model({"mode": mode, **row}, state.get("decoder")))
+        elif kind == "decoder_precision":
+            row = measure(label, lambda: decoder_precision_row(decoder_model(), args))
+            results.add("decoder_precision", row)
+            if "mel_snr_db" in row:
+                log(f"  -> mel SNR {row['mel_snr_db']:.1f} dB, wav SNR {row['wav_snr_db']:.1f} dB vs float32")
         elif kind == "decoder_compile":
             value = measure(label, lambda: compile_decoder(decoder_model(), args))
             if isinstance(value, dict):  # failed or skipped: no compiled decoder rows

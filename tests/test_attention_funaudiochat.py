@@ -190,9 +190,11 @@ def test_compiled_gqa_step_reproduces_reference(model, inputs, attention_calls, 
     )
     assert torch.equal(out.sequences, golden["sequences"])
     assert torch.equal(out.speech_ids, golden["speech_ids"])
-    # The compiled decode steps (not the eager prefill) really ran through the function, every layer of every step.
+    # The compiled decode steps, and the K - 1 CRQ sub-steps that end the prefill (not its eager one-pass forwards),
+    # really ran through the function, every layer of every step.
     calls = int(attention_calls)
-    assert calls > 0 and calls % _layers_per_step(model) == 0
+    prefill_calls = (model.config.audio_config.group_size - 1) * len(model.audio_invert_tower.crq_transformer.layers)
+    assert calls > prefill_calls and (calls - prefill_calls) % _layers_per_step(model) == 0
     # The models' attention setting is restored after the call.
     assert model.config.text_config._attn_implementation == "sdpa"
     assert model.audio_invert_tower.crq_transformer.config._attn_implementation == "sdpa"

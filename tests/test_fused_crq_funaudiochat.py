@@ -15,7 +15,12 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.compat import cache_kwargs
-from funaudiochat_hf.fused_crq_funaudiochat import _FUSED, fused_crq_forward, fused_crq_projections
+from funaudiochat_hf.fused_crq_funaudiochat import (
+    _FUSED,
+    can_fuse_crq_projections,
+    fused_crq_forward,
+    fused_crq_projections,
+)
 from funaudiochat_hf.generation_funaudiochat import _WORKSPACES, _resolve_options
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
@@ -169,8 +174,49 @@ def test_non_plain_linear_projection_raises():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_option_is_off_by_default():
-    assert _resolve_options({})["fuse_crq_projections"] is False
+def test_compiled_loops_fuse_and_use_gqa_attention_by_default(model, inputs):
+    """Issue 4: `fuse_crq_projections=None` / `compile_attention="auto"` (defaults) turn both on for a compiled loop
+    (measured faster on an H200) and leave the eager loop as the plain model; explicit values win."""
+    from funaudiochat_hf.generation_funaudiochat import _CompiledParts, _decode_step, _GQADecodeAttention
+
+    options = _resolve_options({})
+    assert options["fuse_crq_projections"] is None and options["compile_attention"] == "auto"
+    ids = inputs["input_ids"]
+    compile_options = {"backend": "eager", "fullgraph": True}
+    eager = model._speech_run(ids, None, {}, {})
+    assert eager.step_fn is _decode_step and not eager.cfg.fuse_crq_projections
+    compiled = model._speech_run(ids, None, {}, {"compile": compile_options})
+    assert compiled.cfg.fuse_crq_projections and isinstance(compiled.step_fn, _GQADecodeAttention)
+    assert isinstance(compiled.prefill_crq_part, _GQADecodeAttention)
+    plain = model._speech_run(
+        ids, None, {}, {"compile": compile_options, "fuse_crq_projections": False, "compile_attention": "default"}
+    )
+    assert not plain.cfg.fuse_crq_projections and isinstance(plain.step_fn, _CompiledParts)
+    speech_to_text = model._speech_run(ids, None, {}, {"compile": compile_options, "disable_speech": True})
+    assert not speech_to_text.cfg.fuse_crq_projections
+
+
+def test_auto_fusion_skips_non_plain_projections(model, inputs):
+    """A LoRA-wrapped / quantized CRQ is not fused by default (no error); asking for fusion explicitly raises."""
+
+    class LoraLikeLinear(nn.Linear):
+        pass
+
+    crq = _small_qwen3()
+    assert can_fuse_crq_projections(crq)
+    old = crq.layers[0].self_attn.k_proj
+    crq.layers[0].self_attn.k_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    assert not can_fuse_crq_projections(crq)
+
+    other = copy.deepcopy(model)
+    proj = other.audio_invert_tower.crq_transformer.layers[0].mlp.gate_proj
+    wrapped = LoraLikeLinear(proj.in_features, proj.out_features, bias=proj.bias is not None)
+    wrapped.load_state_dict(proj.state_dict())
+    other.audio_invert_tower.crq_transformer.layers[0].mlp.gate_proj = wrapped
+    compile_options = {"backend": "eager", "fullgraph": True}
+    assert not other._speech_run(inputs["input_ids"], None, {}, {"compile": compile_options}).cfg.fuse_crq_projections
+    with pytest.raises(ValueError, match="LoraLikeLinear"):
+        other.generate_speech(**inputs, **GOLDEN_KWARGS, fuse_crq_projections=True)
 
 
 @pytest.mark.parametrize("rep", ["1.0", "1.2"])

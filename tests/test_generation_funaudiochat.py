@@ -432,3 +432,28 @@ def test_new_sampling_values_reuse_the_compiled_step(model, inputs):
         assert torch.equal(compiled.speech_ids, eager.speech_ids)
         frames.append(counter.frame_count)
     assert frames[0] >= 1 and frames == [frames[0]] * len(values)
+
+
+def test_prefill_runs_its_last_crq_sub_steps_through_the_compiled_sub_step(model, inputs):
+    """Issue 4 (time to first audio): after the one-pass CRQ prefill, the K - 1 remaining sub-steps of the first
+    group have decode shapes, so a compiled loop runs them through its compiled CRQ sub-step instead of eagerly."""
+    graphs, graph_calls = [], []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+
+        def run(*args):
+            graph_calls.append(graph_module)
+            return graph_module.forward(*args)
+
+        return run
+
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=1)  # the prefill step only
+    eager = model.generate_speech(**inputs, **kwargs)
+    compiled = model.generate_speech(
+        **inputs, **kwargs, compile={"backend": counting_backend, "fullgraph": True}, compile_scope="parts"
+    )
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(compiled.speech_ids, eager.speech_ids)
+    group_size = model.config.audio_config.group_size
+    assert len(graphs) == 1 and len(graph_calls) == group_size - 1  # the CRQ sub-step graph, K - 1 calls

@@ -486,8 +486,35 @@ def test_streaming_flow_window_buckets_fix_the_shapes(original_model):
     for length, finalize in ((20, False), (40, False), (33, True)):
         window = tokens[:length]
         _close(padded._flow(window, finalize, noise_offset=6), exact._flow(window, finalize, noise_offset=6), atol=1e-5)
-    with pytest.raises(ValueError, match="flow_window_bucket_tokens"):
-        model.streaming_decoder(flow_window_bucket_tokens=0)
+    for bad in (0, "fixed"):
+        with pytest.raises(ValueError, match="flow_window_bucket_tokens"):
+            model.streaming_decoder(flow_window_bucket_tokens=bad)
+
+
+def test_streaming_flow_gets_one_fixed_shape_once_compiled():
+    """flow_window_bucket_tokens="auto" (default): exact windows while the flow is eager, a single padded shape (the
+    longest window) after `compile_estimator`, so a compiled / CUDA-graphed solver never sees a new shape."""
+    from funaudiochat_hf.tiny_model import tiny_token2wav_config
+
+    model = CosyVoice3Token2Wav._from_config(tiny_token2wav_config(40), dtype=torch.float32).eval()
+    model.flow.decoder.init_noise()
+    model.hift.init_source_tables()
+    embedding = torch.randn(model.config.spk_embed_dim, generator=torch.Generator().manual_seed(0))
+    assert model.streaming_decoder(speaker_embedding=embedding).flow_bucket is None
+    model.compile_estimator(backend="eager")
+    assert model.flow_is_compiled
+    stream = model.streaming_decoder(speaker_embedding=embedding, token_hop_len=5, flow_left_context_tokens=10)
+    assert stream.flow_bucket == stream.max_flow_window == 10 + 5 + model.config.pre_lookahead_len
+    shapes = []
+    hook = model.flow.decoder.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(2))
+        audio = torch.cat([stream.push(tokens[i : i + 5]) for i in range(0, 60, 5)] + [stream.finalize()])
+    finally:
+        hook.remove()
+    assert audio.shape == (60 * model.hift.upsample_scale * model.config.token_mel_ratio,)
+    assert len(shapes) > 3 and len(set(shapes)) == 1, shapes
+    assert model.streaming_decoder(speaker_embedding=embedding, flow_window_bucket_tokens=None).flow_bucket is None
 
 
 def _largest_allocation(snapshot: dict) -> str:

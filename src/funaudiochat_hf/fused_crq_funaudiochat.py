@@ -101,6 +101,20 @@ def _source_linears(crq: nn.Module) -> list[tuple[nn.Linear, ...]]:
     return layers
 
 
+def can_fuse_crq_projections(crq: nn.Module) -> bool:
+    """Whether `fused_crq_projections(crq)` would succeed: every q/k/v/gate/up projection is a loaded plain
+    `nn.Linear` with consistent biases (False for LoRA wrappers, quantized layers, meta weights)."""
+    try:
+        linears = _source_linears(crq)
+    except ValueError:
+        return False
+    for q, k, v, gate, up in linears:
+        for group in ((q, k, v), (gate, up)):
+            if len({linear.bias is None for linear in group}) > 1:
+                return False
+    return True
+
+
 def _source_state(linears: list[tuple[nn.Linear, ...]]) -> tuple[tuple[int, int], ...]:
     tensors = [t for layer in linears for linear in layer for t in (linear.weight, linear.bias) if t is not None]
     return tuple((t.data_ptr(), t._version) for t in tensors)

@@ -22,7 +22,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput, logging
 
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
-from .fused_crq_funaudiochat import fused_crq_forward, fused_crq_projections
+from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_forward, fused_crq_projections
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 
 
@@ -365,8 +365,14 @@ def _decode_step(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     _finish_part(model, ws, cfg)
 
 
-def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding, force_token) -> None:
-    """The first step: LLM over the prompt and CRQ over `K * L0 - (K - 1)` sub-positions, each in one pass."""
+def _prefill(
+    model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding, force_token, crq_part=_crq_part
+) -> None:
+    """The first step: LLM over the prompt and CRQ over `K * L0 - (K - 1)` sub-positions, each in one pass.
+
+    The K - 1 remaining CRQ sub-steps of the first group have the shapes of a decode sub-step, so they run through
+    `crq_part` (the compiled decode sub-step when the loop is compiled: part of the time to first audio).
+    """
     length = input_ids.shape[1]
     k = cfg.group_size
     language_model = model.language_model
@@ -386,7 +392,7 @@ def _prefill(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_em
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
         _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions)
         for _ in range(k - 1):
-            _crq_part(model, ws, cfg)
+            crq_part(model, ws, cfg)
     _finish_part(model, ws, cfg, force_token=force_token)
 
 
@@ -418,7 +424,7 @@ _SDPA_BACKENDS = {
 
 
 class _PinnedAttention:
-    """Run a compiled step with SDPA restricted to some backends (`compile_attention="math" | "efficient" | ...`).
+    """Run a compiled step (or part) with SDPA restricted to some backends (`compile_attention="math" | "efficient" | ...`).
 
     The backend is fixed when the step is traced, so the context is held around every call. Measured on an H200
     (BENCHMARKS.md, 2026-11-29), "math" (Inductor generates the decode attention itself) is slower than PyTorch's own
@@ -436,7 +442,7 @@ class _PinnedAttention:
 
 
 class _GQADecodeAttention:
-    """Run a compiled step with the LLM and CRQ attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
+    """Run a compiled step (or part) with the LLM and CRQ attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
 
     The decode attention becomes two batched GEMMs over the KV heads (no `repeat_kv` copy of the cache, no SDPA
     backend choice); the eager prefill keeps the model's own attention. The switch is the configs'
@@ -648,7 +654,6 @@ class _SpeechRun:
             audio_eos_index=text_config.audio_eos_index,
             pad_token_id=int(pad),
             output_logits=bool(options["output_logits"]),
-            fuse_crq_projections=bool(options["fuse_crq_projections"]) and not disable_speech,
         )
         self.speech_pad_id = audio_config.pad_token_id
         self.max_new_tokens = max_new_tokens
@@ -670,16 +675,29 @@ class _SpeechRun:
             )
         self.cache_max_length = cache_max_length
         self.step_fn = self._pick_step_function(options["compile"], options["compile_scope"], device)
+        compiled = self.step_fn is not _decode_step
+        fuse = options["fuse_crq_projections"]
+        if fuse is None:
+            # Auto: a compiled loop is bound by the CRQ's many small GEMMs (measured on an H200, BENCHMARKS.md), so
+            # fuse them when the projections are plain linears (not LoRA-wrapped / quantized).
+            fuse = compiled and not disable_speech and can_fuse_crq_projections(model.audio_invert_tower.crq_transformer)
+        self.cfg = replace(self.cfg, fuse_crq_projections=bool(fuse) and not disable_speech)
         attention = options["compile_attention"]
-        if attention not in ("default", "gqa_matmul") and attention not in _SDPA_BACKENDS:
+        if attention not in ("auto", "default", "gqa_matmul") and attention not in _SDPA_BACKENDS:
             raise ValueError(
-                "`compile_attention` must be 'default', 'gqa_matmul' or one of "
+                "`compile_attention` must be 'auto', 'default', 'gqa_matmul' or one of "
                 f"{sorted(_SDPA_BACKENDS)}, got {attention!r}."
             )
+        if attention == "auto":
+            attention = "gqa_matmul" if compiled else "default"
+        # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
+        self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
         if self.step_fn is not _decode_step and attention == "gqa_matmul":
             self.step_fn = _GQADecodeAttention(self.step_fn)
+            self.prefill_crq_part = _GQADecodeAttention(self.prefill_crq_part)
         elif self.step_fn is not _decode_step and attention != "default" and device.type == "cuda":
             self.step_fn = _PinnedAttention(self.step_fn, attention)
+            self.prefill_crq_part = _PinnedAttention(self.prefill_crq_part, attention)
         self.prompt_inputs = prompt_inputs
         self.generator = self._make_generator(options["generator"], options["seed"], device)
         self._owned_lock = None
@@ -794,7 +812,7 @@ class _SpeechRun:
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
         self._draw_noise(ws)
         force = cfg.audio_bos_index if self.options["force_text_abos"] else None
-        _prefill(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force)
+        _prefill(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force, self.prefill_crq_part)
         self.steps = 1
         return ws
 
@@ -880,11 +898,13 @@ class FunAudioChatSpeechGenerationMixin:
                 `text_`/`speech_` prefixed overrides of do_sample/temperature/top_p/top_k/repetition_penalty,
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
                 ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
-                compile than "step", the whole step as one graph), `compile_attention` ("default": PyTorch's SDPA kernel
-                choice; "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA;
-                "gqa_matmul": the compiled step's attention as two GQA-aware batched matmuls, any device),
-                `fuse_crq_projections` (False; True: the CRQ layers run with their q/k/v and gate/up projections
-                fused into one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those
+                compile than "step", the whole step as one graph), `compile_attention` ("auto", default: "gqa_matmul"
+                when compiled, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" |
+                "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's
+                attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections` (None, default:
+                True when compiled and the CRQ projections are plain linears, else False; True: the CRQ layers run
+                with their q/k/v and gate/up projections fused into one GEMM each, 4 instead of 7 per layer, compiled
+                or eager; costs one extra copy of those
                 weights, ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
@@ -1043,8 +1063,8 @@ _DEFAULTS = {
     "seed": None,
     "compile": False,
     "compile_scope": "parts",
-    "compile_attention": "default",
-    "fuse_crq_projections": False,
+    "compile_attention": "auto",
+    "fuse_crq_projections": None,
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

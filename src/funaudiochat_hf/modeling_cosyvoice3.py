@@ -361,10 +361,13 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         autocast_dtype = self.config.estimator_autocast_dtype
         for step in range(self.config.n_timesteps):
             t_in = times[step].expand(2 * batch)
+            # No autocast weight cache: it only lives for one call here anyway, and a cached cast captured in a CUDA
+            # graph would be freed when the context exits.
             with torch.autocast(
                 mu.device.type,
                 dtype=getattr(torch, autocast_dtype or "bfloat16"),
                 enabled=autocast_dtype is not None,
+                cache_enabled=False,
             ):
                 velocity = self.estimator(torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, mask_in)
             velocity = velocity.to(x.dtype)
@@ -741,11 +744,23 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary).
         """
         compile_kwargs.setdefault("dynamic", True)
+        self._flow_compile_kwargs = dict(compile_kwargs, whole_solver=whole_solver)
         if whole_solver:
             decoder = self.flow.decoder
             decoder.solve = torch.compile(decoder.solve, **compile_kwargs)
         else:
             self.flow.decoder.estimator.compile(**compile_kwargs)
+
+    @property
+    def flow_is_compiled(self) -> bool:
+        """Whether `compile_estimator` was called (streaming decoders then give the flow one fixed shape)."""
+        return getattr(self, "_flow_compile_kwargs", None) is not None
+
+    @property
+    def flow_compiles_cuda_graphs(self) -> bool:
+        """Whether the compiled flow records its own CUDA graphs (`mode="reduce-overhead"` / `"max-autotune"`)."""
+        mode = (getattr(self, "_flow_compile_kwargs", None) or {}).get("mode")
+        return mode in ("reduce-overhead", "max-autotune")
 
     # -- streaming ------------------------------------------------------------------------------------------------
 

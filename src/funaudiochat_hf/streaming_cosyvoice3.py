@@ -1,10 +1,15 @@
 """Chunked (streaming) CosyVoice3 token2wav with a bounded cost per chunk."""
 
+import functools
 import math
-from typing import TYPE_CHECKING, Optional
+import threading
+import weakref
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from .cuda_graph_cosyvoice3 import CUDAGraphRunner
 
 
 if TYPE_CHECKING:
@@ -45,12 +50,20 @@ class CosyVoice3StreamingDecoder:
     about 12x the flow compute of the 18-token first chunk; `flow_left_context_tokens` trades that cost against
     how much past the flow sees.
 
-    `flow_window_bucket_tokens` (default None: exact shapes): right-pad every flow window to a multiple of this many
-    tokens (capped at the longest window), hiding the padding from attention with a key mask. The flow then sees
-    at most ceil(longest window / bucket) shapes (one when bucket >= longest window) instead of a new shape for each
-    of the first flow_left_context_tokens / hop chunks, so kernel plans (cuDNN, cuFFT), compiled graphs and CUDA
-    graphs are reused across chunks; short windows pay for the padding. The mel is unchanged up to float rounding
-    (~1e-6).
+    `flow_window_bucket_tokens`: right-pad every flow window to a multiple of this many tokens (capped at the
+    longest window), hiding the padding from attention with a key mask. The flow then sees at most
+    ceil(longest window / bucket) shapes (one when bucket >= longest window) instead of a new shape for each of the
+    first flow_left_context_tokens / hop chunks, so kernel plans (cuDNN, cuFFT), compiled graphs and CUDA graphs are
+    reused across chunks; short windows pay for the padding. The mel is unchanged up to float rounding (~1e-6).
+    None = exact shapes; "auto" (default) = one shape (the longest window) when the flow runs as CUDA graphs or has
+    been compiled with `model.compile_estimator(...)` (every chunk then replays the same graph), else None (eager on
+    CPU: the short first windows are cheaper unpadded).
+
+    `cuda_graphs` ("auto" = on when the model is on a CUDA device, unless its flow was compiled with its own CUDA
+    graphs, `mode="reduce-overhead"`): replay the flow's Euler solver and the non-final HiFT filter calls as CUDA
+    graphs ([`CUDAGraphRunner`], recorded once per shape and precision setting per model, shared by later
+    streams). A chunk is then a few graph launches instead of thousands of kernel launches, with the same
+    arithmetic (same kernels) as the eager calls. The first chunk of each new shape pays for the recording.
 
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
@@ -67,7 +80,8 @@ class CosyVoice3StreamingDecoder:
         pre_lookahead_len: int = 3,
         flow_left_context_tokens: int = 200,
         hift_left_context_frames: int = 64,
-        flow_window_bucket_tokens: Optional[int] = None,
+        flow_window_bucket_tokens: Union[int, str, None] = "auto",
+        cuda_graphs: Union[bool, str] = "auto",
     ):
         if token_hop_len < 1:
             raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
@@ -80,8 +94,23 @@ class CosyVoice3StreamingDecoder:
             raise ValueError(f"flow_left_context_tokens must be >= 0, got {flow_left_context_tokens}")
         if hift_left_context_frames < 8:
             raise ValueError(f"hift_left_context_frames must be >= 8, got {hift_left_context_frames}")
-        if flow_window_bucket_tokens is not None and flow_window_bucket_tokens < 1:
-            raise ValueError(f"flow_window_bucket_tokens must be None or >= 1, got {flow_window_bucket_tokens}")
+        on_cuda = model.device.type == "cuda"
+        if cuda_graphs == "auto":
+            cuda_graphs = on_cuda and not model.flow_compiles_cuda_graphs
+        elif cuda_graphs not in (True, False):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        elif cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}")
+        if flow_window_bucket_tokens == "auto":
+            longest_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
+            fixed_shape = model.flow_is_compiled or cuda_graphs
+            flow_window_bucket_tokens = longest_window if fixed_shape else None
+        if flow_window_bucket_tokens is not None and (
+            not isinstance(flow_window_bucket_tokens, int) or flow_window_bucket_tokens < 1
+        ):
+            raise ValueError(
+                f"flow_window_bucket_tokens must be None, 'auto' or an int >= 1, got {flow_window_bucket_tokens!r}"
+            )
         self.model = model
         self.speaker_embedding = speaker_embedding
         self.hop = token_hop_len
@@ -89,6 +118,8 @@ class CosyVoice3StreamingDecoder:
         self.flow_left_context = flow_left_context_tokens
         self.hift_left_context = hift_left_context_frames
         self.flow_bucket = flow_window_bucket_tokens
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graphs = _graph_runners(model) if self.cuda_graphs else None
         # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
         self.max_flow_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
         self.ratio = model.config.token_mel_ratio
@@ -186,7 +217,13 @@ class CosyVoice3StreamingDecoder:
         if real_frames < frames:
             mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
         spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
-        mel = flow.decoder(mu, spks, torch.zeros_like(mu), mask, noise_offset)
+        if self._graphs is None:
+            mel = flow.decoder(mu, spks, torch.zeros_like(mu), mask, noise_offset)
+        else:  # what `flow.decoder(...)` computes, as one graph replay (always with a mask: one signature)
+            if mask is None:
+                mask = torch.ones(1, 1, frames, frames, dtype=torch.bool, device=mu.device)
+            noise = flow.decoder.start_noise(1, frames, noise_offset).to(mu.dtype)
+            mel = self._graphs["flow"](noise, mu, spks, torch.zeros_like(mu), mask)
         return mel[:, :, :real_frames]
 
     def _vocode(self, finalize: bool) -> torch.Tensor:
@@ -208,7 +245,10 @@ class CosyVoice3StreamingDecoder:
         source = self._source(window_start, source_end)
 
         decode_mel = mel[:, :, : source_end - window_start]
-        wav = hift.decode(decode_mel, source, finalize=finalize)
+        if self._graphs is not None and not finalize:
+            wav = self._graphs["hift"](decode_mel, source)
+        else:
+            wav = hift.decode(decode_mel, source, finalize=finalize)
         wav = wav[0, (self.emitted_frames - window_start) * self.samples_per_frame :]
         self.emitted_frames = audio_end
 
@@ -255,6 +295,38 @@ class CosyVoice3StreamingDecoder:
             index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
             noise = table.index_select(1, index)
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
+
+
+# CUDA-graph runners per model (weak keys: they die with the model; the runners hold its submodules, not the model).
+_GRAPH_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GRAPH_RUNNERS_LOCK = threading.Lock()
+
+
+def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
+    """The model's {"flow": solver, "hift": non-final filter} graph runners, created on first use."""
+    with _GRAPH_RUNNERS_LOCK:
+        runners = _GRAPH_RUNNERS.get(model)
+        if runners is None:
+            config, decoder, hift = model.config, model.flow.decoder, model.hift
+
+            def settings(module: torch.nn.Module):
+                # What the recorded kernels depend on besides the input shapes: precision switches, and where the
+                # weights live (a `.to()` re-allocates them; a graph holds their old addresses).
+                weight = next(module.parameters())
+                return (
+                    config.estimator_autocast_dtype,
+                    torch.backends.cuda.matmul.allow_tf32,
+                    torch.backends.cudnn.allow_tf32,
+                    weight.data_ptr(),
+                    weight.dtype,
+                )
+
+            runners = {
+                "flow": CUDAGraphRunner(decoder.solve, functools.partial(settings, decoder)),
+                "hift": CUDAGraphRunner(functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)),
+            }
+            _GRAPH_RUNNERS[model] = runners
+    return runners
 
 
 __all__ = ["CosyVoice3StreamingDecoder"]

@@ -1,0 +1,90 @@
+"""CUDA-graph replay of the streaming CosyVoice3 decoder's fixed-shape calls (flow solver, HiFT filter).
+
+A streaming chunk runs the flow's 10-step Euler solver (10 x 22 DiT blocks with classifier-free guidance) and the
+HiFT filter on windows whose shapes repeat from chunk to chunk. Eagerly, that is thousands of small kernel launches
+per chunk, and the GPU waits on the host. `CUDAGraphRunner` records a function once per input signature (shapes,
+dtypes, the precision settings it depends on) and replays it: one launch per call. No compilation is involved, so
+it works with the eager model (and with an estimator compiled without CUDA graphs of its own).
+
+Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
+semantics; a lock serialises replays of one runner (the static buffers are shared).
+"""
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Optional
+
+import torch
+
+
+class _Recording:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: torch.Tensor):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+
+class CUDAGraphRunner:
+    """Replay `function(*tensors)` as CUDA graphs, one recorded per input signature (LRU, at most `max_graphs`).
+
+    `function` must be capturable: fixed shapes for fixed input shapes, no host synchronisation, no CPU tensors
+    created inside, and its result must depend only on the tensors passed and on what `settings()` returns (for
+    example an autocast dtype read from a config: it is part of the signature, so a change records a new graph).
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., torch.Tensor],
+        settings: Optional[Callable[[], Hashable]] = None,
+        max_graphs: int = 8,
+    ):
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.function = function
+        self.settings = settings
+        self.max_graphs = max_graphs
+        self._recordings: "OrderedDict[Hashable, _Recording]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._recordings)
+
+    @torch.no_grad()
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        if not tensors or any(not isinstance(t, torch.Tensor) or t.device.type != "cuda" for t in tensors):
+            raise ValueError("CUDAGraphRunner takes CUDA tensors only (bind other arguments with functools.partial)")
+        key = (
+            tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
+            self.settings() if self.settings is not None else None,
+        )
+        with self._lock:
+            recording = self._recordings.get(key)
+            if recording is None:
+                recording = self._record(tensors)
+                self._recordings[key] = recording
+                while len(self._recordings) > self.max_graphs:
+                    self._recordings.popitem(last=False)
+            else:
+                self._recordings.move_to_end(key)
+            for static, value in zip(recording.inputs, tensors):
+                static.copy_(value)
+            recording.graph.replay()
+            return recording.output.clone()
+
+    def _record(self, tensors: tuple[torch.Tensor, ...]) -> _Recording:
+        device = tensors[0].device
+        inputs = [t.clone() for t in tensors]
+        # Warm up on a side stream (lazy cuBLAS / cuDNN / cuFFT initialisation must not happen during capture).
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.function(*inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # Own memory pool per graph (replays of different graphs never overwrite each other's buffers);
+        # thread_local: CUDA work of other threads (the chat model) during the capture is not an error.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            output = self.function(*inputs)
+        return _Recording(graph, inputs, output)
+
+
+__all__ = ["CUDAGraphRunner"]
