@@ -98,6 +98,24 @@ def test_failures_are_recorded_not_fatal(tmp_path):
     assert "failed:" in proc.stdout
 
 
+def test_decoder_precision_and_stream_options(tmp_path):
+    """--decoder-precision adds a float32-vs-precision check row; --stream-options reach streaming_decoder();
+    --decoder-tests / --decoder-modes select the decoder rows."""
+    proc = _run(
+        ["--tiny", "--device", "cpu", "--no-write", "--parts", "decoder", "--modes", "compiled", "--decoder-modes",
+         "eager", "--decoder-tests", "stream", "--decoder-precision", "bfloat16", "--stream-options",
+         '{"flow_left_context_tokens": 10, "flow_window_bucket_tokens": 8}'],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark.json").read_text())
+    (check,) = data["decoder_precision"]
+    assert check["precision"] == "bfloat16" and 10 < check["mel_snr_db"] < 200 and check["mel_max_abs_diff"] > 0
+    assert [(r["mode"], r["test"]) for r in data["decoder"]] == [("eager", "stream 1 s"), ("eager", "stream 2 s")]
+    assert all("flow window padded to 8 tokens" in r["notes"] for r in data["decoder"])
+    assert "Precision check (bfloat16 vs float32" in proc.stdout
+
+
 def test_time_budget_skips_remaining_work(tmp_path):
     proc = _run(["--tiny", "--device", "cpu", "--steps", "4", "--no-write", "--time-budget", "0.001"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -125,3 +143,14 @@ def test_hard_stop_interrupts_a_measurement():
         budget.cancel_alarm()
     assert value["status"].startswith("failed: BudgetExceeded")
     assert after["status"].startswith("skipped")
+
+
+def test_profile_decoder_smoke():
+    """scripts/profile_decoder.py (the GPU profiling helper for the streaming decoder) runs end to end on CPU."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "profile_decoder.py"), "--tiny", "--device", "cpu", "--warm-chunks",
+         "4", "--top", "3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flow:" in proc.stdout and "vocode:" in proc.stdout and "aten ops" in proc.stdout

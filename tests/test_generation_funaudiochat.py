@@ -393,6 +393,27 @@ def test_real_cosyvoice3_decoder_offline_and_streaming(model, inputs):
     assert sum(len(e.audio) > 0 for e in events) >= 3
 
 
+def test_stream_options_reach_the_streaming_decoder(model, inputs):
+    """generate_speech_stream(stream_options=...) configures the decoder's streaming object (window sizes etc.)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    made = []
+    original = decoder.streaming_decoder
+
+    def recording_streaming_decoder(**kwargs):
+        made.append(original(**kwargs))
+        return made[-1]
+
+    decoder.streaming_decoder = recording_streaming_decoder
+    options = {"flow_left_context_tokens": 10, "hift_left_context_frames": 16}
+    events = list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, stream_options=options))
+    (stream,) = made
+    assert stream.flow_left_context == 10 and stream.hift_left_context == 16
+    assert sum(len(e.audio) for e in events) > 0
+    with pytest.raises(TypeError, match="no_such_option"):
+        list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder,
+                                          stream_options={"no_such_option": 1}))
+
+
 def test_offline_audio_of_a_batch_is_one_decoder_call_with_30s_segments():
     from funaudiochat_hf.generation_funaudiochat import decode_speech_offline
 

@@ -396,8 +396,8 @@ def test_builds_under_a_cuda_default_device():
     reference = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     with torch.device("cuda"):
         model = CosyVoice3Token2Wav(reference.config)
-    model.flow.init_noise()
-    _close(model.flow.rand_noise.cpu(), reference.flow.rand_noise)
+    model.flow.decoder.init_noise()
+    _close(model.flow.decoder.rand_noise.cpu(), reference.flow.decoder.rand_noise)
     torch.testing.assert_close(model.hift.m_source.l_sin_gen.sine_waves.cpu(), reference.hift.m_source.l_sin_gen.sine_waves)
 
 

@@ -966,6 +966,7 @@ class FunAudioChatSpeechGenerationMixin:
         return_audio: bool | None = None,
         token_hop_len: int = 15,
         pre_lookahead_len: int = 3,
+        stream_options: dict | None = None,
         **generation_kwargs,
     ) -> Iterator[SpeechStreamEvent]:
         """Like `generate_speech`, but yields a [`SpeechStreamEvent`] after every LLM step (0.2 s of speech).
@@ -973,6 +974,8 @@ class FunAudioChatSpeechGenerationMixin:
         Audio is vocoded while decoding by the decoder's `streaming_decoder(speaker, token_hop_len,
         pre_lookahead_len)`, so the first chunk arrives after about `(token_hop_len + pre_lookahead_len) / K + 2`
         steps. Batch size 1 only. `tokenizer` (the processor's tokenizer) turns the text ids into `text`.
+        `stream_options` go to `streaming_decoder` as well (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
+        look-back, cheaper chunks; `{"cuda_graphs": False}`).
         """
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(
@@ -995,7 +998,10 @@ class FunAudioChatSpeechGenerationMixin:
             sampling_rate = int(getattr(self.config, "sampling_rate", 24000))
         stream = (
             decoder.streaming_decoder(
-                **_decoder_speaker_kwargs(speaker), token_hop_len=token_hop_len, pre_lookahead_len=pre_lookahead_len
+                **_decoder_speaker_kwargs(speaker),
+                token_hop_len=token_hop_len,
+                pre_lookahead_len=pre_lookahead_len,
+                **(stream_options or {}),
             )
             if decoder is not None
             else None

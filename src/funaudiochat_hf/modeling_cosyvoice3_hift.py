@@ -466,7 +466,9 @@ class CosyVoice3HiFTGenerator(nn.Module):
         # The reference builds rad at the sample rate from the nearest-upsampled f0 and linearly downsamples it by
         # 1/480: every frame reads two equal samples of its own frame, so rad computed per frame has the same values.
         rad = (f0.unsqueeze(-1) * harmonics / self.sampling_rate) % 1  # (batch, frames, harmonics)
-        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        # Accumulated in float64 and rounded, as CPU cumsum does for float32 (the reference's numbers); a float32
+        # accumulation (CUDA cumsum) drifts over a long clip, and sin(480 * phase) amplifies the drift.
+        phase = torch.cumsum(rad.double(), dim=1).float() * 2 * math.pi
         # Nearest upsampling of phase * 480 back to the sample rate: each frame's phase is held for 480 samples.
         sines = torch.sin(phase * scale) * self.sine_amp
         # Upsampled in (batch, harmonics, samples) memory layout like the reference, so that the Linear below reduces

@@ -1,0 +1,92 @@
+"""Profile one steady streaming chunk of the CosyVoice3 decoder (full size, random weights; `--tiny` for a smoke run).
+
+    python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--stream-options '{...}']
+
+Prints where a chunk's time goes: the flow call vs the vocoder (wall time, synchronised), the number of kernel and
+graph launches, and the kernels that take the most GPU time. `scripts/benchmark.py` gives the numbers to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchmark  # noqa: E402  (same folder: reuse its decoder builder and inputs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="float32", choices=["float32", "tf32", "bfloat16"])
+    parser.add_argument("--compile", default=None, help="JSON kwargs of compile_estimator(); omitted = eager")
+    parser.add_argument("--stream-options", default=None, help="JSON kwargs of streaming_decoder()")
+    parser.add_argument("--hop", type=int, default=15)
+    parser.add_argument("--warm-chunks", type=int, default=20, help="chunks before the profiled one (fill windows)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+
+    bench_args = benchmark.parse_args(
+        ["--no-write", "--device", args.device, "--decoder-precision", args.precision] + (["--tiny"] if args.tiny else [])
+    )
+    decoder, info = benchmark.build_decoder(bench_args)
+    print(f"decoder: {info}", flush=True)
+    if args.compile is not None:
+        decoder.compile_estimator(**json.loads(args.compile))
+    options = json.loads(args.stream_options) if args.stream_options else {}
+    stream = decoder.streaming_decoder(
+        speaker_embedding=benchmark.speaker_embedding(args.device), token_hop_len=args.hop, **options
+    )
+    print(f"cuda_graphs={stream.cuda_graphs}, flow window bucket={stream.flow_bucket}", flush=True)
+
+    # Time the flow and vocoder calls of every chunk (synchronised wrappers around the decoder's two stages).
+    seconds = {"flow": [], "vocode": []}
+    for name, attribute in (("flow", "_flow"), ("vocode", "_vocode")):
+        original = getattr(stream, attribute)
+
+        def timed(*a, _original=original, _name=name, **k):
+            benchmark.synchronize(args.device)
+            start = time.perf_counter()
+            result = _original(*a, **k)
+            benchmark.synchronize(args.device)
+            seconds[_name].append(time.perf_counter() - start)
+            return result
+
+        setattr(stream, attribute, timed)
+
+    tokens = benchmark.random_speech_tokens(60.0, seed=5).reshape(-1).to(args.device)
+    pushed = 0
+    with torch.no_grad():
+        for _ in range(args.warm_chunks):
+            stream.push(tokens[pushed : pushed + args.hop])
+            pushed += args.hop
+    steady = slice(len(seconds["flow"]) // 2, None)
+    for name, values in seconds.items():
+        values = values[steady]
+        if values:
+            print(f"{name}: {1e3 * sum(values) / len(values):.2f} ms per chunk (mean of {len(values)} steady chunks)")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        with torch.no_grad():
+            stream.push(tokens[pushed : pushed + args.hop])
+        benchmark.synchronize(args.device)
+    events = prof.key_averages()
+    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    launches = {e.key: e.count for e in events if e.key in launch_names}
+    print(f"one chunk: {sum(e.count for e in events if e.key.startswith('aten::'))} aten ops, launches {launches}")
+    sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    print(events.table(sort_by=sort_by, row_limit=args.top, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
