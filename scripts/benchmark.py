@@ -643,6 +643,8 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
     kwargs = generation_kwargs(model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args))
     kwargs.pop("return_audio")
     kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
+    if args.stream_options:
+        kwargs["stream_options"] = json.loads(args.stream_options)
 
     def first_audio() -> dict:
         synchronize(device)

@@ -298,6 +298,28 @@ def test_streaming_single_push_equals_incremental_and_offline_for_one_chunk(orig
     assert empty.finalize().shape == (0,)
 
 
+def test_streaming_short_first_chunk(original_model, flow_full):
+    """first_token_hop_len: the first audio needs first hop + look-ahead + 1 tokens instead of hop + look-ahead + 1;
+    later chunks keep the hop, the total length is unchanged, and first hop == hop is the default chunking."""
+    tokens = flow_full["speech_token"][0, :40]
+
+    def pushes(**kwargs):
+        decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15, **kwargs)
+        return [decoder.push(tokens[i : i + 5]) for i in range(0, 40, 5)] + [decoder.finalize()]
+
+    default = pushes()
+    short = pushes(first_token_hop_len=5)
+    first_audio = lambda pieces: next(i for i, piece in enumerate(pieces) if piece.numel())  # noqa: E731
+    assert first_audio(default) == 3  # 20 tokens pushed > 15 + 3
+    assert first_audio(short) == 1  # 10 tokens pushed > 5 + 3
+    assert torch.cat(short).shape == torch.cat(default).shape == (40 * 960,)
+    assert not torch.equal(torch.cat(short), torch.cat(default))  # the chunk boundaries moved
+    same = pushes(first_token_hop_len=15)
+    assert all(torch.equal(a, b) for a, b in zip(same, default))
+    with pytest.raises(ValueError, match="first_token_hop_len"):
+        original_model.streaming_decoder(speaker="中文女", first_token_hop_len=0)
+
+
 def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full):
     """HiFT on a bounded window (phase + noise position carried over) equals the whole-history run; a short flow
     window keeps the chunks whose window still starts at token 0 identical and changes the later ones."""

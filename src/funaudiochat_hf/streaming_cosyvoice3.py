@@ -29,6 +29,12 @@ class CosyVoice3StreamingDecoder:
     arriving in groups of 5 and hop 15 this adds no delay. `finalize()` decodes whatever is left in one final call
     (the reference's loop can call its final step twice and then repeats audio; this decoder does not).
 
+    `first_token_hop_len` (default None = `token_hop_len`, the reference's chunking): a shorter first chunk, e.g. 5
+    tokens, so the first audio needs 5 + 3 (+ 1) tokens instead of 15 + 3 (+ 1): about two LLM steps less time to
+    first audio. Later chunks keep `token_hop_len`. Only the chunk boundaries move; every chunk is still computed as
+    described here (so the audio differs from the reference's stream where the boundaries differ, as it does between
+    any two hop sizes).
+
     Bounded cost (the reference re-runs the flow on all tokens so far and HiFT on the whole mel history for every
     chunk):
       * flow: the call for chunk k starts at token max(0, k*hop - flow_left_context_tokens); the start noise is
@@ -82,9 +88,14 @@ class CosyVoice3StreamingDecoder:
         hift_left_context_frames: int = 64,
         flow_window_bucket_tokens: Union[int, str, None] = "auto",
         cuda_graphs: Union[bool, str] = "auto",
+        first_token_hop_len: Optional[int] = None,
     ):
         if token_hop_len < 1:
             raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
+        if first_token_hop_len is None:
+            first_token_hop_len = token_hop_len
+        if first_token_hop_len < 1:
+            raise ValueError(f"first_token_hop_len must be None or >= 1, got {first_token_hop_len}")
         if pre_lookahead_len != model.config.pre_lookahead_len:
             raise ValueError(
                 f"pre_lookahead_len must equal the model's pre-lookahead ({model.config.pre_lookahead_len}); "
@@ -102,7 +113,7 @@ class CosyVoice3StreamingDecoder:
         elif cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}")
         if flow_window_bucket_tokens == "auto":
-            longest_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
+            longest_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
             fixed_shape = model.flow_is_compiled or cuda_graphs
             flow_window_bucket_tokens = longest_window if fixed_shape else None
         if flow_window_bucket_tokens is not None and (
@@ -114,6 +125,7 @@ class CosyVoice3StreamingDecoder:
         self.model = model
         self.speaker_embedding = speaker_embedding
         self.hop = token_hop_len
+        self.first_hop = first_token_hop_len
         self.lookahead = pre_lookahead_len
         self.flow_left_context = flow_left_context_tokens
         self.hift_left_context = hift_left_context_frames
@@ -121,7 +133,7 @@ class CosyVoice3StreamingDecoder:
         self.cuda_graphs = bool(cuda_graphs)
         self._graphs = _graph_runners(model) if self.cuda_graphs else None
         # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
-        self.max_flow_window = flow_left_context_tokens + token_hop_len + pre_lookahead_len
+        self.max_flow_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
         self.ratio = model.config.token_mel_ratio
         self.samples_per_frame = model.hift.upsample_scale
         # Mel frames whose audio a non-final HiFT call holds back: F0 look-ahead + conv_pre look-ahead + the last frame.
@@ -152,7 +164,7 @@ class CosyVoice3StreamingDecoder:
         tokens = self.model._check_tokens(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
         self.tokens = torch.cat([self.tokens, tokens])
         pieces = []
-        while self.token_start + self.tokens.shape[0] > self.token_offset + self.hop + self.lookahead:
+        while self.token_start + self.tokens.shape[0] > self.token_offset + self._next_hop() + self.lookahead:
             pieces.append(self._decode_chunk(finalize=False))
         return self._concat(pieces)
 
@@ -173,16 +185,21 @@ class CosyVoice3StreamingDecoder:
             return torch.zeros(0, device=self.model.device)
         return torch.cat(pieces)
 
+    def _next_hop(self) -> int:
+        """Tokens the next chunk covers: `first_token_hop_len` for the first chunk, `token_hop_len` after."""
+        return self.first_hop if self.token_offset == 0 else self.hop
+
     def _decode_chunk(self, finalize: bool) -> torch.Tensor:
         total = self.token_start + self.tokens.shape[0]
-        end = total if finalize else self.token_offset + self.hop + self.lookahead
+        hop = self._next_hop()
+        end = total if finalize else self.token_offset + hop + self.lookahead
         if end > self.token_offset + (0 if finalize else self.lookahead):
             window_start = max(0, self.token_offset - self.flow_left_context)
             window = self.tokens[window_start - self.token_start : end - self.token_start]
             mel = self._flow(window, finalize, noise_offset=self.ratio * window_start)
             new_mel = mel[:, :, self.ratio * (self.token_offset - window_start) :]
             self.mel = torch.cat([self.mel, new_mel], dim=2)
-            self.token_offset = end if finalize else self.token_offset + self.hop
+            self.token_offset = end if finalize else self.token_offset + hop
             # Keep only the tokens the next flow window can reach.
             keep_from = max(0, self.token_offset - self.flow_left_context)
             self.tokens = self.tokens[keep_from - self.token_start :]
