@@ -1,4 +1,5 @@
-"""Fused q/k/v and gate/up projections for the CRQ speech head (`generate_speech(fuse_crq_projections=True)`).
+"""Fused q/k/v and gate/up projections for the CRQ speech head (`generate_speech(fuse_crq_projections=...)`, on by
+default for a compiled loop).
 
 At batch 1 a CRQ sub-step is latency-bound: each of its Qwen3 layers runs 7 small GEMMs (q, k, v, o, gate, up, down)
 of a few microseconds each on a GPU, far above the time their weights take to read. Concatenating the q/k/v weights

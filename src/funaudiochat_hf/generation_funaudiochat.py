@@ -429,7 +429,8 @@ class _PinnedAttention:
     The backend is fixed when the step is traced, so the context is held around every call. Measured on an H200
     (BENCHMARKS.md, 2026-11-29), "math" (Inductor generates the decode attention itself) is slower than PyTorch's own
     kernel choice (batch 1: 20.7 vs 18.1 ms per LLM step; batch 16: 76.7 vs 32.5 ms, the GQA expansion is
-    materialised), so the default leaves the choice to PyTorch; the switch is kept for other GPUs / torch versions.
+    materialised). The compiled default ("auto") is `gqa_matmul` instead (with the fused CRQ projections: 14.15 / 17.4
+    ms, 2026-11-30); these switches are kept for other GPUs / torch versions.
     """
 
     def __init__(self, step_fn, backend: str):
