@@ -330,6 +330,41 @@ def test_text_generate_matches_manual_greedy_loop(model, prompt_inputs):
     assert sequences[0, prompt_len:].tolist() == greedy_reference(model, prompt_inputs, steps)
 
 
+def test_generate_with_several_return_sequences_keeps_each_rows_clips(model):
+    """Regression: with num_return_sequences / beams, transformers repeats every model input row by row; the audio
+    inputs are per clip (a row may hold several), so each copy of a row must get that row's clips again, in order."""
+    from transformers import AutoProcessor
+
+    from funaudiochat_hf import AUDIO_TEMPLATE
+
+    processor = AutoProcessor.from_pretrained(FUNAUDIOCHAT_TINY)
+    clip = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")["waveform_16k"].numpy()
+    clips = [clip[:20000].copy(), clip[8000:].copy(), clip[4000:16000].copy()]  # 2 clips in row 0, 1 in row 1
+    texts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": AUDIO_TEMPLATE + " and " + AUDIO_TEMPLATE}], add_generation_prompt=True
+        ),
+        processor.apply_chat_template([{"role": "user", "content": AUDIO_TEMPLATE}], add_generation_prompt=True),
+    ]
+    kwargs = dict(max_new_tokens=4, eos_token_id=None, pad_token_id=320, return_dict_in_generate=True)
+    single_inputs = [processor(text=texts[0], audio=clips[:2]), processor(text=texts[1], audio=clips[2:])]
+    # References without any expansion: each row alone, greedy, and its next-token logits from a plain forward.
+    greedy = [model.generate(**inputs, **kwargs, do_sample=False).sequences[0, -4:] for inputs in single_inputs]
+    with torch.no_grad():
+        first_logits = [model(**inputs).logits[0, -1] for inputs in single_inputs]
+    batch = processor(text=texts, audio=[clips[:2], clips[2:]], padding_side="left")
+    assert batch["speech_ids"].shape[0] == 3  # clip-level inputs: 3 clips for 2 rows
+    # top_k=1 sampling = greedy, 2 returned copies per row; beam search, 2 beams returned (all start from the prompt).
+    for expand in ({"do_sample": True, "top_k": 1, "num_return_sequences": 2}, {"num_beams": 2, "num_return_sequences": 2}):
+        out = model.generate(**batch, **kwargs, **expand, output_logits=True)
+        assert out.sequences.shape[0] == 4
+        for row in range(2):
+            for copy in (2 * row, 2 * row + 1):
+                torch.testing.assert_close(out.logits[0][copy], first_logits[row], atol=1e-4, rtol=1e-4)
+                if "top_k" in expand:
+                    assert torch.equal(out.sequences[copy, -4:], greedy[row]), (row, copy)
+
+
 @pytest.mark.skipif(not os.path.exists(OLD_TRANSFORMERS_PYTHON), reason="no transformers 5.17 interpreter")
 def test_config_forward_and_text_generate_on_transformers_5_17(model, prompt_inputs):
     script = f"""

@@ -782,6 +782,55 @@ class FunAudioChatForConditionalGeneration(
         "text_attention_mask",
     )
 
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
+                                      **model_kwargs):
+        """Beam search / `num_return_sequences`: rows are repeated `expand_size` times; the per-clip audio inputs
+        (first dim = clips, not rows) are repeated per row, so each copy of a row keeps exactly its own clips in
+        order (the default `repeat_interleave` would interleave the clips of a row with several clips)."""
+        clip_inputs = {name: model_kwargs.pop(name) for name in self._AUDIO_INPUT_NAMES if name in model_kwargs}
+        expanded_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs
+        )
+        if expand_size > 1 and input_ids is not None and clip_inputs.get("speech_ids") is not None:
+            clip_inputs = self._expand_clip_inputs(input_ids, clip_inputs, expand_size)
+        model_kwargs.update(clip_inputs)
+        return expanded_ids, model_kwargs
+
+    def _expand_clip_inputs(self, input_ids: torch.Tensor, clip_inputs: dict, expand_size: int) -> dict:
+        """Reorder the clip-level inputs for rows repeated `expand_size` times (see `_expand_inputs_for_generation`).
+
+        Clip i fills `ceil(len_i / group_size)` `<|AUDIO|>` slots in prompt order (row-major), which assigns clips
+        to rows. Inputs that do not add up are left alone (`embed_prompt` then raises its mismatch error)."""
+        speech_ids = clip_inputs["speech_ids"]
+        mask = clip_inputs.get("speech_attention_mask")
+        lengths = mask.sum(-1) if mask is not None else torch.full((speech_ids.shape[0],), speech_ids.shape[1])
+        slots_per_clip = ((lengths + self.group_size - 1) // self.group_size).tolist()
+        slots_per_row = (input_ids == self.config.audio_token_index).sum(-1).tolist()
+        clips_of_row, clip = [], 0
+        for slots in slots_per_row:
+            first = clip
+            while slots > 0 and clip < len(slots_per_clip):
+                slots -= slots_per_clip[clip]
+                clip += 1
+            if slots != 0:
+                return clip_inputs
+            clips_of_row.append(list(range(first, clip)))
+        if clip != len(slots_per_clip):
+            return clip_inputs
+        order = [i for clips in clips_of_row for _ in range(expand_size) for i in clips]
+        exist = clip_inputs.get("feature_exist_mask")
+        exist = [True] * len(slots_per_clip) if exist is None else exist.bool().tolist()
+        waveform_index = {clip: index for index, clip in enumerate(i for i, has in enumerate(exist) if has)}
+        waveform_order = [waveform_index[i] for i in order if exist[i]]
+        expanded = {}
+        for name, value in clip_inputs.items():
+            if not isinstance(value, torch.Tensor):
+                expanded[name] = value
+                continue
+            index = waveform_order if name in ("input_features", "feature_attention_mask") else order
+            expanded[name] = value.index_select(0, torch.tensor(index, dtype=torch.long, device=value.device))
+        return expanded
+
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """The prefill embeds the prompt with its audio; later steps only feed the new token ids. The CRQ never runs
         inside `generate` (text-only answers); speech answers come from the speech generation loop."""
