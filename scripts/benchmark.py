@@ -739,12 +739,6 @@ def build_decoder(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         source = "CosyVoice3Config() defaults, random init"
     if not args.tiny or source.endswith("random init"):
         init_fixed_tables_(model)
-    if args.decoder_precision == "bfloat16":
-        model.config.estimator_autocast_dtype = "bfloat16"
-    elif args.decoder_precision == "tf32":
-        # Process-wide (the chat model runs in bfloat16, unaffected): a flag toggled around each flow call made
-        # every compiled chunk re-dispatch (~1 s per chunk measured on the H200), so it is set once, like a user would.
-        torch.backends.cuda.matmul.allow_tf32 = True
     model.eval()
     model.requires_grad_(False)
     synchronize(args.device)
@@ -834,6 +828,16 @@ def decoder_precision_row(decoder, args: argparse.Namespace) -> dict:
         "wav_snr_db": snr_db(wav_ref, wav),
         "notes": notes,
     }
+
+
+def apply_decoder_precision(decoder, precision: str) -> None:
+    """Switch the built (float32) decoder to `--decoder-precision`, as a user would."""
+    if precision == "bfloat16":
+        decoder.use_low_precision_estimator("bfloat16")  # bf16 weights: autocast's numbers without per-call casts
+    elif precision == "tf32":
+        # Process-wide (the chat model runs in bfloat16, unaffected): a flag toggled around each flow call made
+        # every compiled chunk re-dispatch (~1 s per chunk measured on the H200), so it is set once, like a user would.
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def compile_decoder(decoder, args: argparse.Namespace) -> str:
@@ -1279,7 +1283,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--decoder-precision", default="float32", choices=["float32", "tf32", "bfloat16"],
         help="DiT estimator precision: float32; tf32 (torch.backends.cuda.matmul.allow_tf32 = True);\n"
-        "bfloat16 (config.estimator_autocast_dtype). A precision check row compares it with float32",
+        "bfloat16 (use_low_precision_estimator()). A precision check row compares it with float32",
     )
     p.add_argument("--decoder-tests", default="offline,stream", help="which decoder measurements to run")
     p.add_argument("--decoder-modes", default=None, help="decoder modes (default: --modes)")
@@ -1332,8 +1336,6 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
             items.append(("crq", f"CRQ share eager batch {first_batch}", {"mode": "eager", "batch": first_batch}))
     if "decoder" in parts:
         seconds = [float(s) for s in csv(args.decoder_seconds)]
-        if args.decoder_precision != "float32":
-            items.append(("decoder_precision", f"decoder precision check ({args.decoder_precision})", {}))
         decoder_modes = csv(args.decoder_modes) if args.decoder_modes else modes
         for mode in ("eager", "compiled"):
             if mode not in decoder_modes:
@@ -1416,6 +1418,16 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(value, tuple):
                 state["decoder"], results.data["decoder_model"] = value
                 log(f"decoder: {json.dumps(results.data['decoder_model'], default=str)}")
+                if args.decoder_precision != "float32":
+                    # Against float32 first (same model, eager), then switch for every decoder measurement.
+                    label = f"decoder precision check ({args.decoder_precision})"
+                    row = run_measurement(
+                        results, budget, label, lambda: decoder_precision_row(state["decoder"], args), device
+                    )
+                    results.add("decoder_precision", row)
+                    if "mel_snr_db" in row:
+                        log(f"  -> mel SNR {row['mel_snr_db']:.1f} dB, wav SNR {row['wav_snr_db']:.1f} dB vs float32")
+                    apply_decoder_precision(state["decoder"], args.decoder_precision)
             else:
                 state["decoder"], results.data["decoder_model"] = None, value
         if state["decoder"] is None:
@@ -1488,11 +1500,6 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
             label = f"{args.repeat_calls} consecutive calls ({mode})"
             row = measure(label, lambda: repeat_calls_row(chat_model(), mode, args))
             results.add("repeat_calls", exclude_other_model({"mode": mode, **row}, state.get("decoder")))
-        elif kind == "decoder_precision":
-            row = measure(label, lambda: decoder_precision_row(decoder_model(), args))
-            results.add("decoder_precision", row)
-            if "mel_snr_db" in row:
-                log(f"  -> mel SNR {row['mel_snr_db']:.1f} dB, wav SNR {row['wav_snr_db']:.1f} dB vs float32")
         elif kind == "decoder_compile":
             value = measure(label, lambda: compile_decoder(decoder_model(), args))
             if isinstance(value, dict):  # failed or skipped: no compiled decoder rows

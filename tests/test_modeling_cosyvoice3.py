@@ -355,6 +355,28 @@ def test_bfloat16_estimator_autocast_stays_close(original_model, flow_full):
     assert 0 < error < 0.1 * reference.abs().max()  # low precision was really used, and the mel is still close
 
 
+def test_low_precision_estimator_weights_give_the_autocast_output_exactly(flow_full):
+    """use_low_precision_estimator() stores the estimator's weights in bfloat16 (no per-call casts): the mel equals
+    autocast over the float32 weights bit for bit, the rotary table stays float32, the weights take half the memory."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    args = (flow_full["speech_token"], flow_full["embedding"])
+    model.config.estimator_autocast_dtype = "bfloat16"
+    autocast_mel = model.tokens_to_mel(*args)
+    estimator = model.flow.decoder.estimator
+    bytes_before = sum(p.numel() * p.element_size() for p in estimator.parameters())
+    model.use_low_precision_estimator("bfloat16")
+    assert {p.dtype for p in estimator.parameters()} == {torch.bfloat16}
+    assert estimator.rotary_embed.inv_freq.dtype == torch.float32
+    assert sum(p.numel() * p.element_size() for p in estimator.parameters()) * 2 == bytes_before
+    assert torch.equal(model.tokens_to_mel(*args), autocast_mel)
+    assert model.flow.spk_embed_affine_layer.weight.dtype == torch.float32  # only the estimator changes
+    with pytest.raises(ValueError, match="bfloat16"):
+        model.use_low_precision_estimator("int8")
+    model.config.estimator_autocast_dtype = None
+    with pytest.raises(ValueError, match="use_low_precision_estimator"):
+        model.tokens_to_mel(*args)
+
+
 # -- compile ----------------------------------------------------------------------------------------------------------
 
 

@@ -42,6 +42,8 @@ class CosyVoice3Config(PreTrainedConfig):
             (`"bfloat16"` or `"float16"`): matmuls in low precision, normalisations, the time embedding, rotary
             tables and the Euler update stay float32. `None` (default) = float32 like the reference; the flow is
             known to overflow in pure float16, so validate audio before enabling.
+            `CosyVoice3Token2Wav.use_low_precision_estimator()` sets it and also stores the estimator's weights in
+            that dtype (same output, no per-call weight casts).
         hift_config (`dict`, *optional*): keyword arguments of `CosyVoice3HiFTGenerator`, named like the `hift:`
             section of `cosyvoice3.yaml` (`f0_predictor` as a dict); `None` uses the full-size defaults.
         sampling_rate (`int`, defaults to 24000): output sample rate.
