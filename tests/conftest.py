@@ -44,3 +44,26 @@ def _fresh_dynamo():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+# -- the tiny chat model and its golden processor outputs, shared by the chat-model test modules (one per module) ----
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random-weight Fun-Audio-Chat checkpoint (official layout), float32, eval mode."""
+    from transformers import AutoModel
+
+    import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+
+    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """The stored processor outputs of golden fixture (a): one 2.45 s clip in the S2S chat prompt."""
+    from safetensors.torch import load_file
+
+    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
+    data.pop("waveform_16k")
+    return data

@@ -139,18 +139,6 @@ def test_bad_shapes_raise():
 
 
 @pytest.fixture(scope="module")
-def model():
-    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
-    data.pop("waveform_16k")
-    return data
-
-
-@pytest.fixture(scope="module")
 def attention_calls():
     """Counts (at run time, inside the compiled graph) the calls of the registered decode attention.
 

@@ -31,18 +31,6 @@ AUDIO_TOKEN, PAD = 346, 320
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model():
-    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
-    data.pop("waveform_16k")
-    return data
-
-
 def _golden(rep: str) -> dict:
     return load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
 

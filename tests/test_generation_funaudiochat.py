@@ -25,18 +25,6 @@ SPEECH_BOS, SPEECH_PAD = 36, 38
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 Hz
 
 
-@pytest.fixture(scope="module")
-def model():
-    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
-    data.pop("waveform_16k")
-    return data
-
-
 def _golden(rep: str):
     data = load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
     steps = len(data["generated_text_ids"][0])
@@ -405,7 +393,8 @@ def test_stream_options_reach_the_streaming_decoder(model, inputs):
 
     decoder.streaming_decoder = recording_streaming_decoder
     options = {"flow_left_context_tokens": 10, "hift_left_context_frames": 16}
-    events = list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, stream_options=options))
+    stream_kwargs = dict(GOLDEN_KWARGS, speech_decoder=decoder, stream_options=options)
+    events = list(model.generate_speech_stream(**inputs, **stream_kwargs))
     (stream,) = made
     assert stream.flow_left_context == 10 and stream.hift_left_context == 16
     assert sum(len(e.audio) for e in events) > 0

@@ -29,15 +29,9 @@ def assert_close(actual, expected, atol=ATOL, rtol=RTOL):
 
 
 @pytest.fixture(scope="module")
-def model():
-    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompt_inputs():
-    """The stored processor outputs of fixture (a): one 2.45 s clip in the S2S chat prompt."""
-    stored = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
-    return {k: v for k, v in stored.items() if k != "waveform_16k"}
+def prompt_inputs(inputs):
+    """The stored processor outputs of fixture (a) (conftest `inputs`): one 2.45 s clip in the S2S chat prompt."""
+    return inputs
 
 
 @pytest.fixture(scope="module")

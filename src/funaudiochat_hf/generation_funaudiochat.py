@@ -424,7 +424,7 @@ _SDPA_BACKENDS = {
 
 
 class _PinnedAttention:
-    """Run a compiled step (or part) with SDPA restricted to some backends (`compile_attention="math" | "efficient" | ...`).
+    """Run a compiled step (or part) with SDPA pinned to some backends (`compile_attention="math" | "efficient" | ...`).
 
     The backend is fixed when the step is traced, so the context is held around every call. Measured on an H200
     (BENCHMARKS.md, 2026-11-29), "math" (Inductor generates the decode attention itself) is slower than PyTorch's own
@@ -443,7 +443,7 @@ class _PinnedAttention:
 
 
 class _GQADecodeAttention:
-    """Run a compiled step (or part) with the LLM and CRQ attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
+    """Run a compiled step (or part) with the attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
 
     The decode attention becomes two batched GEMMs over the KV heads (no `repeat_kv` copy of the cache, no SDPA
     backend choice); the eager prefill keeps the model's own attention. The switch is the configs'
@@ -681,7 +681,8 @@ class _SpeechRun:
         if fuse is None:
             # Auto: a compiled loop is bound by the CRQ's many small GEMMs (measured on an H200, BENCHMARKS.md), so
             # fuse them when the projections are plain linears (not LoRA-wrapped / quantized).
-            fuse = compiled and not disable_speech and can_fuse_crq_projections(model.audio_invert_tower.crq_transformer)
+            crq = None if disable_speech else model.audio_invert_tower.crq_transformer
+            fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
         self.cfg = replace(self.cfg, fuse_crq_projections=bool(fuse) and not disable_speech)
         attention = options["compile_attention"]
         if attention not in ("auto", "default", "gqa_matmul") and attention not in _SDPA_BACKENDS:
@@ -693,10 +694,10 @@ class _SpeechRun:
             attention = "gqa_matmul" if compiled else "default"
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
         self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
-        if self.step_fn is not _decode_step and attention == "gqa_matmul":
+        if compiled and attention == "gqa_matmul":
             self.step_fn = _GQADecodeAttention(self.step_fn)
             self.prefill_crq_part = _GQADecodeAttention(self.prefill_crq_part)
-        elif self.step_fn is not _decode_step and attention != "default" and device.type == "cuda":
+        elif compiled and attention != "default" and device.type == "cuda":
             self.step_fn = _PinnedAttention(self.step_fn, attention)
             self.prefill_crq_part = _PinnedAttention(self.prefill_crq_part, attention)
         self.prompt_inputs = prompt_inputs

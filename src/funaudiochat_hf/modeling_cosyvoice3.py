@@ -750,7 +750,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary).
         """
         compile_kwargs.setdefault("dynamic", True)
-        self._flow_compile_kwargs = dict(compile_kwargs, whole_solver=whole_solver)
+        self._flow_compile_kwargs = dict(compile_kwargs)
         if whole_solver:
             decoder = self.flow.decoder
             decoder.solve = torch.compile(decoder.solve, **compile_kwargs)

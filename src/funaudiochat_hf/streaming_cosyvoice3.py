@@ -112,10 +112,11 @@ class CosyVoice3StreamingDecoder:
             raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
         elif cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}")
+        # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
+        self.max_flow_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
         if flow_window_bucket_tokens == "auto":
-            longest_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
             fixed_shape = model.flow_is_compiled or cuda_graphs
-            flow_window_bucket_tokens = longest_window if fixed_shape else None
+            flow_window_bucket_tokens = self.max_flow_window if fixed_shape else None
         if flow_window_bucket_tokens is not None and (
             not isinstance(flow_window_bucket_tokens, int) or flow_window_bucket_tokens < 1
         ):
@@ -132,8 +133,6 @@ class CosyVoice3StreamingDecoder:
         self.flow_bucket = flow_window_bucket_tokens
         self.cuda_graphs = bool(cuda_graphs)
         self._graphs = _graph_runners(model) if self.cuda_graphs else None
-        # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
-        self.max_flow_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
         self.ratio = model.config.token_mel_ratio
         self.samples_per_frame = model.hift.upsample_scale
         # Mel frames whose audio a non-final HiFT call holds back: F0 look-ahead + conv_pre look-ahead + the last frame.
@@ -340,7 +339,9 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
 
             runners = {
                 "flow": CUDAGraphRunner(decoder.solve, functools.partial(settings, decoder)),
-                "hift": CUDAGraphRunner(functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)),
+                "hift": CUDAGraphRunner(
+                    functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)
+                ),
             }
             _GRAPH_RUNNERS[model] = runners
     return runners
