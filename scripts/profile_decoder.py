@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     decoder, info = benchmark.build_decoder(bench_args)
     print(f"decoder: {info}", flush=True)
+    benchmark.apply_decoder_precision(decoder, args.precision)
     if args.compile is not None:
         decoder.compile_estimator(**json.loads(args.compile))
     options = json.loads(args.stream_options) if args.stream_options else {}

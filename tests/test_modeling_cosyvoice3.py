@@ -4,6 +4,7 @@ Fixture tolerances (MANIFEST.md section 5): 1e-4 for float32 tensors, 1e-3 allow
 """
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoModel
 
 from funaudiochat_hf import CosyVoice3Config, CosyVoice3Token2Wav
 from funaudiochat_hf.conversion_cosyvoice3 import config_from_yaml, read_cosyvoice3_yaml
+from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3CausalConvPositionEmbedding, causal_grouped_conv1d
 
 from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
 
@@ -391,6 +393,30 @@ def test_estimator_compiles_without_graph_breaks(original_model, flow_full):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("max_unfold_elements", [None, 1_500], ids=["matmul", "both_sides_of_the_limit"])
+@pytest.mark.parametrize("groups, bias", [(4, True), (1, False)])
+def test_causal_grouped_conv1d_equals_the_convolution(max_unfold_elements, groups, bias):
+    """The unfold + matmul conv the DiT uses on CUDA (cuDNN's float32 FFT choice took ~49 ms per call on an H200)
+    computes the left-padded convolution (the convolution itself past the size limit), and compiles without
+    breaks with dynamic shapes on either side of the limit."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(8, 12, 5, groups=groups, bias=bias)
+    hidden = torch.randn(2, 23, 8)  # (batch, frames, channels)
+    expected = conv(torch.nn.functional.pad(hidden.transpose(1, 2), (4, 0))).transpose(1, 2)
+    kwargs = {} if max_unfold_elements is None else {"max_unfold_elements": max_unfold_elements}
+    convolution_calls = []
+    conv.register_forward_hook(lambda *_: convolution_calls.append(1))
+    with torch.no_grad():
+        _close(causal_grouped_conv1d(hidden, conv, **kwargs), expected, atol=1e-5)  # 2 * 23 * 8 * 5 = 1840
+        _close(causal_grouped_conv1d(hidden[:, :17], conv, **kwargs), expected[:, :17], atol=1e-5)  # 1360
+        assert len(convolution_calls) == (0 if max_unfold_elements is None else 1)
+        torch._dynamo.reset()
+        compiled = torch.compile(causal_grouped_conv1d, fullgraph=True, backend="aot_eager", dynamic=True)
+        _close(compiled(hidden, conv, **kwargs), expected, atol=1e-5)
+        _close(compiled(hidden[:, :17], conv, **kwargs), expected[:, :17], atol=1e-5)  # causal: a prefix
+    torch._dynamo.reset()
+
+
 # -- GPU --------------------------------------------------------------------------------------------------------------
 
 
@@ -430,6 +456,29 @@ def test_cuda_matches_reference_compiled_and_streaming(flow_full):
     finally:
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_cuda_conv_position_embedding_is_fast_and_exact():
+    """Regression: with cuDNN the DiT's float32 kernel-31 grouped conv took ~49 ms per call for a 136-frame streaming
+    window on an H200 (an FFT algorithm), ~1 s per chunk; the unfold + matmul path takes well under 1 ms."""
+    torch.manual_seed(0)
+    embedding = CosyVoice3CausalConvPositionEmbedding(1024, 31, 16).cuda()
+    hidden = torch.randn(2, 136, 1024, device="cuda")
+    with torch.no_grad():
+        expected = embedding.cpu()(hidden.cpu())
+        embedding.cuda()
+        out = embedding(hidden)
+        for _ in range(3):
+            embedding(hidden)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            embedding(hidden)
+        torch.cuda.synchronize()
+        per_call_ms = (time.perf_counter() - start) * 100
+    _close(out.cpu(), expected, atol=1e-4)
+    assert per_call_ms < 5, f"{per_call_ms:.1f} ms per call"
 
 
 @pytest.mark.gpu
@@ -506,12 +555,50 @@ def test_streaming_chunk_cost_is_bounded_and_does_not_grow(original_model):
     assert counter.largest < table_bytes / 100
 
 
+def test_streaming_computes_the_time_conditioning_once_per_reply(original_model, flow_full):
+    """The adaLN modulations depend on the fixed time grid only: `solve` with them precomputed gives the same mel bit
+    for bit, and a stream computes them at its first flow call instead of in every Euler step of every chunk."""
+    model = original_model
+    decoder = model.flow.decoder
+    call = {name: flow_full[f"intermediate.estimator_call0.{name}"] for name in ("mu", "spks", "cond")}
+    mu, spks, cond = call["mu"][:1], call["spks"][:1], call["cond"][:1]
+    noise = decoder.start_noise(1, mu.shape[2])
+    conditioning = decoder.time_conditioning(1, mu.device, mu.dtype)
+    deltas, blocks, finals = conditioning
+    n_steps, n_blocks, dim = model.config.n_timesteps, model.config.dit_depth, model.config.dit_dim
+    assert deltas.shape == (n_steps,) and blocks.shape == (n_steps, n_blocks, 2, 6 * dim)
+    assert finals.shape == (n_steps, 2, 2 * dim)
+    assert torch.equal(decoder.solve(noise, mu, spks, cond, None, *conditioning), decoder.solve(noise, mu, spks, cond))
+
+    calls = []
+    decoder.time_conditioning = lambda *args: calls.append(args) or type(decoder).time_conditioning(decoder, *args)
+    try:
+        stream = model.streaming_decoder(speaker="中文女", token_hop_len=10, flow_window_bucket_tokens=64)
+        pieces = [stream.push(flow_full["speech_token"][0, i : i + 5]) for i in range(0, 40, 5)]
+        assert sum(piece.numel() > 0 for piece in pieces) >= 3 and len(calls) == 1
+    finally:
+        del decoder.time_conditioning
+
+
+def _record_solver_shapes(model, shapes: list):
+    """Record the start-point shape of every flow solver call (offline and streaming); returns an undo function."""
+    decoder = model.flow.decoder
+    solve = decoder.solve
+
+    def recording_solve(x, *args, **kwargs):
+        shapes.append(tuple(x.shape))
+        return solve(x, *args, **kwargs)
+
+    decoder.solve = recording_solve
+    return lambda: delattr(decoder, "solve")
+
+
 def test_streaming_flow_window_buckets_fix_the_shapes(original_model):
     """`flow_window_bucket_tokens` right-pads each flow window (masked) so the flow sees a few fixed shapes (one here);
     the mel of the real frames is unchanged up to float rounding."""
     model = original_model
     shapes = []
-    hook = model.flow.decoder.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    restore = _record_solver_shapes(model, shapes)
     tokens = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(1))
     try:
         for bucket, expected_shapes in ((None, 3), (48, 1)):  # windows of 18, 33 and 48 tokens / all padded to 48
@@ -524,7 +611,7 @@ def test_streaming_flow_window_buckets_fix_the_shapes(original_model):
             assert audio.shape == (120 * 960,) and torch.isfinite(audio).all()
             assert len(set(shapes)) == expected_shapes, shapes
     finally:
-        hook.remove()
+        restore()
     padded = model.streaming_decoder(speaker="中文女", flow_window_bucket_tokens=64, flow_left_context_tokens=100)
     exact = model.streaming_decoder(speaker="中文女", flow_left_context_tokens=100)
     for length, finalize in ((20, False), (40, False), (33, True)):
@@ -550,12 +637,12 @@ def test_streaming_flow_gets_one_fixed_shape_once_compiled():
     stream = model.streaming_decoder(speaker_embedding=embedding, token_hop_len=5, flow_left_context_tokens=10)
     assert stream.flow_bucket == stream.max_flow_window == 10 + 5 + model.config.pre_lookahead_len
     shapes = []
-    hook = model.flow.decoder.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    restore = _record_solver_shapes(model, shapes)
     try:
         tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(2))
         audio = torch.cat([stream.push(tokens[i : i + 5]) for i in range(0, 60, 5)] + [stream.finalize()])
     finally:
-        hook.remove()
+        restore()
     assert audio.shape == (60 * model.hift.upsample_scale * model.config.token_mel_ratio,)
     assert len(shapes) > 3 and len(set(shapes)) == 1, shapes
     assert model.streaming_decoder(speaker_embedding=embedding, flow_window_bucket_tokens=None).flow_bucket is None

@@ -46,20 +46,54 @@ class CosyVoice3TimestepEmbedding(nn.Module):
         return self.time_mlp(sinusoid)
 
 
+# Largest unfolded conv input (elements) built for the matmul path: 128 MB in float32, about 10 s of CFG-batched
+# frames; longer inputs use cuDNN, whose algorithms are fine at those lengths.
+MAX_UNFOLD_ELEMENTS = 2**25
+
+
+def causal_grouped_conv1d(
+    hidden: torch.Tensor, conv: nn.Conv1d, max_unfold_elements: int = MAX_UNFOLD_ELEMENTS
+) -> torch.Tensor:
+    """`conv` over time, left-padded by kernel_size - 1: (batch, frames, channels) -> (batch, frames, out_channels).
+
+    Up to `max_unfold_elements` unfolded input elements (batch * frames * channels * kernel_size), computed as
+    unfold + one batched matmul per group instead of the convolution: for the DiT's kernel-31, 16-group conv,
+    cuDNN's float32 heuristics pick an FFT algorithm at some short lengths that takes ~49 ms per call on an H200 (a
+    166-frame streaming window: ~1 s per chunk), and its good algorithms take ~0.42 ms at short lengths where the
+    matmul takes 0.08-0.22 ms (float32 and bfloat16). Equal to the convolution up to float rounding (a different
+    summation order). Longer inputs run the convolution itself (0.43 ms at 1500 frames), so memory stays bounded;
+    the size test is a shape guard, so `torch.compile(dynamic=True)` keeps one graph per side of the threshold.
+    """
+    batch, frames, channels = hidden.shape
+    kernel = conv.kernel_size[0]
+    if batch * frames * channels * kernel > max_unfold_elements:
+        return conv(F.pad(hidden.transpose(1, 2), (kernel - 1, 0))).transpose(1, 2)
+    groups, out_channels = conv.groups, conv.out_channels
+    # (out, in / groups, kernel) -> (groups, in / groups * kernel, out / groups), the unfolded columns' order.
+    weight = conv.weight.reshape(groups, out_channels // groups, -1).transpose(1, 2)
+    columns = F.pad(hidden, (0, 0, kernel - 1, 0)).unfold(1, kernel, 1)  # (batch, frames, channels, kernel)
+    columns = columns.reshape(batch, frames, groups, -1).transpose(1, 2)  # (batch, groups, frames, in/g * kernel)
+    out = torch.matmul(columns, weight).transpose(1, 2).reshape(batch, frames, out_channels)
+    return out if conv.bias is None else out + conv.bias.to(out.dtype)
+
+
 class CosyVoice3CausalConvPositionEmbedding(nn.Module):
     """Two left-padded grouped convs with Mish; (batch, frames, dim) -> (batch, frames, dim). Looks only left."""
 
     def __init__(self, dim: int, kernel_size: int = 31, groups: int = 16):
         super().__init__()
         self.kernel_size = kernel_size
+        # nn.Sequential(conv, Mish) keeps the official state-dict keys (`conv1.0.weight`).
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.transpose(1, 2)
-        hidden = self.conv1(F.pad(hidden, (self.kernel_size - 1, 0)))
-        hidden = self.conv2(F.pad(hidden, (self.kernel_size - 1, 0)))
-        return hidden.transpose(1, 2)
+        # The matmul path on CUDA only (cuDNN's algorithm choice is the problem there); elsewhere the convolution,
+        # the reference's exact arithmetic (the 1e-4 waveform parity on CPU).
+        max_unfold_elements = MAX_UNFOLD_ELEMENTS if hidden.device.type == "cuda" else 0
+        for conv, activation in (self.conv1, self.conv2):
+            hidden = activation(causal_grouped_conv1d(hidden, conv, max_unfold_elements))
+        return hidden
 
 
 class CosyVoice3InputEmbedding(nn.Module):
@@ -116,30 +150,33 @@ def apply_partial_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 class CosyVoice3AdaLayerNormZero(nn.Module):
-    """AdaLN-Zero: 6 modulation vectors (shift/scale/gate for attention and feed-forward) from the time embedding."""
+    """AdaLN-Zero: 6 modulation vectors (shift/scale/gate for attention and feed-forward) from the time embedding.
+
+    `self.linear(silu(temb))` (batch, 6 * dim) depends on the timestep only; the DiT computes it up front
+    ([`CosyVoice3DiT.time_conditioning`]) and `forward` takes the result.
+    """
 
     def __init__(self, dim: int):
         super().__init__()
         self.linear = nn.Linear(dim, dim * 6)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
 
-    def forward(self, hidden: torch.Tensor, temb: torch.Tensor):
-        modulation = self.linear(F.silu(temb))
+    def forward(self, hidden: torch.Tensor, modulation: torch.Tensor):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
         normed = self.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
         return normed, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class CosyVoice3AdaLayerNormFinal(nn.Module):
-    """Final AdaLN: 2 modulation vectors in the order (scale, shift)."""
+    """Final AdaLN: 2 modulation vectors in the order (scale, shift); `modulation` = `self.linear(silu(temb))`."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.linear = nn.Linear(dim, dim * 2)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
 
-    def forward(self, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = torch.chunk(self.linear(F.silu(temb)), 2, dim=1)
+    def forward(self, hidden: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
+        scale, shift = torch.chunk(modulation, 2, dim=1)
         return self.norm(hidden) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
@@ -199,8 +236,9 @@ class CosyVoice3DiTBlock(nn.Module):
         self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.ff = CosyVoice3FeedForward(dim, ff_mult)
 
-    def forward(self, hidden, temb, rotary, attention_mask=None):
-        normed, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(hidden, temb)
+    def forward(self, hidden, modulation, rotary, attention_mask=None):
+        """hidden (batch, frames, dim); modulation (batch, 6 * dim), this block's `attn_norm.linear(silu(temb))`."""
+        normed, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(hidden, modulation)
         hidden = hidden + gate_msa.unsqueeze(1) * self.attn(normed, rotary, attention_mask)
         normed = self.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return hidden + gate_mlp.unsqueeze(1) * self.ff(normed)
@@ -211,6 +249,8 @@ class CosyVoice3DiT(nn.Module):
 
     Inputs channel-first: x, mu, cond (batch, mel_bins, frames); t (batch,); spks (batch, mel_bins);
     attention_mask boolean (batch, 1, frames, frames) or None (full attention). Output (batch, mel_bins, frames).
+    `time_conditioning`: `self.time_conditioning(t)` computed beforehand (t is then not used): it depends on the
+    timestep alone, so a caller that runs the same timesteps again (the streaming decoder) computes it once.
     """
 
     def __init__(self, config: CosyVoice3Config):
@@ -230,6 +270,13 @@ class CosyVoice3DiT(nn.Module):
         self.norm_out = CosyVoice3AdaLayerNormFinal(dim)
         self.proj_out = nn.Linear(dim, mel)
 
+    def time_conditioning(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the DiT derives from the timesteps t (batch,): the adaLN modulations of every block
+        (n_blocks, batch, 6 * dim) and of the final norm (batch, 2 * dim)."""
+        temb = F.silu(self.time_embed(t))
+        blocks = torch.stack([block.attn_norm.linear(temb) for block in self.transformer_blocks])
+        return blocks, self.norm_out.linear(temb)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -238,13 +285,16 @@ class CosyVoice3DiT(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
+        time_conditioning: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        temb = self.time_embed(t)
+        block_modulations, final_modulation = (
+            self.time_conditioning(t) if time_conditioning is None else time_conditioning
+        )
         hidden = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
         rotary = self.rotary_embed(hidden.shape[1], hidden.device)
-        for block in self.transformer_blocks:
-            hidden = block(hidden, temb, rotary, attention_mask)
-        return self.proj_out(self.norm_out(hidden, temb)).transpose(1, 2)
+        for block, modulation in zip(self.transformer_blocks, block_modulations):
+            hidden = block(hidden, modulation, rotary, attention_mask)
+        return self.proj_out(self.norm_out(hidden, final_modulation)).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -337,6 +387,40 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         noise = self.start_noise(batch, frames, noise_offset).to(mu.dtype)
         return self.solve(noise, mu, spks, cond, attention_mask)
 
+    def _estimator_autocast(self, device: torch.device):
+        """The estimator's precision context (`config.estimator_autocast_dtype`; disabled for float32).
+
+        No autocast weight cache: it only lives for one call here anyway, and a cached cast captured in a CUDA graph
+        would be freed when the context exits.
+        """
+        autocast_dtype = self.config.estimator_autocast_dtype
+        return torch.autocast(
+            device.type,
+            dtype=getattr(torch, autocast_dtype or "bfloat16"),
+            enabled=autocast_dtype is not None,
+            cache_enabled=False,
+        )
+
+    def time_conditioning(
+        self, batch: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything `solve` derives from the time grid alone, for `batch` rows (2 * batch with CFG):
+
+        (dt (n_steps,), block modulations (n_steps, n_blocks, 2 * batch, 6 * dim), final-norm modulations
+        (n_steps, 2 * batch, 2 * dim)), computed exactly as each Euler step would (same shapes, same precision).
+        The same for every call with the same batch size, precision and weights: the streaming decoder computes it
+        once per reply, which takes the time MLP and 23 modulation GEMMs per Euler step (2.8 GB of bfloat16 weight
+        reads per chunk at full size) out of every chunk.
+        """
+        times, deltas = self.time_grid(device, dtype)
+        blocks, finals = [], []
+        for step in range(self.config.n_timesteps):
+            with self._estimator_autocast(device):
+                block_modulations, final_modulation = self.estimator.time_conditioning(times[step].expand(2 * batch))
+            blocks.append(block_modulations)
+            finals.append(final_modulation)
+        return deltas, torch.stack(blocks), torch.stack(finals)
+
     def solve(
         self,
         x: torch.Tensor,
@@ -344,38 +428,37 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
+        deltas: Optional[torch.Tensor] = None,
+        block_modulations: Optional[torch.Tensor] = None,
+        final_modulations: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Integrate from the start point x (batch, mel_bins, frames) at t=0 to t=1 -> float32 mel.
 
-        Fixed shapes, no host synchronisation and no data-dependent branching: the whole 10-step loop can be compiled
-        (fullgraph) and CUDA-graphed (`CosyVoice3Token2Wav.compile_estimator(whole_solver=True)`).
+        `deltas`, `block_modulations`, `final_modulations`: `self.time_conditioning(batch, ...)` computed beforehand
+        (all three or none; None = computed here). Fixed shapes, no host synchronisation and no data-dependent
+        branching: the whole 10-step loop can be compiled (fullgraph) and CUDA-graphed
+        (`CosyVoice3Token2Wav.compile_estimator(whole_solver=True)`).
         """
         batch = mu.shape[0]
-        times, deltas = self.time_grid(mu.device, mu.dtype)
+        weight_dtype = self.estimator.proj_out.weight.dtype
+        if self.config.estimator_autocast_dtype is None and weight_dtype != mu.dtype:
+            raise ValueError(
+                f"The DiT estimator's weights are {weight_dtype} (`use_low_precision_estimator`) but "
+                "config.estimator_autocast_dtype is None: set it back, or reload the model for float32."
+            )
+        if deltas is None:
+            deltas, block_modulations, final_modulations = self.time_conditioning(batch, mu.device, mu.dtype)
         cfg = self.config.inference_cfg_rate
         # Packed CFG batch: rows [0, batch) conditional, [batch, 2 batch) unconditional (mu, spks, cond zeroed).
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spks_in = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         mask_in = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-        autocast_dtype = self.config.estimator_autocast_dtype
-        weight_dtype = self.estimator.proj_out.weight.dtype
-        if autocast_dtype is None and weight_dtype != mu.dtype:
-            raise ValueError(
-                f"The DiT estimator's weights are {weight_dtype} (`use_low_precision_estimator`) but "
-                "config.estimator_autocast_dtype is None: set it back, or reload the model for float32."
-            )
         for step in range(self.config.n_timesteps):
-            t_in = times[step].expand(2 * batch)
-            # No autocast weight cache: it only lives for one call here anyway, and a cached cast captured in a CUDA
-            # graph would be freed when the context exits.
-            with torch.autocast(
-                mu.device.type,
-                dtype=getattr(torch, autocast_dtype or "bfloat16"),
-                enabled=autocast_dtype is not None,
-                cache_enabled=False,
-            ):
-                velocity = self.estimator(torch.cat([x, x]), mu_in, t_in, spks_in, cond_in, mask_in)
+            conditioning = (block_modulations[step], final_modulations[step])
+            with self._estimator_autocast(mu.device):
+                # t is not used when the conditioning is given
+                velocity = self.estimator(torch.cat([x, x]), mu_in, None, spks_in, cond_in, mask_in, conditioning)
             velocity = velocity.to(x.dtype)
             v_cond, v_uncond = velocity[:batch], velocity[batch:]
             x = x + deltas[step] * ((1.0 + cfg) * v_cond - cfg * v_uncond)
