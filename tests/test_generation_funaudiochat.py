@@ -234,7 +234,9 @@ class StubDecoder(torch.nn.Module):
         waveform = torch.nn.functional.pad(speech_tokens.float().repeat_interleave(SAMPLES_PER_TOKEN, dim=-1), (0, 7))
         return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=SAMPLES_PER_TOKEN * speech_token_lengths)
 
-    def streaming_decoder(self, speaker=None, speaker_embedding=None, token_hop_len=15, pre_lookahead_len=3):
+    def streaming_decoder(
+        self, speaker=None, speaker_embedding=None, token_hop_len=15, pre_lookahead_len=3, first_token_hop_len=None
+    ):
         decoder = self
 
         class Stream:
@@ -244,11 +246,15 @@ class StubDecoder(torch.nn.Module):
             def push(self, tokens):
                 self.tokens = torch.cat([self.tokens, tokens])
                 pieces = []
-                while len(self.tokens) >= self.offset + token_hop_len + pre_lookahead_len:
-                    chunk = self.tokens[None, self.offset : self.offset + token_hop_len]
+                while len(self.tokens) >= self.offset + self.hop() + pre_lookahead_len:
+                    hop = self.hop()
+                    chunk = self.tokens[None, self.offset : self.offset + hop]
                     pieces.append(decoder(chunk).waveform[0, :-7])
-                    self.offset += token_hop_len
+                    self.offset += hop
                 return torch.cat(pieces) if pieces else torch.zeros(0)
+
+            def hop(self):
+                return first_token_hop_len if self.offset == 0 and first_token_hop_len else token_hop_len
 
             def finalize(self):
                 rest = self.tokens[self.offset :]
@@ -297,7 +303,13 @@ def test_stream_matches_offline_and_arrives_in_chunks(model, inputs):
     torch.testing.assert_close(audio, offline.audio[0])
     chunks = [i for i, e in enumerate(events) if len(e.audio)]
     assert len(chunks) >= 3
-    assert chunks[0] <= 6  # first audio after a few LLM steps (15 + 3 tokens), not at the end
+    assert chunks[0] <= 3  # first audio after a few LLM steps (a first chunk of 5 + 3 tokens), not at the end
+    reference_chunking = list(
+        model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, first_token_hop_len=None)
+    )
+    first_of_15 = next(i for i, e in enumerate(reference_chunking) if len(e.audio))
+    assert chunks[0] < first_of_15 <= 6  # a first chunk of 15 + 3 tokens needs 2 more steps
+    torch.testing.assert_close(torch.cat([e.audio for e in reference_chunking]), audio)
     assert "".join(e.text for e in events) == ToyTokenizer().decode(offline.sequences[0, prompt_len:].tolist())
 
 
@@ -467,3 +479,57 @@ def test_prefill_runs_its_last_crq_sub_steps_through_the_compiled_sub_step(model
     assert torch.equal(compiled.speech_ids, eager.speech_ids)
     group_size = model.config.audio_config.group_size
     assert len(graphs) == 1 and len(graph_calls) == group_size - 1  # the CRQ sub-step graph, K - 1 calls
+
+
+def test_compiled_prefill_is_one_graph_for_every_prompt_length(model, inputs):
+    """Issue 4 (time to first audio): `compile_prefill` compiles the prompt's LLM + CRQ forward with dynamic shapes
+    (fullgraph: no graph breaks); prompts of several lengths, and a left-padded batch, reuse one graph and give the
+    eager result."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_prefill = {"backend": counting_backend, "fullgraph": True, "dynamic": True}
+    # One cache size for all (a workspace of another batch size or cache length is a graph of its own, as for the
+    # decode step).
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, cache_max_length=384)
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    long_ids = inputs["input_ids"]
+    short_ids = _text_prompt(inputs, 40)
+    batch_ids = torch.full((2, long_ids.shape[1]), PAD)
+    batch_ids[0], batch_ids[1, -40:] = long_ids[0], short_ids[0]
+    batch_mask = torch.ones_like(batch_ids)
+    batch_mask[1, :-40] = 0
+    prompts = [
+        dict(input_ids=long_ids, **audio),
+        dict(input_ids=short_ids),
+        dict(input_ids=_text_prompt(inputs, 33)),
+        dict(input_ids=batch_ids, attention_mask=batch_mask, **audio),
+    ]
+    for prompt in prompts:
+        eager = model.generate_speech(**prompt, **kwargs)
+        compiled = model.generate_speech(**prompt, **kwargs, compile_prefill=compile_prefill)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.speech_ids, eager.speech_ids)
+        torch.testing.assert_close(compiled.text_logits, eager.text_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 2  # batch 1 (three prompt lengths) and batch 2
+    with pytest.raises(ValueError, match="compile_prefill"):
+        model.generate_speech(**prompts[1], **kwargs, compile_prefill="yes")
+
+
+def test_compile_switches_fall_back_to_eager_with_a_dynamic_cache(model, inputs):
+    """`compile` / `compile_prefill` need the static caches: with `cache_implementation="dynamic"` the loop runs
+    eagerly and says so (same tokens), instead of failing inside torch.compile."""
+    from transformers.testing_utils import CaptureLogger
+
+    from funaudiochat_hf import generation_funaudiochat
+
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_implementation="dynamic")
+    for switch in ("compile", "compile_prefill"):
+        with CaptureLogger(generation_funaudiochat.logger) as captured:
+            out = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_implementation="dynamic", **{switch: True})
+        assert f"`{switch}` needs `cache_implementation='static'`" in captured.out
+        assert torch.equal(out.sequences, eager.sequences) and torch.equal(out.speech_ids, eager.speech_ids)

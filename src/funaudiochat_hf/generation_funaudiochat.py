@@ -365,14 +365,9 @@ def _decode_step(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     _finish_part(model, ws, cfg)
 
 
-def _prefill(
-    model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding, force_token, crq_part=_crq_part
-) -> None:
-    """The first step: LLM over the prompt and CRQ over `K * L0 - (K - 1)` sub-positions, each in one pass.
-
-    The K - 1 remaining CRQ sub-steps of the first group have the shapes of a decode sub-step, so they run through
-    `crq_part` (the compiled decode sub-step when the loop is compiled: part of the time to first audio).
-    """
+def _prefill_forward(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding) -> None:
+    """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
+    `K * L - (K - 1)` sub-positions, each in one pass (`compile_prefill=True` compiles this with dynamic shapes)."""
     length = input_ids.shape[1]
     k = cfg.group_size
     language_model = model.language_model
@@ -391,7 +386,27 @@ def _prefill(
         first = length * k - (k - 1)
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
         _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions)
-        for _ in range(k - 1):
+
+
+def _prefill(
+    model,
+    ws: _DecodeWorkspace,
+    cfg: _StepConfig,
+    input_ids,
+    inputs_embeds,
+    padding,
+    force_token,
+    crq_part=_crq_part,
+    prefill_forward=_prefill_forward,
+) -> None:
+    """The first step: `prefill_forward`, then the K - 1 remaining CRQ sub-steps of the first group and the text token.
+
+    Those sub-steps have the shapes of a decode sub-step, so they run through `crq_part` (the compiled decode
+    sub-step when the loop is compiled: part of the time to first audio).
+    """
+    prefill_forward(model, ws, cfg, input_ids, inputs_embeds, padding)
+    if not cfg.disable_speech:
+        for _ in range(cfg.group_size - 1):
             crq_part(model, ws, cfg)
     _finish_part(model, ws, cfg, force_token=force_token)
 
@@ -604,7 +619,8 @@ class _SpeechRun:
         if max_new_tokens is None or max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}.")
         device = model.language_model.get_input_embeddings().weight.device
-        input_ids = input_ids.to(device)
+        # A copy: never a view of the caller's tensor (a compiled prefill would otherwise guard on the view's base).
+        input_ids = input_ids.to(device, copy=True)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
@@ -676,6 +692,7 @@ class _SpeechRun:
             )
         self.cache_max_length = cache_max_length
         self.step_fn = self._pick_step_function(options["compile"], options["compile_scope"], device)
+        self.prefill_forward = self._pick_prefill_function(options["compile_prefill"])
         compiled = self.step_fn is not _decode_step
         fuse = options["fuse_crq_projections"]
         if fuse is None:
@@ -705,29 +722,39 @@ class _SpeechRun:
         self._owned_lock = None
 
     # ------------------------------------------------------------------ setup
-    def _pick_step_function(self, compile_option, compile_scope: str, device):
-        if compile_scope not in ("step", "parts"):
-            raise ValueError(f"`compile_scope` must be 'step' or 'parts', got {compile_scope!r}.")
-        if compile_option is False or compile_option is None:
-            return _decode_step
+    def _compile_options(self, name: str, option, defaults: dict) -> dict | None:
+        """`torch.compile` options for the `name` argument (False | True | dict), or None: run eagerly."""
+        if option is False or option is None:
+            return None
+        if option is not True and not isinstance(option, dict):
+            raise ValueError(f"`{name}` must be a bool or a dict of torch.compile options, got {option!r}.")
         if not self.static:
-            logger.warning("`compile` needs `cache_implementation='static'`; running the dynamic-cache loop eagerly.")
-            return _decode_step
+            logger.warning(f"`{name}` needs `cache_implementation='static'`; running eagerly.")
+            return None
         mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
         if len(mapped_devices) > 1 or mapped_devices & {"cpu", "disk"}:
             logger.warning(
-                "The model is dispatched over several devices (device_map); the compiled decode step cannot capture "
-                "it, so the loop runs eagerly."
+                f"The model is dispatched over several devices (device_map); `{name}` cannot capture it, so the "
+                "loop runs eagerly."
             )
+            return None
+        return dict(defaults) if option is True else dict(option)
+
+    def _pick_prefill_function(self, compile_option):
+        """`_prefill_forward`, compiled with dynamic shapes (one graph for every prompt length) when asked to."""
+        # No CUDA graphs by default: every prompt length would record its own.
+        options = self._compile_options("compile_prefill", compile_option, {"fullgraph": True, "dynamic": True})
+        return _prefill_forward if options is None else _compiled(_prefill_forward, options)
+
+    def _pick_step_function(self, compile_option, compile_scope: str, device):
+        if compile_scope not in ("step", "parts"):
+            raise ValueError(f"`compile_scope` must be 'step' or 'parts', got {compile_scope!r}.")
+        defaults = {"fullgraph": True, "dynamic": False}
+        if device.type == "cuda":
+            defaults["mode"] = "reduce-overhead"
+        options = self._compile_options("compile", compile_option, defaults)
+        if options is None:
             return _decode_step
-        if compile_option is True:
-            options = {"fullgraph": True, "dynamic": False}
-            if device.type == "cuda":
-                options["mode"] = "reduce-overhead"
-        elif isinstance(compile_option, dict):
-            options = dict(compile_option)
-        else:
-            raise ValueError(f"`compile` must be a bool or a dict of torch.compile options, got {compile_option!r}.")
         return _compiled(_decode_step, options) if compile_scope == "step" else _CompiledParts(options)
 
     @staticmethod
@@ -814,7 +841,10 @@ class _SpeechRun:
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
         self._draw_noise(ws)
         force = cfg.audio_bos_index if self.options["force_text_abos"] else None
-        _prefill(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force, self.prefill_crq_part)
+        _prefill(
+            model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force, self.prefill_crq_part,
+            self.prefill_forward,
+        )
         self.steps = 1
         return ws
 
@@ -900,8 +930,11 @@ class FunAudioChatSpeechGenerationMixin:
                 `text_`/`speech_` prefixed overrides of do_sample/temperature/top_p/top_k/repetition_penalty,
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
                 ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
-                compile than "step", the whole step as one graph), `compile_attention` ("auto", default: "gqa_matmul"
-                when compiled, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" |
+                compile than "step", the whole step as one graph), `compile_prefill` (False, default | True | dict
+                of torch.compile options: the prompt's LLM + CRQ forward compiled with dynamic shapes, one graph for
+                every prompt length and no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound
+                by them, at the price of one more compile on the first call), `compile_attention` ("auto",
+                default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" |
                 "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's
                 attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections` (None, default:
                 True when compiled and the CRQ projections are plain linears, else False; True: the CRQ layers run
@@ -968,15 +1001,18 @@ class FunAudioChatSpeechGenerationMixin:
         return_audio: bool | None = None,
         token_hop_len: int = 15,
         pre_lookahead_len: int = 3,
+        first_token_hop_len: int | None = 5,
         stream_options: dict | None = None,
         **generation_kwargs,
     ) -> Iterator[SpeechStreamEvent]:
         """Like `generate_speech`, but yields a [`SpeechStreamEvent`] after every LLM step (0.2 s of speech).
 
         Audio is vocoded while decoding by the decoder's `streaming_decoder(speaker, token_hop_len,
-        pre_lookahead_len)`, so the first chunk arrives after about `(token_hop_len + pre_lookahead_len) / K + 2`
-        steps. Batch size 1 only. `tokenizer` (the processor's tokenizer) turns the text ids into `text`.
-        `stream_options` go to `streaming_decoder` as well (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
+        pre_lookahead_len, first_token_hop_len)`: the first chunk covers `first_token_hop_len` speech tokens (5 =
+        0.2 s, so it arrives after 2 LLM steps instead of the 4 that a first chunk of `token_hop_len` = 15 tokens
+        needs; None = the reference's chunking), later chunks `token_hop_len` tokens each. Batch size 1 only.
+        `tokenizer` (the processor's tokenizer) turns the text ids into `text`. `stream_options` go to
+        `streaming_decoder` as well and take precedence (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
         look-back, cheaper chunks; `{"cuda_graphs": False}`).
         """
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -1003,7 +1039,7 @@ class FunAudioChatSpeechGenerationMixin:
                 **_decoder_speaker_kwargs(speaker),
                 token_hop_len=token_hop_len,
                 pre_lookahead_len=pre_lookahead_len,
-                **(stream_options or {}),
+                **{"first_token_hop_len": first_token_hop_len, **(stream_options or {})},
             )
             if decoder is not None
             else None
@@ -1071,6 +1107,7 @@ _DEFAULTS = {
     "seed": None,
     "compile": False,
     "compile_scope": "parts",
+    "compile_prefill": False,
     "compile_attention": "auto",
     "fuse_crq_projections": None,
     "cache_implementation": "static",
