@@ -155,7 +155,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "tiny": args.tiny,
-        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}",
+        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, compile_prefill={args.compile_prefill!r}",
         "decoder_compile": args.decoder_compile_config or "compile_estimator() defaults",
         "decoder_precision": args.decoder_precision,
         "stream_options": args.stream_options or "streaming_decoder() defaults",
@@ -521,6 +521,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile": compile_argument(mode, args),
         "compile_scope": args.compile_scope,
         "compile_attention": args.compile_attention,
+        "compile_prefill": mode == "compiled" and args.compile_prefill,
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "cache_implementation": "static",
         "return_audio": False,
@@ -649,16 +650,18 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
     def first_audio() -> dict:
         synchronize(device)
         start = time.perf_counter()
-        events, result = 0, None
+        events, result, event_ms = 0, None, []
         with torch.no_grad():
             stream = call_with_supported_kwargs(model.generate_speech_stream, {**inputs, **kwargs}, notes)
             try:
                 for event in stream:
                     events += 1
+                    event_ms.append(round((time.perf_counter() - start) * 1e3, 1))  # the first: after the prefill
                     audio = getattr(event, "audio", None)
                     if audio is not None and audio.numel() > 0:
                         synchronize(device)
-                        result = {"seconds": time.perf_counter() - start, "events": events, "samples": audio.numel()}
+                        result = {"seconds": time.perf_counter() - start, "events": events, "samples": audio.numel(),
+                                  "event_ms": event_ms}
                         break
             finally:
                 close = getattr(stream, "close", None)
@@ -679,6 +682,9 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
         "first_call_ttfa_ms": cold["seconds"] * 1e3,
         "events_before_audio": warm[0]["events"],
         "first_chunk_samples": warm[0]["samples"],
+        # When each stream event arrived (ms after the call): the first follows the prefill, each later one an LLM
+        # step (plus, for the last, the decoder's first chunk).
+        "event_ms": warm[0]["event_ms"],
         "peak_gb": peak_gb(device),
         "notes": notes,
     }
@@ -1091,14 +1097,18 @@ def render_extras(data: dict) -> str:
                 f"{'–' if share is None else f'{share * 100:.0f} %'} of the step."
                 + notes_suffix(r)
             )
+    stream_options = data.get("meta", {}).get("stream_options", "streaming_decoder() defaults")
     for r in data.get("ttfa", []):
         if row_status(r):
             lines.append(f"- Time to first audio ({r['mode']}): {r['status']}")
         else:
             lines.append(
-                f"- Time to first audio chunk ({r['mode']}, {r['input_seconds']:g} s question, full decoder, hop 15): "
+                f"- Time to first audio chunk ({r['mode']}, {r['input_seconds']:g} s question, full decoder, hop 15, "
+                f"stream options {stream_options}): "
                 f"**{r['ttfa_ms']:.0f} ms** warm (first call {r['first_call_ttfa_ms']:.0f} ms), after "
-                f"{r['events_before_audio']} stream events; peak {fmt(r.get('peak_gb'), 1)} GB."
+                f"{r['events_before_audio']} stream events"
+                + (f" (arrived at {', '.join(map(str, r['event_ms']))} ms)" if r.get("event_ms") else "")
+                + f"; peak {fmt(r.get('peak_gb'), 1)} GB."
                 + notes_suffix(r)
             )
     for r in data.get("repeat_calls", []):
@@ -1271,6 +1281,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
     )
     p.add_argument(
+        "--compile-prefill", action="store_true",
+        help="generate_speech(compile_prefill=True) in compiled mode (the prompt's forward, dynamic shapes)",
+    )
+    p.add_argument(
         "--compile-attention", default="auto",
         choices=["auto", "default", "math", "efficient", "cudnn", "gqa_matmul"],
         help="generate_speech(compile_attention=...)",
@@ -1292,6 +1306,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
     p.add_argument("--decoder-seconds", default=None, help="decoder reply lengths (10,30; 1,2 with --tiny)")
+    p.add_argument("--no-crq-share", dest="crq_share", action="store_false",
+                   help="skip the compiled CRQ-share row (one more compile of the step, ~1 min on an H200)")
     p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the TTFA stream (40; 12 tiny)")
     p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (100; 3 with --tiny)")
     p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
@@ -1357,7 +1373,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         if "decoder" in parts:
             items.append(("ttfa", f"time to first audio ({best})", {"mode": best}))
         items.append(("repeat", f"{args.repeat_calls} consecutive calls ({best})", {"mode": best}))
-        if "compiled" in modes and not args.tiny:  # another compile: too slow for the CPU smoke run
+        if "compiled" in modes and not args.tiny and args.crq_share:  # another compile: too slow for CPU smoke runs
             items.append(("crq", f"CRQ share compiled batch {first_batch}", {"mode": "compiled", "batch": first_batch}))
     return items
 

@@ -1,9 +1,10 @@
 """Profile the compiled `generate_speech` decode loop of the full-size model on one GPU (random weights).
 
-    python scripts/profile_step.py [--steps 24] [--compile-scope parts] [--batch 1]
+    python scripts/profile_step.py [--steps 24] [--compile-scope parts] [--batch 1] [--prefill]
 
 Prints why CUDA graphs were skipped (if they were), the number of kernel and graph launches per LLM step, and the
-kernels that take the most GPU time. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives the
+kernels that take the most GPU time. `--prefill` profiles a one-step call instead (the prompt's encoders, LLM and
+CRQ prefill: the part of the time to first audio before the decode loop) and sorts by host time as well. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives the
 numbers to report.
 """
 
@@ -28,23 +29,46 @@ def main() -> None:
     parser.add_argument("--compile-scope", default="parts", choices=["step", "parts"])
     parser.add_argument("--compile-config", default=None, help="generate_speech(compile=...) as JSON")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--prefill", action="store_true", help="profile a max_new_tokens=1 call (the prefill)")
+    parser.add_argument("--compile-prefill", action="store_true", help="generate_speech(compile_prefill=True)")
     args = parser.parse_args()
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
-    bench_args = benchmark.parse_args(["--no-write", "--compile-scope", args.compile_scope] + (
-        ["--compile-config", args.compile_config] if args.compile_config else []))
+    bench_args = benchmark.parse_args(
+        ["--no-write", "--compile-scope", args.compile_scope]
+        + (["--compile-config", args.compile_config] if args.compile_config else [])
+        + (["--compile-prefill"] if args.compile_prefill else [])
+    )
     model, info = benchmark.build_chat_model(bench_args)
     print(f"built {info['parameters'] / 1e9:.2f} G parameters in {info['build_s']} s", flush=True)
     inputs = benchmark.make_chat_inputs(model, args.batch, 10.0, "cuda")
     prompt_len = inputs["input_ids"].shape[1]
-    kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, args.steps,
+    steps = 1 if args.prefill else args.steps
+    kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, steps,
                                          cache_max_length=benchmark.cache_length(prompt_len, bench_args))
     for attempt in range(3):  # compile, capture, warm
         start = time.perf_counter()
         with torch.no_grad():
             model.generate_speech(**inputs, **kwargs)
         torch.cuda.synchronize()
-        print(f"warm-up {attempt}: {time.perf_counter() - start:.2f} s", flush=True)
+        print(f"warm-up {attempt}: {time.perf_counter() - start:.3f} s", flush=True)
+
+    if args.prefill:  # wall-clock split: the prompt's embeddings (audio encoders) vs the whole one-step call
+        def wall_ms(fn, repeats=5):
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    fn()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            return sorted(times)[repeats // 2]
+
+        prompt = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        embed = wall_ms(lambda: model.embed_prompt(inputs["input_ids"], **prompt))
+        whole = wall_ms(lambda: model.generate_speech(**inputs, **kwargs))
+        print(f"prompt of {prompt_len} tokens: embed_prompt {embed:.1f} ms, whole one-step call {whole:.1f} ms")
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,8 +79,10 @@ def main() -> None:
     events = prof.key_averages()
     launches = {e.key: e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
                                                             "cuLaunchKernelEx", "cudaLaunchKernelExC")}
-    print(f"launch API calls for {args.steps} steps (+ prefill): {launches}")
+    print(f"launch API calls for {steps} steps (prefill included): {launches}")
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
+    if args.prefill:
+        print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=70))
 
 
 if __name__ == "__main__":
