@@ -156,7 +156,8 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "host": platform.node(),
         "tiny": args.tiny,
         "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, compile_prefill={args.compile_prefill!r}",
-        "decoder_compile": args.decoder_compile_config or "compile_estimator() defaults",
+        "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
+        + (" + compile_vocoder()" if args.compile_vocoder else ""),
         "decoder_precision": args.decoder_precision,
         "stream_options": args.stream_options or "streaming_decoder() defaults",
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -851,11 +852,13 @@ def compile_decoder(decoder, args: argparse.Namespace) -> str:
     kwargs = json.loads(args.decoder_compile_config) if args.decoder_compile_config else {}
     if not is_cuda(args.device) and not kwargs:
         kwargs = {"backend": "eager"}
+    if args.compile_vocoder:
+        decoder.compile_vocoder(**({} if is_cuda(args.device) else {"backend": "eager"}))
     for name in ("compile_estimator", "compile_decoder", "compile_flow", "setup_compile"):
         helper = getattr(decoder, name, None)
         if callable(helper):
             helper(**kwargs)
-            return name
+            return name + ("() + compile_vocoder" if args.compile_vocoder else "")
     raise RuntimeError("decoder offers no compile helper (compile_estimator / compile_decoder / ...)")
 
 
@@ -1279,6 +1282,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
+    )
+    p.add_argument(
+        "--compile-vocoder", action="store_true",
+        help="compiled decoder mode also runs decoder.compile_vocoder() (HiFT's upsampling stack, dynamic shapes)",
     )
     p.add_argument(
         "--compile-prefill", action="store_true",

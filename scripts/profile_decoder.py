@@ -1,6 +1,7 @@
 """Profile one steady streaming chunk of the CosyVoice3 decoder (full size, random weights; `--tiny` for a smoke run).
 
-    python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--stream-options '{...}']
+    python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--compile-vocoder]
+                                      [--stream-options '{...}']
 
 Prints where a chunk's time goes: the flow call vs the vocoder (wall time, synchronised), the number of kernel and
 graph launches, and the kernels that take the most GPU time. `scripts/benchmark.py` gives the numbers to report.
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="float32", choices=["float32", "tf32", "bfloat16"])
     parser.add_argument("--compile", default=None, help="JSON kwargs of compile_estimator(); omitted = eager")
+    parser.add_argument("--compile-vocoder", action="store_true", help="also run decoder.compile_vocoder()")
     parser.add_argument("--stream-options", default=None, help="JSON kwargs of streaming_decoder()")
     parser.add_argument("--hop", type=int, default=15)
     parser.add_argument("--warm-chunks", type=int, default=20, help="chunks before the profiled one (fill windows)")
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     benchmark.apply_decoder_precision(decoder, args.precision)
     if args.compile is not None:
         decoder.compile_estimator(**json.loads(args.compile))
+    if args.compile_vocoder:
+        decoder.compile_vocoder(**({} if args.device.startswith("cuda") else {"backend": "eager"}))
     options = json.loads(args.stream_options) if args.stream_options else {}
     stream = decoder.streaming_decoder(
         speaker_embedding=benchmark.speaker_embedding(args.device), token_hop_len=args.hop, **options

@@ -840,6 +840,17 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         else:
             self.flow.decoder.estimator.compile(**compile_kwargs)
 
+    def compile_vocoder(self, **compile_kwargs) -> None:
+        """`torch.compile` HiFT's upsampling stack (`hift.filter_body`: its convs and Snake residual blocks) in place.
+
+        The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses each Snake activation (~6 element-wise
+        kernels eagerly, ~70 of them per call) and the residual sums; streaming decoders replay the compiled stack
+        inside their CUDA graph. `compile_kwargs` go to `torch.compile`; `dynamic` defaults to True (the vocoder
+        windows of a stream and offline lengths vary).
+        """
+        compile_kwargs.setdefault("dynamic", True)
+        self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
+
     @torch.no_grad()
     def use_low_precision_estimator(self, dtype: str = "bfloat16") -> None:
         """Run the DiT estimator in `dtype` ("bfloat16" or "float16"), storing its weights in that dtype.

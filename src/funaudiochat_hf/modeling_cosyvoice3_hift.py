@@ -525,7 +525,22 @@ class CosyVoice3HiFTGenerator(nn.Module):
             cut = self.stft_frames_per_mel_frame * look_right
             real, imag = real[..., :-cut], imag[..., :-cut]
         source_stft = torch.cat([real, imag], dim=1).to(hidden.dtype)
+        hidden = self.filter_body(hidden, source_stft)
+        num_bins = self.n_fft // 2 + 1
+        magnitude = torch.exp(hidden[:, :num_bins])
+        phase = torch.sin(hidden[:, num_bins:])  # the extra sin is part of the trained model
+        wav = self._istft(magnitude, phase, window)
+        if not finalize:
+            wav = wav[:, : -self.upsample_scale]
+        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
 
+    def filter_body(self, hidden: torch.Tensor, source_stft: torch.Tensor) -> torch.Tensor:
+        """The upsampling stack: conv_pre output (batch, base_channels, frames) + the source's STFT
+        (batch, n_fft + 2, stft_frames) -> conv_post output (batch, n_fft + 2, stft_frames).
+
+        Convolutions, Snake residual blocks and element-wise ops only (no complex tensors), so it can be compiled on
+        its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the ~6 element-wise kernels of each Snake.
+        """
         for i, upsample in enumerate(self.ups):
             hidden = F.leaky_relu(hidden, self.lrelu_slope)
             hidden = upsample(hidden)
@@ -540,14 +555,7 @@ class CosyVoice3HiFTGenerator(nn.Module):
             hidden = summed / self.num_kernels
 
         hidden = F.leaky_relu(hidden)  # default slope 0.01, as in the reference
-        hidden = self.conv_post(hidden)
-        num_bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(hidden[:, :num_bins])
-        phase = torch.sin(hidden[:, num_bins:])  # the extra sin is part of the trained model
-        wav = self._istft(magnitude, phase, window)
-        if not finalize:
-            wav = wav[:, : -self.upsample_scale]
-        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+        return self.conv_post(hidden)
 
     def forward(
         self, mel: torch.Tensor, finalize: bool = True, source: Optional[torch.Tensor] = None
