@@ -492,3 +492,32 @@ def test_bundled_speech_decoder_round_trips_and_stays_float32(tmp_path):
     expected = model.token2wav.state_dict()
     assert all(torch.equal(value, expected[key]) for key, value in reloaded.token2wav.state_dict().items())
     assert AutoModel.from_pretrained(FUNAUDIOCHAT_TINY).token2wav is None  # the official layout has no decoder
+
+
+def test_audio_encoder_runs_padded_chunks_in_one_attention_call_without_host_syncs(model, monkeypatch):
+    """Issue 4 (prefill): transformers' audio attention splits the packed chunks with `cu_seqlens.tolist()` in every
+    layer (a host sync each) and attends chunk by chunk; the encoder instead runs the chunks padded to one length
+    with a key mask, one attention call per layer. Same features as the per-chunk path, for clips of several
+    lengths (full and partial chunks)."""
+    from funaudiochat_hf.modeling_funaudiochat import FunAudioChatAudioAttention
+
+    encoder = next(m for m in model.modules() if isinstance(m, FunAudioChatAudioEncoder))
+    assert all(isinstance(layer.self_attn, FunAudioChatAudioAttention) for layer in encoder.layers)
+    lengths = torch.tensor([245, 400, 17])  # 2 chunks (200 + 45), 2 full chunks, 1 short chunk
+    features = torch.randn(encoder.config.num_mel_bins, int(lengths.sum()), generator=torch.Generator().manual_seed(0))
+
+    def run(pad_chunks: bool):
+        tolist_calls = []
+        original_tolist = torch.Tensor.tolist
+        monkeypatch.setattr(encoder, "pad_chunks", pad_chunks)
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist_calls.append(1) or original_tolist(self))
+        with torch.no_grad():
+            out = encoder(features, lengths, 200).last_hidden_state
+        monkeypatch.undo()
+        return out, len(tolist_calls)
+
+    padded, padded_syncs = run(True)
+    packed, packed_syncs = run(False)
+    assert_close(padded, packed)
+    assert padded_syncs <= 3  # chunk lengths, clip lengths, clip indices
+    assert packed_syncs >= padded_syncs + len(encoder.layers)  # + at least one per layer (3 in transformers 5.24)

@@ -20,7 +20,12 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoderLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAudioAttention,
+    Qwen2_5OmniAudioEncoderLayer,
+    eager_attention_forward,
+)
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 from .compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, cache_kwargs
@@ -251,6 +256,38 @@ class FunAudioChatPreTrainedModel(PreTrainedModel):
             init.copy_(module.positional_embedding, table)
 
 
+class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
+    """Qwen2.5-Omni's audio attention (same parameters) that can also run on equal-length padded chunks.
+
+    transformers' version takes the chunks packed back to back and, unless flash attention's varlen kernel is used,
+    splits them with `cu_seqlens.tolist()` (a host sync in every layer) and makes one attention call per chunk. Given
+    `attention_mask` (num_chunks, 1, 1, chunk_frames), an additive key-padding mask, the input is instead the chunks
+    padded to `chunk_frames` rows each, `(num_chunks * chunk_frames, d_model)`, and one batched call covers them all.
+    """
+
+    def forward(self, hidden_states, cu_seqlens, attention_mask=None, **kwargs):
+        if attention_mask is None:
+            return super().forward(hidden_states, cu_seqlens, **kwargs)
+        num_chunks, chunk_frames = attention_mask.shape[0], attention_mask.shape[-1]
+
+        def heads(projection: nn.Linear) -> torch.Tensor:  # (num_chunks, heads, chunk_frames, head_dim)
+            return projection(hidden_states).view(num_chunks, chunk_frames, self.num_heads, -1).transpose(1, 2)
+
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attn_output, _ = attention(
+            self,
+            heads(self.q_proj),
+            heads(self.k_proj),
+            heads(self.v_proj),
+            attention_mask=attention_mask,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            is_causal=False,
+            **kwargs,
+        )
+        return self.out_proj(attn_output.reshape(num_chunks * chunk_frames, -1))
+
+
 class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
     """Continuous audio encoder: Whisper-large-v3-style Transformer on 128-bin log-mels (Qwen2.5-Omni layout).
 
@@ -263,6 +300,9 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
     config_class = FunAudioChatAudioEncoderConfig
     config: FunAudioChatAudioEncoderConfig
     main_input_name = "input_features"
+    # Attention other than flash: run the 2-s chunks padded to one length, one attention call per layer (False:
+    # transformers' packed path, one call per chunk after a host sync in every layer).
+    pad_chunks = True
     input_modalities = ("audio",)
     _no_split_modules = ["Qwen2_5OmniAudioEncoderLayer"]
 
@@ -281,6 +321,8 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         # Present in the official checkpoint (Qwen2.5-Omni heritage) but never used by the model.
         self.audio_bos_eos_token = nn.Embedding(2, config.output_dim)
         self.layers = nn.ModuleList([Qwen2_5OmniAudioEncoderLayer(config) for _ in range(config.encoder_layers)])
+        for layer in self.layers:
+            layer.self_attn = FunAudioChatAudioAttention(config)
         self.ln_post = nn.LayerNorm(embed_dim)
         self.proj = nn.Linear(embed_dim, config.output_dim)
         self.post_init()
@@ -333,13 +375,26 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(max_chunk_len / 2), d_model)
         hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
 
-        # Keep the valid post-conv frames, packed: (total_frames_after_conv, d_model); chunk boundaries in cu_seqlens.
         chunk_lens_after_conv = (chunk_lengths - 1) // 2 + 1
         valid = torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]
-        hidden = hidden[valid.to(hidden.device)]
         cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
-        for layer in self.layers:
-            hidden = layer(hidden, cu_seqlens=cu_seqlens.to(hidden.device))[0]
+        if not self.pad_chunks or "flash" in (self.config._attn_implementation or ""):
+            # The valid frames packed, (total_frames_after_conv, d_model): flash attention's varlen kernel, or
+            # transformers' per-chunk attention calls.
+            hidden = hidden[valid]
+            for layer in self.layers:
+                hidden = layer(hidden, cu_seqlens=cu_seqlens)[0]
+        else:
+            # The chunks padded to one length, (num_chunks * frames, d_model), padded keys masked: one attention call
+            # per layer for every chunk, no host sync (every op but attention is per frame, so padding rows do not
+            # touch the valid ones); the valid frames are packed afterwards.
+            num_chunks, frames, _ = hidden.shape
+            key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
+            key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
+            hidden = hidden.reshape(num_chunks * frames, -1)
+            for layer in self.layers:
+                hidden = layer(hidden, cu_seqlens=cu_seqlens, attention_mask=key_mask)[0]
+            hidden = hidden.view(num_chunks, frames, -1)[valid]
 
         # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
         clip_lens_after_conv, _ = self.output_lengths(clip_lens)
