@@ -604,8 +604,12 @@ def test_streaming_computes_the_time_conditioning_once_per_reply(original_model,
         stream = model.streaming_decoder(speaker="中文女", token_hop_len=10, flow_window_bucket_tokens=64)
         pieces = [stream.push(flow_full["speech_token"][0, i : i + 5]) for i in range(0, 40, 5)]
         assert sum(piece.numel() > 0 for piece in pieces) >= 3 and len(calls) == 1
+        model.config.estimator_autocast_dtype = "bfloat16"  # a precision change mid-reply: computed again, once
+        pieces = [stream.push(flow_full["speech_token"][0, i : i + 5]) for i in range(40, 60, 5)]
+        assert sum(piece.numel() > 0 for piece in pieces) >= 1 and len(calls) == 2
     finally:
         del decoder.time_conditioning
+        model.config.estimator_autocast_dtype = None
 
 
 def _record_solver_shapes(model, shapes: list):

@@ -152,8 +152,8 @@ class CosyVoice3StreamingDecoder:
         self.phase_cycles = torch.zeros(1, 0, num_harmonics, dtype=torch.float64, device=device)
         self.f0_start = 0
         self.finished = False
-        # The flow solver's time-grid conditioning (adaLN modulations), computed at the first flow call.
-        self._time_conditioning: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # (estimator precision, the flow solver's time-grid conditioning), computed at the first flow call.
+        self._time_conditioning: Optional[tuple] = None
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -236,14 +236,17 @@ class CosyVoice3StreamingDecoder:
             mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
         spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(mu.dtype)
-        if self._time_conditioning is None:  # the same for every chunk of the reply: computed once
-            self._time_conditioning = flow.decoder.time_conditioning(1, mu.device, mu.dtype)
+        # The same for every chunk of the reply: computed once (again only if the estimator's precision changes).
+        precision = model.config.estimator_autocast_dtype
+        if self._time_conditioning is None or self._time_conditioning[0] != precision:
+            self._time_conditioning = (precision, flow.decoder.time_conditioning(1, mu.device, mu.dtype))
+        conditioning = self._time_conditioning[1]
         if self._graphs is None:
-            mel = flow.decoder.solve(noise, mu, spks, torch.zeros_like(mu), mask, *self._time_conditioning)
+            mel = flow.decoder.solve(noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
         else:  # the same, as one graph replay (always with a mask: one signature)
             if mask is None:
                 mask = torch.ones(1, 1, frames, frames, dtype=torch.bool, device=mu.device)
-            mel = self._graphs["flow"](noise, mu, spks, torch.zeros_like(mu), mask, *self._time_conditioning)
+            mel = self._graphs["flow"](noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
         return mel[:, :, :real_frames]
 
     def _vocode(self, finalize: bool) -> torch.Tensor:
