@@ -155,7 +155,11 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "tiny": args.tiny,
-        "chat_compile": f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, compile_prefill={args.compile_prefill!r}",
+        "chat_compile": (
+            f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
+            f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}"
+            + (", compile_prefill=True" if args.compile_prefill else "")
+        ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
         + (" + compile_vocoder()" if args.compile_vocoder else ""),
         "decoder_precision": args.decoder_precision,

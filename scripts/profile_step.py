@@ -4,8 +4,9 @@
 
 Prints why CUDA graphs were skipped (if they were), the number of kernel and graph launches per LLM step, and the
 kernels that take the most GPU time. `--prefill` profiles a one-step call instead (the prompt's encoders, LLM and
-CRQ prefill: the part of the time to first audio before the decode loop) and sorts by host time as well. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives the
-numbers to report.
+CRQ prefill: the part of the time to first audio before the decode loop), timing `embed_prompt` against the whole
+call and sorting by host time as well. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives
+the numbers to report.
 """
 
 from __future__ import annotations

@@ -734,8 +734,8 @@ class _SpeechRun:
         mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
         if len(mapped_devices) > 1 or mapped_devices & {"cpu", "disk"}:
             logger.warning(
-                f"The model is dispatched over several devices (device_map); `{name}` cannot capture it, so the "
-                "loop runs eagerly."
+                f"The model is dispatched over several devices (device_map); `{name}` cannot capture it, so that "
+                "part runs eagerly."
             )
             return None
         return dict(defaults) if option is True else dict(option)
@@ -934,13 +934,13 @@ class FunAudioChatSpeechGenerationMixin:
                 of torch.compile options: the prompt's LLM + CRQ forward compiled with dynamic shapes, one graph for
                 every prompt length and no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound
                 by them, at the price of one more compile on the first call), `compile_attention` ("auto",
-                default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" |
-                "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's
-                attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections` (None, default:
-                True when compiled and the CRQ projections are plain linears, else False; True: the CRQ layers run
-                with their q/k/v and gate/up projections fused into one GEMM each, 4 instead of 7 per layer, compiled
-                or eager; costs one extra copy of those
-                weights, ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
+                default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
+                "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
+                the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`
+                (None, default: True when compiled and the CRQ projections are plain linears, else False; True:
+                the CRQ layers run with their q/k/v and gate/up projections fused into one GEMM each, 4 instead of 7
+                per layer, compiled or eager; costs one extra copy of those weights, ~0.6 GB in bfloat16 at full
+                size; same math, float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
