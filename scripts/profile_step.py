@@ -12,6 +12,7 @@ the numbers to report.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,15 +57,8 @@ def main() -> None:
 
     if args.prefill:  # wall-clock split: the prompt's embeddings (audio encoders) vs the whole one-step call
         def wall_ms(fn, repeats=5):
-            times = []
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                with torch.no_grad():
-                    fn()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
-            return sorted(times)[repeats // 2]
+            with torch.no_grad():
+                return statistics.median(benchmark.timed(fn, "cuda")[0] for _ in range(repeats)) * 1e3
 
         prompt = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
         embed = wall_ms(lambda: model.embed_prompt(inputs["input_ids"], **prompt))

@@ -377,11 +377,11 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
 
         chunk_lens_after_conv = (chunk_lengths - 1) // 2 + 1
         valid = torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]
-        cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
         if not self.pad_chunks or "flash" in (self.config._attn_implementation or ""):
-            # The valid frames packed, (total_frames_after_conv, d_model): flash attention's varlen kernel, or
-            # transformers' per-chunk attention calls.
+            # The valid frames packed, (total_frames_after_conv, d_model), chunk boundaries in cu_seqlens: flash
+            # attention's varlen kernel, or transformers' per-chunk attention calls.
             hidden = hidden[valid]
+            cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
             for layer in self.layers:
                 hidden = layer(hidden, cu_seqlens=cu_seqlens)[0]
         else:
@@ -392,8 +392,8 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
             key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
             hidden = hidden.reshape(num_chunks * frames, -1)
-            for layer in self.layers:
-                hidden = layer(hidden, cu_seqlens=cu_seqlens, attention_mask=key_mask)[0]
+            for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
+                hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask)[0]
             hidden = hidden.view(num_chunks, frames, -1)[valid]
 
         # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
