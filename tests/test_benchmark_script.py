@@ -154,3 +154,32 @@ def test_profile_decoder_smoke():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flow:" in proc.stdout and "vocode:" in proc.stdout and "aten ops" in proc.stdout
+
+
+def test_plan_puts_open_targets_before_the_offline_decoder():
+    """Regression (GPU run of 2026-11-30 03:58): each decoder shape compiles for ~90 s at full size, and a time-budgeted
+    run measured the offline rows but ran out before the time to first audio and the streaming decoder."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    labels = [label for _, label, _ in benchmark.plan(benchmark.parse_args(["--no-write"]))]
+    order = ["chat compiled batch 1", "decoder compile", "time to first audio (compiled)",
+             "decoder compiled stream 10 s", "decoder compiled offline 10 s", "chat compiled batch 16"]
+    assert [labels.index(label) for label in order] == sorted(labels.index(label) for label in order)
+    assert labels.count("time to first audio (compiled)") == 1
+    decoder_only = [label for _, label, _ in benchmark.plan(benchmark.parse_args(["--no-write", "--parts", "decoder"]))]
+    assert not any(label.startswith(("time to first audio", "chat")) for label in decoder_only)
+
+
+def test_compile_sweep_smoke():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "compile_sweep.py"), "--tiny", "--device", "cpu", "--steps", "4",
+         '{"backend": "eager", "fullgraph": true}', '{"backend": "no-such-backend"}'],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]
+    assert "ms/step" in lines[0] and "failed" in lines[1]
+    assert proc.returncode == 1  # a failed configuration is reported, the others still measured
