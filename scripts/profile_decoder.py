@@ -1,10 +1,11 @@
-"""Profile one steady streaming chunk of the CosyVoice3 decoder (full size, random weights; `--tiny` for a smoke run).
+"""Profile one steady streaming chunk of the CosyVoice3 decoder (full size, random weights; `--tiny` for a smoke run),
+or with `--offline SECONDS` one offline call on that many seconds of tokens.
 
     python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--compile-vocoder]
-                                      [--stream-options '{...}']
+                                      [--stream-options '{...}'] [--offline 10]
 
-Prints where a chunk's time goes: the flow call vs the vocoder (wall time, synchronised), the number of kernel and
-graph launches, and the kernels that take the most GPU time. `scripts/benchmark.py` gives the numbers to report.
+Prints where the time goes: the flow vs the vocoder (wall time, synchronised), the number of kernel and graph
+launches, and the kernels that take the most GPU time. `scripts/benchmark.py` gives the numbers to report.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hop", type=int, default=15)
     parser.add_argument("--warm-chunks", type=int, default=20, help="chunks before the profiled one (fill windows)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--offline", type=float, default=None, help="profile an offline call on SECONDS of tokens")
     args = parser.parse_args(argv)
 
     bench_args = benchmark.parse_args(
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         decoder.compile_estimator(**json.loads(args.compile))
     if args.compile_vocoder:
         decoder.compile_vocoder(**({} if args.device.startswith("cuda") else {"backend": "eager"}))
+    if args.offline is not None:
+        profile_offline(decoder, args)
+        return
     options = json.loads(args.stream_options) if args.stream_options else {}
     stream = decoder.streaming_decoder(
         speaker_embedding=benchmark.speaker_embedding(args.device), token_hop_len=args.hop, **options
@@ -78,17 +83,41 @@ def main(argv: list[str] | None = None) -> None:
         if values:
             print(f"{name}: {1e3 * sum(values) / len(values):.2f} ms per chunk (mean of {len(values)} steady chunks)")
 
+    print_profile(lambda: stream.push(tokens[pushed : pushed + args.hop]), "one chunk", args)
+
+
+def profile_offline(decoder, args: argparse.Namespace) -> None:
+    """Wall time of `tokens_to_mel` and `mel_to_wav` on `args.offline` seconds of tokens, then a profile of one call."""
+    tokens = benchmark.random_speech_tokens(args.offline, seed=int(args.offline)).to(args.device)
+    speaker = benchmark.speaker_embedding(args.device)
+    seconds = {"flow (tokens_to_mel)": [], "vocode (mel_to_wav)": []}
+    with torch.no_grad():
+        for _ in range(4):  # the first call compiles / autotunes: not counted
+            start = time.perf_counter()
+            mel = decoder.tokens_to_mel(tokens, speaker)
+            benchmark.synchronize(args.device)
+            middle = time.perf_counter()
+            decoder.mel_to_wav(mel)
+            benchmark.synchronize(args.device)
+            seconds["flow (tokens_to_mel)"].append(middle - start)
+            seconds["vocode (mel_to_wav)"].append(time.perf_counter() - middle)
+    for name, values in seconds.items():
+        print(f"{name}: {1e3 * sum(values[1:]) / len(values[1:]):.2f} ms (mean of {len(values) - 1} warm calls)")
+    print_profile(lambda: decoder(tokens, speaker_embedding=speaker), f"one offline call ({args.offline:g} s)", args)
+
+
+def print_profile(fn, label: str, args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         with torch.no_grad():
-            stream.push(tokens[pushed : pushed + args.hop])
+            fn()
         benchmark.synchronize(args.device)
     events = prof.key_averages()
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
     launches = {e.key: e.count for e in events if e.key in launch_names}
-    print(f"one chunk: {sum(e.count for e in events if e.key.startswith('aten::'))} aten ops, launches {launches}")
+    print(f"{label}: {sum(e.count for e in events if e.key.startswith('aten::'))} aten ops, launches {launches}")
     sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     print(events.table(sort_by=sort_by, row_limit=args.top, max_name_column_width=70))
 

@@ -156,6 +156,17 @@ def test_profile_decoder_smoke():
     assert "flow:" in proc.stdout and "vocode:" in proc.stdout and "aten ops" in proc.stdout
 
 
+def test_profile_decoder_offline_smoke():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "profile_decoder.py"), "--tiny", "--device", "cpu", "--offline", "1",
+         "--top", "3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flow (tokens_to_mel):" in proc.stdout and "vocode (mel_to_wav):" in proc.stdout
+    assert "one offline call (1 s):" in proc.stdout
+
+
 def test_plan_puts_open_targets_before_the_offline_decoder():
     """Regression (GPU run of 2026-11-30 03:58): each decoder shape compiles for ~90 s at full size, and a time-budgeted
     run measured the offline rows but ran out before the time to first audio and the streaming decoder."""
