@@ -1,6 +1,7 @@
 """Compare `generate_speech(compile=...)` configurations on one model build: ms per LLM step for each.
 
-    python scripts/compile_sweep.py '{"fullgraph": true, "dynamic": false, "mode": "max-autotune"}' \
+    python scripts/compile_sweep.py default \
+        '{"fullgraph": true, "dynamic": false, "mode": "max-autotune"}' \
         '{"fullgraph": true, "dynamic": false, "options": {"triton.cudagraphs": true, "coordinate_descent_tuning": true}}'
 
 Each argument is one `compile=` value as JSON, or `default` (what `scripts/benchmark.py` passes: `compile=True` on

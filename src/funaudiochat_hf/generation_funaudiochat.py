@@ -933,7 +933,8 @@ class FunAudioChatSpeechGenerationMixin:
                 compile than "step", the whole step as one graph), `compile_prefill` (False, default | True | dict
                 of torch.compile options: the prompt's LLM + CRQ forward compiled with dynamic shapes, one graph for
                 every prompt length and no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound
-                by them, at the price of one more compile on the first call), `compile_attention` ("auto",
+                by them, at the price of one more compile on the first call, more than ~5 min for the full-size
+                model on an H200, see BENCHMARKS.md), `compile_attention` ("auto",
                 default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
                 "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
                 the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`

@@ -47,7 +47,8 @@ class CosyVoice3TimestepEmbedding(nn.Module):
 
 
 # Largest unfolded conv input (elements) built for the matmul path: 128 MB in float32, about 10 s of CFG-batched
-# frames; longer inputs use cuDNN, whose algorithms are fine at those lengths.
+# frames; longer inputs use cuDNN, whose algorithms are fine at those lengths. The choice is a shape guard in a
+# compiled estimator: the first input past it compiles once more (~90 s at full size on an H200, BENCHMARKS.md).
 MAX_UNFOLD_ELEMENTS = 2**25
 
 
@@ -830,7 +831,10 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
 
         whole_solver=True compiles the whole Euler loop (`flow.decoder.solve`: 10 steps x CFG batch) as one graph
         instead, which with `mode="reduce-overhead"` replays as one CUDA graph per input length. `compile_kwargs`
-        go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary).
+        go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary). On CUDA, inputs on either
+        side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs. Offline calls of a few seconds are bound by
+        kernel launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first
+        call), which halved a 10 s call on an H200 (BENCHMARKS.md).
         """
         compile_kwargs.setdefault("dynamic", True)
         self._flow_compile_kwargs = dict(compile_kwargs)
