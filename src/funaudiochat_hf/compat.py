@@ -3,7 +3,7 @@
 import inspect
 
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Model
 
 
 # transformers 5.24 renamed the `past_key_values` forward argument to `cache` (the old name is deprecated until
@@ -17,3 +17,12 @@ OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fi
 def cache_kwargs(cache) -> dict:
     """`{"cache": cache}` on transformers >= 5.24, `{"past_key_values": cache}` before."""
     return {CACHE_KWARG: cache}
+
+
+def attention_passes_kwargs_to_cache() -> bool:
+    """Whether the installed `Qwen3Attention` hands its kwargs on to `Cache.update(..., kwargs=kwargs)` (5.24 does,
+    5.17 does not). The KV layer classes ignore them today; code that mirrors the attention does what it does."""
+    try:
+        return "kwargs=kwargs" in inspect.getsource(Qwen3Attention.forward)
+    except (OSError, TypeError):
+        return False

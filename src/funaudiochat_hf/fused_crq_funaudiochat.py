@@ -4,38 +4,25 @@ default for a compiled loop).
 At batch 1 a CRQ sub-step is latency-bound: each of its Qwen3 layers runs 7 small GEMMs (q, k, v, o, gate, up, down)
 of a few microseconds each on a GPU, far above the time their weights take to read. Concatenating the q/k/v weights
 into one `(q + 2 * kv, hidden)` matrix and the gate/up weights into one `(2 * intermediate, hidden)` matrix makes it
-4 GEMMs per layer. Everything else is transformers' own: `fused_crq_forward` mirrors `Qwen3Model.forward` and
-`Qwen3DecoderLayer.forward` line by line, calling the model's own norms, rotary embedding, mask builder, cache
-object, attention function (`config._attn_implementation`), `o_proj` and `down_proj`, so positions, masks and the
-cache layout are exactly those of `crq_transformer(...)`. Results equal it up to float rounding of the GEMMs (a
-concatenated GEMM may pick another kernel / reduction order than three separate ones).
+4 GEMMs per layer. Everything else is transformers' own: `fused_crq_forward` runs `decoder_stack_forward`, which
+mirrors `Qwen3Model.forward` and `Qwen3DecoderLayer.forward` line by line, calling the model's own norms, rotary
+embedding, mask builder, cache object, attention function (`config._attn_implementation`), `o_proj` and
+`down_proj`, so positions, masks and the cache layout are exactly those of `crq_transformer(...)`. Results equal it
+up to float rounding of the GEMMs (a concatenated GEMM may pick another kernel / reduction order than three separate
+ones).
 
 Cost: one extra copy of the CRQ's q/k/v and gate/up weights (about 0.6 GB in bfloat16 for the full-size 28-layer,
 1024-wide CRQ), built on first use and kept while the model lives.
 """
 
-import inspect
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, apply_rotary_pos_emb, eager_attention_forward
 
-
-def _attention_passes_kwargs_to_cache() -> bool:
-    # Newer transformers (5.24) hand the attention kwargs on to `Cache.update(..., kwargs=kwargs)`, older ones (5.17)
-    # do not. The KV layer classes ignore them today; we do what the installed Qwen3Attention does regardless.
-    try:
-        return "kwargs=kwargs" in inspect.getsource(Qwen3Attention.forward)
-    except (OSError, TypeError):
-        return False
-
-
-_CACHE_UPDATE_GETS_KWARGS = _attention_passes_kwargs_to_cache()
+from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 
 
 @dataclass
@@ -170,69 +157,6 @@ def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
     return fused
 
 
-def _fused_decoder_layer(
-    layer: nn.Module,
-    fused: FusedLayerProjections,
-    hidden_states: torch.Tensor,
-    attention_mask,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    position_ids: torch.Tensor | None,
-    cache,
-) -> torch.Tensor:
-    """`Qwen3DecoderLayer.forward` (with `Qwen3Attention.forward` and `Qwen3MLP.forward` inlined) on fused GEMMs.
-
-    Args:
-        hidden_states: `(batch, n, hidden)`.
-        position_embeddings: `(cos, sin)`, each `(batch, n, head_dim)`.
-    Returns:
-        `(batch, n, hidden)`.
-    """
-    attention = layer.self_attn
-    residual = hidden_states
-    hidden_states = layer.input_layernorm(hidden_states)
-
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, attention.head_dim)
-    qkv = nn.functional.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)
-    query, key, value = qkv.split(fused.qkv_split, dim=-1)
-    query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)  # (batch, heads, n, head_dim)
-    key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)  # (batch, kv_heads, n, head_dim)
-    value_states = value.view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-    # What the decoder layer hands the attention as **kwargs (besides the named arguments).
-    kwargs = {"position_ids": position_ids, "use_cache": True}
-    if cache is not None:
-        update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
-        key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
-
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attention.config._attn_implementation, eager_attention_forward
-    )
-    attn_output, _ = attention_interface(
-        attention,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not attention.training else attention.attention_dropout,
-        scaling=attention.scaling,
-        sliding_window=attention.sliding_window,
-        **kwargs,
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    hidden_states = residual + attention.o_proj(attn_output)
-
-    residual = hidden_states
-    hidden_states = layer.post_attention_layernorm(hidden_states)
-    gate_up = nn.functional.linear(hidden_states, fused.gate_up_weight, fused.gate_up_bias)
-    gate, up = gate_up.split(fused.intermediate_size, dim=-1)
-    mlp = layer.mlp
-    return residual + mlp.down_proj(mlp.act_fn(gate) * up)
-
-
 def fused_crq_forward(
     crq: nn.Module,
     fused: FusedCRQProjections,
@@ -240,6 +164,7 @@ def fused_crq_forward(
     attention_mask: torch.Tensor | dict | None,
     position_ids: torch.Tensor,
     cache=None,
+    halves: DecoderLayerHalves = EAGER_HALVES,
 ) -> torch.Tensor:
     """`crq(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`, with
     the q/k/v and gate/up GEMMs of every layer fused (`fused` from [`fused_crq_projections`]`(crq)`).
@@ -251,32 +176,9 @@ def fused_crq_forward(
             prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.
         position_ids: `(batch, n)` rotary positions.
         cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
+        halves: the layer halves to run (see `decoder_stack_funaudiochat`).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm).
     """
-    config = crq.config
-    causal_mask_mapping = attention_mask
-    if not isinstance(causal_mask_mapping, dict):
-        # Positional: the cache argument's name differs between transformers releases.
-        mask_args = (config, inputs_embeds, attention_mask, cache, position_ids)
-        causal_mask_mapping = {"full_attention": create_causal_mask(*mask_args)}
-        if crq.has_sliding_layers:
-            causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
-
-    hidden_states = inputs_embeds
-    position_embeddings = crq.rotary_emb(hidden_states, position_ids)
-    layers = crq.layers[: config.num_hidden_layers]
-    if len(fused.layers) != len(layers):
-        raise ValueError(f"`fused` has {len(fused.layers)} layers but the CRQ Transformer has {len(layers)}.")
-    for index, (layer, fused_layer) in enumerate(zip(layers, fused.layers)):
-        hidden_states = _fused_decoder_layer(
-            layer,
-            fused_layer,
-            hidden_states,
-            causal_mask_mapping[config.layer_types[index]],
-            position_embeddings,
-            position_ids,
-            cache,
-        )
-    return crq.norm(hidden_states)
+    return decoder_stack_forward(crq, fused, inputs_embeds, attention_mask, position_ids, cache, halves)

@@ -18,6 +18,7 @@ bookkeeping) as one function that `torch.compile` can capture as a single CUDA g
 streaming iterator that vocodes audio while decoding.
 """
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -31,7 +32,8 @@ from transformers.utils import ModelOutput, logging
 
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
-from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_forward, fused_crq_projections
+from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, compiled_halves, decoder_stack_forward
+from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 
 
@@ -230,19 +232,28 @@ class _DecodeWorkspace:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _run_crq(model, ws: _DecodeWorkspace, cfg: _StepConfig, sub_inputs: torch.Tensor, positions: torch.Tensor) -> None:
+def _run_crq(
+    model,
+    ws: _DecodeWorkspace,
+    cfg: _StepConfig,
+    sub_inputs: torch.Tensor,
+    positions: torch.Tensor,
+    halves: DecoderLayerHalves | None = None,
+) -> None:
     """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`.
 
     The embedding of the previous speech token is added to every input sub-position (n > 1 only for sub-step 0 of the
     prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
-    the row's speech history plus the tokens already chosen in this group.
+    the row's speech history plus the tokens already chosen in this group. `halves`: run the CRQ layer by layer
+    with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward.
     """
     tower = model.audio_invert_tower
     k = ws.sub_step.view(1)
     inputs_embeds = tower.input_matching(sub_inputs + ws.prev_speech_embed[:, None])
-    if cfg.fuse_crq_projections:
-        hidden = fused_crq_forward(
-            tower.crq_transformer, ws.fused_crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache
+    if cfg.fuse_crq_projections or halves is not None:
+        fused = ws.fused_crq if cfg.fuse_crq_projections else None
+        hidden = decoder_stack_forward(
+            tower.crq_transformer, fused, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, halves or EAGER_HALVES
         )
     else:
         hidden = tower.crq_transformer(
@@ -365,27 +376,45 @@ def _decode_step(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     _finish_part(model, ws, cfg)
 
 
-def _prefill_forward(model, ws: _DecodeWorkspace, cfg: _StepConfig, input_ids, inputs_embeds, padding) -> None:
+def _prefill_forward(
+    model,
+    ws: _DecodeWorkspace,
+    cfg: _StepConfig,
+    input_ids,
+    inputs_embeds,
+    padding,
+    halves: DecoderLayerHalves | None = None,
+) -> None:
     """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
-    `K * L - (K - 1)` sub-positions, each in one pass (`compile_prefill=True` compiles this with dynamic shapes)."""
+    `K * L - (K - 1)` sub-positions, each in one pass.
+
+    `halves` (`compile_prefill=True`: the compiled layer halves of `decoder_stack_funaudiochat`) runs both stacks
+    layer by layer through them; None runs the models' own forwards.
+    """
     length = input_ids.shape[1]
     k = cfg.group_size
     language_model = model.language_model
     positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
-    hidden = language_model.model(
-        inputs_embeds=inputs_embeds,
-        attention_mask=ws.llm_mask,
-        position_ids=positions,
-        use_cache=True,
-        **cache_kwargs(ws.llm_cache),
-    ).last_hidden_state.to(ws.device)
+    if halves is None:
+        hidden = language_model.model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=ws.llm_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(ws.llm_cache),
+        ).last_hidden_state
+    else:
+        hidden = decoder_stack_forward(
+            language_model.model, None, inputs_embeds, ws.llm_mask, positions, ws.llm_cache, halves
+        )
+    hidden = hidden.to(ws.device)
     ws.llm_position.copy_(length - padding)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
     if not cfg.disable_speech:
         sub_positions = _start_group(model, ws, cfg, hidden, input_ids)
         first = length * k - (k - 1)
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
-        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions)
+        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves)
 
 
 def _prefill(
@@ -741,10 +770,16 @@ class _SpeechRun:
         return dict(defaults) if option is True else dict(option)
 
     def _pick_prefill_function(self, compile_option):
-        """`_prefill_forward`, compiled with dynamic shapes (one graph for every prompt length) when asked to."""
-        # No CUDA graphs by default: every prompt length would record its own.
+        """`_prefill_forward`, with its LLM and CRQ layers' halves compiled when asked to.
+
+        Regional compilation: the two halves of a decoder layer around its attention are compiled once, with dynamic
+        shapes, and serve every layer and prompt length (compiling the whole prompt forward as one graph took more
+        than 5 minutes at full size on an H200). No CUDA graphs by default: every prompt length would record its own.
+        """
         options = self._compile_options("compile_prefill", compile_option, {"fullgraph": True, "dynamic": True})
-        return _prefill_forward if options is None else _compiled(_prefill_forward, options)
+        if options is None:
+            return _prefill_forward
+        return functools.partial(_prefill_forward, halves=compiled_halves(options))
 
     def _pick_step_function(self, compile_option, compile_scope: str, device):
         if compile_scope not in ("step", "parts"):
@@ -931,11 +966,11 @@ class FunAudioChatSpeechGenerationMixin:
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
                 ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
                 compile than "step", the whole step as one graph), `compile_prefill` (False, default | True | dict
-                of torch.compile options: the prompt's LLM + CRQ forward compiled with dynamic shapes, one graph for
-                every prompt length and no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound
-                by them, at the price of one more compile on the first call, more than ~5 min for the full-size
-                model on an H200, see BENCHMARKS.md), `compile_attention` ("auto",
-                default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
+                of torch.compile options: the two halves of every LLM and CRQ decoder layer around its attention
+                compiled once with dynamic shapes, one graph per half and stack for every layer and prompt length,
+                no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound by them, at the price of
+                a compile on the first call; not yet measured on a GPU, see BENCHMARKS.md), `compile_attention`
+                ("auto", default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
                 "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
                 the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`
                 (None, default: True when compiled and the CRQ projections are plain linears, else False; True:

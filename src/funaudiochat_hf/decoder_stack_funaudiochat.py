@@ -1,0 +1,192 @@
+"""A transformers Qwen3 decoder stack run layer by layer, each layer in two halves around its attention.
+
+`decoder_stack_forward(stack, ...)` returns what `stack(inputs_embeds=..., attention_mask=..., position_ids=...,
+use_cache=True, cache).last_hidden_state` returns. It mirrors `Qwen3Model.forward` and `Qwen3DecoderLayer.forward`
+line by line and calls the model's own norms, rotary embedding, mask builders, cache object, attention function
+(`config._attn_implementation`) and projections. Two things are added:
+
+- `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
+  separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step);
+- `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
+  `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
+  module. The cache update and the attention call stay between them, outside. `compiled_halves(options)` compiles
+  them once for every layer and prompt length ("regional" compilation). Compiling a whole layer would not work:
+  transformers' `Cache.update` indexes `cache.layers[layer_idx]`, which gives every layer its own graph.
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, eager_attention_forward
+
+from .compat import attention_passes_kwargs_to_cache
+
+
+_CACHE_UPDATE_GETS_KWARGS = attention_passes_kwargs_to_cache()
+
+
+def attention_inputs(
+    layer: nn.Module, projections, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First half of `Qwen3DecoderLayer.forward`: the attention's rotated query, key and value.
+
+    Args:
+        layer: a `Qwen3DecoderLayer`.
+        projections: its `FusedLayerProjections`, or None for the layer's own q/k/v projections.
+        hidden_states: `(batch, n, hidden)`, the layer's input (also its first residual).
+        cos, sin: rotary tables, each `(batch, n, head_dim)`.
+    Returns:
+        query `(batch, heads, n, head_dim)`, key and value `(batch, kv_heads, n, head_dim)`.
+    """
+    attention = layer.self_attn
+    hidden_states = layer.input_layernorm(hidden_states)
+    hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+    if projections is None:
+        query = attention.q_proj(hidden_states)
+        key = attention.k_proj(hidden_states)
+        value = attention.v_proj(hidden_states)
+    else:
+        qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
+        query, key, value = qkv.split(projections.qkv_split, dim=-1)
+    query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
+    key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
+    value_states = value.view(hidden_shape).transpose(1, 2)
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    return query_states, key_states, value_states
+
+
+def attention_output_and_mlp(
+    layer: nn.Module, projections, attn_output: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """Second half of `Qwen3DecoderLayer.forward`: `(batch, n, heads * head_dim)` attention output and the layer's
+    `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output."""
+    hidden_states = residual + layer.self_attn.o_proj(attn_output)
+    residual = hidden_states
+    hidden_states = layer.post_attention_layernorm(hidden_states)
+    mlp = layer.mlp
+    if projections is None:
+        return residual + mlp(hidden_states)
+    gate_up = nn.functional.linear(hidden_states, projections.gate_up_weight, projections.gate_up_bias)
+    gate, up = gate_up.split(projections.intermediate_size, dim=-1)
+    return residual + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+class DecoderLayerHalves(NamedTuple):
+    """The two halves of a decoder layer (eager functions, or their compiled versions)."""
+
+    attention_inputs: object
+    attention_output_and_mlp: object
+
+
+EAGER_HALVES = DecoderLayerHalves(attention_inputs, attention_output_and_mlp)
+_COMPILED_HALVES: dict = {}
+
+
+def compiled_halves(options: dict) -> DecoderLayerHalves:
+    """Both halves under `torch.compile(**options)`, built once per set of options.
+
+    With dynamo's default `inline_inbuilt_nn_modules`, a layer's parameters are graph inputs, so one graph of each
+    half serves every layer of the same shape (the LLM's, the CRQ's) and, with `dynamic=True`, every prompt length.
+    """
+    key = tuple(sorted((name, repr(value)) for name, value in options.items()))
+    if key not in _COMPILED_HALVES:
+        _COMPILED_HALVES[key] = DecoderLayerHalves(
+            torch.compile(attention_inputs, **options), torch.compile(attention_output_and_mlp, **options)
+        )
+    return _COMPILED_HALVES[key]
+
+
+def _decoder_layer(
+    layer: nn.Module,
+    projections,
+    hidden_states: torch.Tensor,
+    attention_mask,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_ids: torch.Tensor | None,
+    cache,
+    halves: DecoderLayerHalves,
+) -> torch.Tensor:
+    """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`."""
+    attention = layer.self_attn
+    cos, sin = position_embeddings
+    query_states, key_states, value_states = halves.attention_inputs(layer, projections, hidden_states, cos, sin)
+    # What the decoder layer hands the attention as **kwargs (besides the named arguments).
+    kwargs = {"position_ids": position_ids, "use_cache": True}
+    if cache is not None:
+        update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
+        key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, _ = attention_interface(
+        attention,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not attention.training else attention.attention_dropout,
+        scaling=attention.scaling,
+        sliding_window=attention.sliding_window,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states)
+
+
+def decoder_stack_forward(
+    stack: nn.Module,
+    projections,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    position_ids: torch.Tensor,
+    cache=None,
+    halves: DecoderLayerHalves = EAGER_HALVES,
+) -> torch.Tensor:
+    """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
+
+    Args:
+        stack: a transformers `Qwen3Model` (the LLM's `language_model.model`, the CRQ's `crq_transformer`).
+        projections: `FusedCRQProjections` of `stack` (concatenated q/k/v and gate/up weights), or None.
+        inputs_embeds: `(batch, n, hidden)`.
+        attention_mask: `(batch, kv_len)` 2-D padding mask (True / 1 = attend) as `Qwen3Model` takes it, or a
+            prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.
+        position_ids: `(batch, n)` rotary positions.
+        cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
+        halves: the layer halves to run ([`EAGER_HALVES`] or [`compiled_halves`]).
+
+    Returns:
+        `(batch, n, hidden)` final hidden states (after the final norm).
+    """
+    config = stack.config
+    causal_mask_mapping = attention_mask
+    if not isinstance(causal_mask_mapping, dict):
+        # Positional: the cache argument's name differs between transformers releases.
+        mask_args = (config, inputs_embeds, attention_mask, cache, position_ids)
+        causal_mask_mapping = {"full_attention": create_causal_mask(*mask_args)}
+        if stack.has_sliding_layers:
+            causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
+
+    hidden_states = inputs_embeds
+    position_embeddings = stack.rotary_emb(hidden_states, position_ids)
+    layers = stack.layers[: config.num_hidden_layers]
+    if projections is not None and len(projections.layers) != len(layers):
+        raise ValueError(f"`projections` has {len(projections.layers)} layers but the stack has {len(layers)}.")
+    for index, layer in enumerate(layers):
+        hidden_states = _decoder_layer(
+            layer,
+            None if projections is None else projections.layers[index],
+            hidden_states,
+            causal_mask_mapping[config.layer_types[index]],
+            position_embeddings,
+            position_ids,
+            cache,
+            halves,
+        )
+    return stack.norm(hidden_states)
+
+
+__all__ = ["DecoderLayerHalves", "EAGER_HALVES", "compiled_halves", "decoder_stack_forward"]
