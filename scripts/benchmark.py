@@ -1293,7 +1293,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile-prefill", action="store_true",
-        help="generate_speech(compile_prefill=True) in compiled mode (the prompt's forward, dynamic shapes)",
+        help="generate_speech(compile_prefill=True) in compiled mode (the prompt's LLM / CRQ layer halves)",
     )
     p.add_argument(
         "--compile-attention", default="auto",
