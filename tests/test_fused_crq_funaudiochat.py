@@ -15,12 +15,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.compat import cache_kwargs
-from funaudiochat_hf.fused_crq_funaudiochat import (
-    _FUSED,
-    can_fuse_crq_projections,
-    fused_crq_forward,
-    fused_crq_projections,
-)
+from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
+from funaudiochat_hf.fused_crq_funaudiochat import _FUSED, can_fuse_crq_projections, fused_crq_projections
 from funaudiochat_hf.generation_funaudiochat import _WORKSPACES, _resolve_options
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
@@ -61,7 +57,7 @@ def _assert_fused_matches(crq: nn.Module, cache_kind: str, batch: int = 2, prefi
                 use_cache=True,
                 **cache_kwargs(reference_cache),
             ).last_hidden_state
-            ours = fused_crq_forward(crq, fused, embeds, step_mask, positions, fused_cache)
+            ours = decoder_stack_forward(crq, fused, embeds, step_mask, positions, fused_cache)
         assert ours.shape == reference.shape == (batch, embeds.shape[1], hidden)
         torch.testing.assert_close(ours, reference, atol=ATOL, rtol=RTOL)
 
@@ -121,7 +117,7 @@ def test_fused_forward_without_cache_matches():
     positions = torch.arange(7)[None]
     with torch.no_grad():
         reference = crq(inputs_embeds=embeds, position_ids=positions, use_cache=False).last_hidden_state
-        ours = fused_crq_forward(crq, fused_crq_projections(crq), embeds, None, positions, None)
+        ours = decoder_stack_forward(crq, fused_crq_projections(crq), embeds, None, positions, None)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=RTOL)
 
 

@@ -4,12 +4,12 @@ default for a compiled loop).
 At batch 1 a CRQ sub-step is latency-bound: each of its Qwen3 layers runs 7 small GEMMs (q, k, v, o, gate, up, down)
 of a few microseconds each on a GPU, far above the time their weights take to read. Concatenating the q/k/v weights
 into one `(q + 2 * kv, hidden)` matrix and the gate/up weights into one `(2 * intermediate, hidden)` matrix makes it
-4 GEMMs per layer. Everything else is transformers' own: `fused_crq_forward` runs `decoder_stack_forward`, which
-mirrors `Qwen3Model.forward` and `Qwen3DecoderLayer.forward` line by line, calling the model's own norms, rotary
-embedding, mask builder, cache object, attention function (`config._attn_implementation`), `o_proj` and
-`down_proj`, so positions, masks and the cache layout are exactly those of `crq_transformer(...)`. Results equal it
-up to float rounding of the GEMMs (a concatenated GEMM may pick another kernel / reduction order than three separate
-ones).
+4 GEMMs per layer. `decoder_stack_forward(crq, fused_crq_projections(crq), ...)` (`decoder_stack_funaudiochat`)
+runs them; everything else is transformers' own: it mirrors `Qwen3Model.forward` and `Qwen3DecoderLayer.forward`
+line by line, calling the model's own norms, rotary embedding, mask builder, cache object, attention function
+(`config._attn_implementation`), `o_proj` and `down_proj`, so positions, masks and the cache layout are exactly
+those of `crq_transformer(...)`. Results equal it up to float rounding of the GEMMs (a concatenated GEMM may pick
+another kernel / reduction order than three separate ones).
 
 Cost: one extra copy of the CRQ's q/k/v and gate/up weights (about 0.6 GB in bfloat16 for the full-size 28-layer,
 1024-wide CRQ), built on first use and kept while the model lives.
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 
 
 @dataclass
@@ -141,7 +140,7 @@ def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
 
     The cached copies are rebuilt when the source weights changed since (in place or re-allocated, see
     [`FusedCRQProjections`]). Call this outside `torch.compile`d code (it reads `Tensor._version`) and hand the
-    result to [`fused_crq_forward`].
+    result to `decoder_stack_forward`.
 
     Raises:
         ValueError: when a projection is not a plain loaded `nn.Linear` (LoRA wrapper, quantized layer, meta weight).
@@ -156,29 +155,3 @@ def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
             _FUSED[crq] = fused
     return fused
 
-
-def fused_crq_forward(
-    crq: nn.Module,
-    fused: FusedCRQProjections,
-    inputs_embeds: torch.Tensor,
-    attention_mask: torch.Tensor | dict | None,
-    position_ids: torch.Tensor,
-    cache=None,
-    halves: DecoderLayerHalves = EAGER_HALVES,
-) -> torch.Tensor:
-    """`crq(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`, with
-    the q/k/v and gate/up GEMMs of every layer fused (`fused` from [`fused_crq_projections`]`(crq)`).
-
-    Args:
-        crq: the CRQ's transformers `Qwen3Model` (`audio_invert_tower.crq_transformer`).
-        inputs_embeds: `(batch, n, hidden)`.
-        attention_mask: `(batch, kv_len)` 2-D padding mask (True / 1 = attend) as `Qwen3Model` takes it, or a
-            prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.
-        position_ids: `(batch, n)` rotary positions.
-        cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
-        halves: the layer halves to run (see `decoder_stack_funaudiochat`).
-
-    Returns:
-        `(batch, n, hidden)` final hidden states (after the final norm).
-    """
-    return decoder_stack_forward(crq, fused, inputs_embeds, attention_mask, position_ids, cache, halves)

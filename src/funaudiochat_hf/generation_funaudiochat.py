@@ -232,6 +232,23 @@ class _DecodeWorkspace:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
+    """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
+    `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections` and / or
+    layer `halves` (the compiled prefill)."""
+    if projections is None and halves is None:
+        return stack(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(cache),
+        ).last_hidden_state
+    return decoder_stack_forward(
+        stack, projections, inputs_embeds, attention_mask, positions, cache, halves or EAGER_HALVES
+    )
+
+
 def _run_crq(
     model,
     ws: _DecodeWorkspace,
@@ -250,19 +267,8 @@ def _run_crq(
     tower = model.audio_invert_tower
     k = ws.sub_step.view(1)
     inputs_embeds = tower.input_matching(sub_inputs + ws.prev_speech_embed[:, None])
-    if cfg.fuse_crq_projections or halves is not None:
-        fused = ws.fused_crq if cfg.fuse_crq_projections else None
-        hidden = decoder_stack_forward(
-            tower.crq_transformer, fused, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, halves or EAGER_HALVES
-        )
-    else:
-        hidden = tower.crq_transformer(
-            inputs_embeds=inputs_embeds,
-            attention_mask=ws.crq_mask,
-            position_ids=positions,
-            use_cache=True,
-            **cache_kwargs(ws.crq_cache),
-        ).last_hidden_state
+    fused = ws.fused_crq if cfg.fuse_crq_projections else None
+    hidden = _stack_forward(tower.crq_transformer, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves)
     logits = tower.lm_head(tower.output_matching(hidden[:, -1])).float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
@@ -300,13 +306,8 @@ def _start_group(model, ws: _DecodeWorkspace, cfg: _StepConfig, hidden: torch.Te
 def _llm_part(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     """LLM forward of the fed embeddings -> text logits and the speech-head inputs of the new position."""
     language_model = model.language_model
-    hidden = language_model.model(
-        inputs_embeds=ws.next_embeds,
-        attention_mask=ws.llm_mask,
-        position_ids=ws.llm_position[:, None],
-        use_cache=True,
-        **cache_kwargs(ws.llm_cache),
-    ).last_hidden_state.to(ws.device)
+    positions = ws.llm_position[:, None]
+    hidden = _stack_forward(language_model.model, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache).to(ws.device)
     ws.llm_position.add_(1)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
     if not cfg.disable_speech:
@@ -395,18 +396,7 @@ def _prefill_forward(
     k = cfg.group_size
     language_model = model.language_model
     positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
-    if halves is None:
-        hidden = language_model.model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=ws.llm_mask,
-            position_ids=positions,
-            use_cache=True,
-            **cache_kwargs(ws.llm_cache),
-        ).last_hidden_state
-    else:
-        hidden = decoder_stack_forward(
-            language_model.model, None, inputs_embeds, ws.llm_mask, positions, ws.llm_cache, halves
-        )
+    hidden = _stack_forward(language_model.model, inputs_embeds, ws.llm_mask, positions, ws.llm_cache, halves=halves)
     hidden = hidden.to(ws.device)
     ws.llm_position.copy_(length - padding)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
