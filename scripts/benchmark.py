@@ -158,7 +158,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}"
-            + (", compile_prefill=True" if args.compile_prefill else "")
+            + ("; time to first audio also with compile_prefill=True" if args.compile_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
         + (" + compile_vocoder()" if args.compile_vocoder else ""),
@@ -526,7 +526,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile": compile_argument(mode, args),
         "compile_scope": args.compile_scope,
         "compile_attention": args.compile_attention,
-        "compile_prefill": mode == "compiled" and args.compile_prefill,
+        "compile_prefill": False,  # the time to first audio is also measured with it on (--compile-prefill)
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "cache_implementation": "static",
         "return_audio": False,
@@ -640,13 +640,17 @@ def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_m
     return row
 
 
-def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
-    """Time to the first non-empty audio chunk of `generate_speech_stream` (batch 1, full decoder, hop 15)."""
+def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, compile_prefill: bool = False) -> dict:
+    """Time to the first non-empty audio chunk of `generate_speech_stream` (batch 1, full decoder, hop 15), with
+    `generate_speech(compile_prefill=...)` in compiled mode."""
     device = args.device
     inputs = make_chat_inputs(model, 1, args.input_seconds, device)
     notes: list[str] = []
     prompt_len = inputs["input_ids"].shape[1]
-    kwargs = generation_kwargs(model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args))
+    kwargs = generation_kwargs(
+        model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args),
+        compile_prefill=compile_prefill and mode == "compiled",
+    )
     kwargs.pop("return_audio")
     kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
     if args.stream_options:
@@ -683,6 +687,7 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace) -> dict:
     return {
         "mode": mode,
         "input_seconds": args.input_seconds,
+        "compile_prefill": kwargs["compile_prefill"],
         "ttfa_ms": best * 1e3,
         "first_call_ttfa_ms": cold["seconds"] * 1e3,
         "events_before_audio": warm[0]["events"],
@@ -1106,11 +1111,12 @@ def render_extras(data: dict) -> str:
             )
     stream_options = data.get("meta", {}).get("stream_options", "streaming_decoder() defaults")
     for r in data.get("ttfa", []):
+        mode = r["mode"] + (", compile_prefill=True" if r.get("compile_prefill") else "")
         if row_status(r):
-            lines.append(f"- Time to first audio ({r['mode']}): {r['status']}")
+            lines.append(f"- Time to first audio ({mode}): {r['status']}")
         else:
             lines.append(
-                f"- Time to first audio chunk ({r['mode']}, {r['input_seconds']:g} s question, full decoder, hop 15, "
+                f"- Time to first audio chunk ({mode}, {r['input_seconds']:g} s question, full decoder, hop 15, "
                 f"stream options {stream_options}): "
                 f"**{r['ttfa_ms']:.0f} ms** warm (first call {r['first_call_ttfa_ms']:.0f} ms), after "
                 f"{r['events_before_audio']} stream events"
@@ -1293,7 +1299,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile-prefill", action="store_true",
-        help="generate_speech(compile_prefill=True) in compiled mode (the prompt's LLM / CRQ layer halves)",
+        help="also measure the time to first audio with generate_speech(compile_prefill=True), side by side",
     )
     p.add_argument(
         "--compile-attention", default="auto",
@@ -1376,6 +1382,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
                 items.append(("decoder_compile", "decoder compile", {"mode": mode}))
             if "chat" in parts and not any(kind == "ttfa" for kind, _, _ in items):  # the decoder as first set up
                 items.append(("ttfa", f"time to first audio ({best})", {"mode": best}))
+                if args.compile_prefill and best == "compiled":  # side by side: the same graphs apart from the prefill
+                    label = f"time to first audio ({best}, compile_prefill)"
+                    items.append(("ttfa", label, {"mode": best, "compile_prefill": True}))
             for s in seconds:
                 for test in tests:
                     label = f"decoder {mode} {test} {s:g} s"
@@ -1521,9 +1530,11 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
             results.add("crq_share", {"mode": mode, "batch": p["batch"], **row})
         elif kind == "ttfa":
             mode = usable_mode(mode, full_step_ms)
-            label = f"time to first audio ({mode})"
-            row = measure(label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args))
-            results.add("ttfa", {"mode": mode, "input_seconds": args.input_seconds, **row})  # both models count
+            prefill = p.get("compile_prefill", False) and mode == "compiled"
+            label = f"time to first audio ({mode}{', compile_prefill' if prefill else ''})"
+            row = measure(label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args, prefill))
+            row = {"mode": mode, "input_seconds": args.input_seconds, "compile_prefill": prefill, **row}
+            results.add("ttfa", row)  # both models count
         elif kind == "repeat":
             mode = usable_mode(mode, full_step_ms)
             label = f"{args.repeat_calls} consecutive calls ({mode})"

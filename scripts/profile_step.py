@@ -39,7 +39,6 @@ def main() -> None:
     bench_args = benchmark.parse_args(
         ["--no-write", "--compile-scope", args.compile_scope]
         + (["--compile-config", args.compile_config] if args.compile_config else [])
-        + (["--compile-prefill"] if args.compile_prefill else [])
     )
     model, info = benchmark.build_chat_model(bench_args)
     print(f"built {info['parameters'] / 1e9:.2f} G parameters in {info['build_s']} s", flush=True)
@@ -47,7 +46,8 @@ def main() -> None:
     prompt_len = inputs["input_ids"].shape[1]
     steps = 1 if args.prefill else args.steps
     kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, steps,
-                                         cache_max_length=benchmark.cache_length(prompt_len, bench_args))
+                                         cache_max_length=benchmark.cache_length(prompt_len, bench_args),
+                                         compile_prefill=args.compile_prefill)
     for attempt in range(3):  # compile, capture, warm
         start = time.perf_counter()
         with torch.no_grad():

@@ -194,3 +194,21 @@ def test_compile_sweep_smoke():
     assert len(lines) == 2, proc.stdout + proc.stderr[-3000:]
     assert "ms/step" in lines[0] and "failed" in lines[1]
     assert proc.returncode == 1  # a failed configuration is reported, the others still measured
+
+
+def test_compile_prefill_adds_a_side_by_side_time_to_first_audio_row():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = benchmark.parse_args(["--no-write", "--compile-prefill"])
+    labels = [label for _, label, _ in benchmark.plan(args)]
+    ttfa = [label for label in labels if label.startswith("time to first audio")]
+    assert ttfa == ["time to first audio (compiled)", "time to first audio (compiled, compile_prefill)"]
+    assert labels.index(ttfa[1]) == labels.index(ttfa[0]) + 1
+    # Only that row compiles the prefill: the step rows keep the default.
+    from funaudiochat_hf import FunAudioChatConfig
+
+    model = type("Model", (), {"config": FunAudioChatConfig()})()
+    assert benchmark.generation_kwargs(model, "compiled", args, 4)["compile_prefill"] is False
