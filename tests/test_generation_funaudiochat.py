@@ -526,6 +526,20 @@ def test_compiled_prefill_graphs_serve_every_layer_and_prompt_length(model, inpu
         model.generate_speech(**prompts[1], **kwargs, compile_prefill="yes")
 
 
+def test_compiled_prefill_with_the_compiled_loop_and_fused_crq_projections(model, inputs):
+    """The GPU combination: `compile=True` (fused CRQ projections in the step) with `compile_prefill=True`, whose
+    CRQ prefill then runs the compiled halves on the fused weights; same tokens as eager, logits within rounding."""
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=8, output_logits=True)
+    eager = model.generate_speech(**inputs, **kwargs)
+    compiled = model.generate_speech(
+        **inputs, **kwargs, compile={"backend": "aot_eager", "fullgraph": True}, fuse_crq_projections=True,
+        compile_prefill={"backend": "aot_eager", "fullgraph": True, "dynamic": True},
+    )
+    assert torch.equal(compiled.sequences, eager.sequences) and torch.equal(compiled.speech_ids, eager.speech_ids)
+    torch.testing.assert_close(compiled.text_logits, eager.text_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-4, rtol=1e-4)
+
+
 def test_compile_switches_fall_back_to_eager_with_a_dynamic_cache(model, inputs):
     """`compile` / `compile_prefill` need the static caches: with `cache_implementation="dynamic"` the loop runs
     eagerly and says so (same tokens), instead of failing inside torch.compile."""
