@@ -7,7 +7,7 @@ from transformers import Qwen3Config, StaticCache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 from funaudiochat_hf.compat import cache_kwargs
-from funaudiochat_hf.decoder_stack_funaudiochat import EAGER_HALVES, compiled_halves, decoder_stack_forward
+from funaudiochat_hf.decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 
 
 def _stack(layers: int = 3, hidden: int = 32) -> Qwen3Model:
@@ -54,7 +54,8 @@ def test_compiled_halves_serve_every_layer_and_length_with_two_graphs():
         graphs.append(graph_module)
         return graph_module.forward
 
-    halves = compiled_halves({"backend": counting_backend, "fullgraph": True, "dynamic": True})
+    options = {"backend": counting_backend, "fullgraph": True, "dynamic": True}
+    halves = DecoderLayerHalves(*(torch.compile(half, **options) for half in EAGER_HALVES))
     stack = _stack(layers=4)
     for length in (7, 11, 16):
         reference, ours, _ = _reference_and_ours(stack, halves, 2, length)

@@ -9,9 +9,10 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
-  module. The cache update and the attention call stay between them, outside. `compiled_halves(options)` compiles
-  them once for every layer and prompt length ("regional" compilation). Compiling a whole layer would not work:
-  transformers' `Cache.update` indexes `cache.layers[layer_idx]`, which gives every layer its own graph.
+  module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
+  prompt length with one graph each ("regional" compilation; `generate_speech(compile_prefill=True)`). Compiling
+  a whole layer would not work: transformers' `Cache.update` indexes `cache.layers[layer_idx]`, which gives every
+  layer its own graph.
 """
 
 from typing import NamedTuple
@@ -81,22 +82,9 @@ class DecoderLayerHalves(NamedTuple):
     attention_output_and_mlp: object
 
 
+# Compiled with `torch.compile(half, dynamic=True)` each, one graph of each half serves every layer of the same shape
+# (with dynamo's default `inline_inbuilt_nn_modules`, a layer's parameters are graph inputs) and every prompt length.
 EAGER_HALVES = DecoderLayerHalves(attention_inputs, attention_output_and_mlp)
-_COMPILED_HALVES: dict = {}
-
-
-def compiled_halves(options: dict) -> DecoderLayerHalves:
-    """Both halves under `torch.compile(**options)`, built once per set of options.
-
-    With dynamo's default `inline_inbuilt_nn_modules`, a layer's parameters are graph inputs, so one graph of each
-    half serves every layer of the same shape (the LLM's, the CRQ's) and, with `dynamic=True`, every prompt length.
-    """
-    key = tuple(sorted((name, repr(value)) for name, value in options.items()))
-    if key not in _COMPILED_HALVES:
-        _COMPILED_HALVES[key] = DecoderLayerHalves(
-            torch.compile(attention_inputs, **options), torch.compile(attention_output_and_mlp, **options)
-        )
-    return _COMPILED_HALVES[key]
 
 
 def _decoder_layer(
@@ -156,7 +144,7 @@ def decoder_stack_forward(
             prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.
         position_ids: `(batch, n)` rotary positions.
         cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
-        halves: the layer halves to run ([`EAGER_HALVES`] or [`compiled_halves`]).
+        halves: the layer halves to run ([`EAGER_HALVES`], or those functions compiled).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm).
@@ -189,4 +177,4 @@ def decoder_stack_forward(
     return stack.norm(hidden_states)
 
 
-__all__ = ["DecoderLayerHalves", "EAGER_HALVES", "compiled_halves", "decoder_stack_forward"]
+__all__ = ["DecoderLayerHalves", "EAGER_HALVES", "decoder_stack_forward"]

@@ -32,7 +32,7 @@ from transformers.utils import ModelOutput, logging
 
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
-from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, compiled_halves, decoder_stack_forward
+from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 
@@ -389,7 +389,7 @@ def _prefill_forward(
     """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
     `K * L - (K - 1)` sub-positions, each in one pass.
 
-    `halves` (`compile_prefill=True`: the compiled layer halves of `decoder_stack_funaudiochat`) runs both stacks
+    `halves` (`compile_prefill=True`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
     layer by layer through them; None runs the models' own forwards.
     """
     length = input_ids.shape[1]
@@ -405,29 +405,6 @@ def _prefill_forward(
         first = length * k - (k - 1)
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
         _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves)
-
-
-def _prefill(
-    model,
-    ws: _DecodeWorkspace,
-    cfg: _StepConfig,
-    input_ids,
-    inputs_embeds,
-    padding,
-    force_token,
-    crq_part=_crq_part,
-    prefill_forward=_prefill_forward,
-) -> None:
-    """The first step: `prefill_forward`, then the K - 1 remaining CRQ sub-steps of the first group and the text token.
-
-    Those sub-steps have the shapes of a decode sub-step, so they run through `crq_part` (the compiled decode
-    sub-step when the loop is compiled: part of the time to first audio).
-    """
-    prefill_forward(model, ws, cfg, input_ids, inputs_embeds, padding)
-    if not cfg.disable_speech:
-        for _ in range(cfg.group_size - 1):
-            crq_part(model, ws, cfg)
-    _finish_part(model, ws, cfg, force_token=force_token)
 
 
 _COMPILED: dict = {}
@@ -769,7 +746,8 @@ class _SpeechRun:
         options = self._compile_options("compile_prefill", compile_option, {"fullgraph": True, "dynamic": True})
         if options is None:
             return _prefill_forward
-        return functools.partial(_prefill_forward, halves=compiled_halves(options))
+        halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
+        return functools.partial(_prefill_forward, halves=halves)
 
     def _pick_step_function(self, compile_option, compile_scope: str, device):
         if compile_scope not in ("step", "parts"):
@@ -865,11 +843,14 @@ class _SpeechRun:
             ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
         self._draw_noise(ws)
+        self.prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding)
+        if not cfg.disable_speech:
+            # The first group's other K - 1 CRQ sub-steps have a decode sub-step's shapes: they run through the
+            # compiled decode sub-step when the loop is compiled (part of the time to first audio).
+            for _ in range(cfg.group_size - 1):
+                self.prefill_crq_part(model, ws, cfg)
         force = cfg.audio_bos_index if self.options["force_text_abos"] else None
-        _prefill(
-            model, ws, cfg, self.input_ids, inputs_embeds, self.padding, force, self.prefill_crq_part,
-            self.prefill_forward,
-        )
+        _finish_part(model, ws, cfg, force_token=force)
         self.steps = 1
         return ws
 

@@ -59,11 +59,12 @@ def causal_grouped_conv1d(
 
     Up to `max_unfold_elements` unfolded input elements (batch * frames * channels * kernel_size), computed as
     unfold + one batched matmul per group instead of the convolution: for the DiT's kernel-31, 16-group conv,
-    cuDNN's float32 heuristics pick an FFT algorithm at some short lengths that takes ~49 ms per call on an H200 (136
-    frames, the window of a 50-token streaming flow call: ~1 s per chunk), and its good algorithms take ~0.42 ms at short lengths where the
-    matmul takes 0.08-0.22 ms (float32 and bfloat16). Equal to the convolution up to float rounding (a different
-    summation order). Longer inputs run the convolution itself (0.43 ms at 1500 frames), so memory stays bounded;
-    the size test is a shape guard, so `torch.compile(dynamic=True)` keeps one graph per side of the threshold.
+    cuDNN's float32 heuristics pick an FFT algorithm at some short lengths that takes ~49 ms per call on an H200
+    (136 frames, the window of a 50-token streaming flow call: ~1 s per chunk), and its good algorithms take
+    ~0.42 ms at short lengths where the matmul takes 0.08-0.22 ms (float32 and bfloat16). Equal to the convolution
+    up to float rounding (a different summation order). Longer inputs run the convolution itself (0.43 ms at 1500
+    frames), so memory stays bounded; the size test is a shape guard, so `torch.compile(dynamic=True)` keeps one
+    graph per side of the threshold.
     """
     batch, frames, channels = hidden.shape
     kernel = conv.kernel_size[0]
