@@ -379,6 +379,46 @@ def test_low_precision_estimator_weights_give_the_autocast_output_exactly(flow_f
         model.tokens_to_mel(*args)
 
 
+def test_fused_qkv_projections_match_the_reference_and_leave_checkpoints_alone(flow_full, tmp_path):
+    """fuse_qkv_projections(): one q/k/v GEMM per DiT block, the golden mel within 1e-4; the fused copies are not
+    saved (the checkpoint keeps to_q / to_k / to_v), follow use_low_precision_estimator, and unfusing restores the
+    three projections bit for bit."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    args = (flow_full["speech_token"], flow_full["embedding"])
+    unfused = model.tokens_to_mel(*args)
+    model.fuse_qkv_projections()
+    attention = model.flow.decoder.estimator.transformer_blocks[0].attn
+    assert model.qkv_projections_fused and attention.qkv_weight.shape == (3 * attention.to_q.out_features,
+                                                                          attention.to_q.in_features)
+    calls = []
+    handle = attention.to_q.register_forward_hook(lambda *_: calls.append(1))
+    fused = model.tokens_to_mel(*args)
+    handle.remove()
+    assert not calls  # the separate projections really were skipped
+    _close(fused, flow_full["mel"], atol=1e-4)
+    _close(fused, unfused, atol=1e-5)
+    torch._dynamo.reset()  # the fused block compiles without graph breaks too
+    compiled = torch.compile(model.flow.decoder.estimator, fullgraph=True, backend="aot_eager")
+    call = [flow_full[f"intermediate.estimator_call0.{name}"] for name in ("x", "mu", "t", "spks", "cond")]
+    with torch.no_grad():
+        _close(compiled(*call), flow_full["intermediate.estimator_call0.out"])
+    torch._dynamo.reset()
+    assert not any("qkv" in key for key in model.state_dict())
+    model.save_pretrained(tmp_path)
+    reloaded = CosyVoice3Token2Wav.from_pretrained(tmp_path).eval()
+    assert not reloaded.qkv_projections_fused
+    torch.testing.assert_close(reloaded.tokens_to_mel(*args), unfused, atol=0, rtol=0)
+
+    model.use_low_precision_estimator("bfloat16")
+    assert attention.qkv_weight.dtype == torch.bfloat16  # re-fused from the cast weights
+    low = model.tokens_to_mel(*args)
+    model.unfuse_qkv_projections()
+    assert not model.qkv_projections_fused
+    _close(model.tokens_to_mel(*args), low, atol=0.1)  # bf16 rounding only
+    model.compile_estimator(backend="eager")
+    assert model.qkv_projections_fused  # compile_estimator fuses by default
+
+
 # -- compile ----------------------------------------------------------------------------------------------------------
 
 
@@ -583,10 +623,11 @@ def test_streaming_chunk_cost_is_bounded_and_does_not_grow(original_model):
     assert counter.largest < table_bytes / 100
 
 
-def test_streaming_computes_the_time_conditioning_once_per_reply(original_model, flow_full):
+def test_time_conditioning_is_computed_once_per_model(flow_full):
     """The adaLN modulations depend on the fixed time grid only: `solve` with them precomputed gives the same mel bit
-    for bit, and a stream computes them at its first flow call instead of in every Euler step of every chunk."""
-    model = original_model
+    for bit; streams and offline calls reuse them across chunks and replies, and recompute them when the weights
+    (in place or re-allocated) or the precision change."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
     decoder = model.flow.decoder
     call = {name: flow_full[f"intermediate.estimator_call0.{name}"] for name in ("mu", "spks", "cond")}
     mu, spks, cond = call["mu"][:1], call["spks"][:1], call["cond"][:1]
@@ -596,20 +637,37 @@ def test_streaming_computes_the_time_conditioning_once_per_reply(original_model,
     n_steps, n_blocks, dim = model.config.n_timesteps, model.config.dit_depth, model.config.dit_dim
     assert deltas.shape == (n_steps,) and blocks.shape == (n_steps, n_blocks, 2, 6 * dim)
     assert finals.shape == (n_steps, 2, 2 * dim)
-    assert torch.equal(decoder.solve(noise, mu, spks, cond, None, *conditioning), decoder.solve(noise, mu, spks, cond))
+    with torch.no_grad():
+        assert torch.equal(decoder.solve(noise, mu, spks, cond, None, *conditioning), decoder.solve(noise, mu, spks, cond))
 
     calls = []
     decoder.time_conditioning = lambda *args: calls.append(args) or type(decoder).time_conditioning(decoder, *args)
-    try:
+    tokens = flow_full["speech_token"][0]
+
+    def stream_reply(first: int, end: int) -> list:
         stream = model.streaming_decoder(speaker="中文女", token_hop_len=10, flow_window_bucket_tokens=64)
-        pieces = [stream.push(flow_full["speech_token"][0, i : i + 5]) for i in range(0, 40, 5)]
-        assert sum(piece.numel() > 0 for piece in pieces) >= 3 and len(calls) == 1
-        model.config.estimator_autocast_dtype = "bfloat16"  # a precision change mid-reply: computed again, once
-        pieces = [stream.push(flow_full["speech_token"][0, i : i + 5]) for i in range(40, 60, 5)]
-        assert sum(piece.numel() > 0 for piece in pieces) >= 1 and len(calls) == 2
+        return [stream.push(tokens[i : i + 5]) for i in range(first, end, 5)]
+
+    try:
+        assert sum(piece.numel() > 0 for piece in stream_reply(0, 40)) >= 3 and len(calls) == 1
+        stream_reply(0, 40)  # a second reply: nothing recomputed
+        expected_mel = model.tokens_to_mel(tokens[None, :30], flow_full["embedding"])
+        assert len(calls) == 1
+        model.config.estimator_autocast_dtype = "bfloat16"  # a precision change: computed again, once
+        assert sum(piece.numel() > 0 for piece in stream_reply(0, 20)) >= 1 and len(calls) == 2
+        model.config.estimator_autocast_dtype = None
+        stream_reply(0, 20)
+        assert len(calls) == 3
+        with torch.no_grad():  # an in-place weight update (load_state_dict, an optimizer step) is seen
+            decoder.estimator.time_embed.time_mlp[0].weight.mul_(2)
+        changed_mel = model.tokens_to_mel(tokens[None, :30], flow_full["embedding"])
+        assert len(calls) == 4 and not torch.allclose(changed_mel, expected_mel)
+        with torch.no_grad():
+            decoder.estimator.time_embed.time_mlp[0].weight.div_(2)
+        torch.testing.assert_close(model.tokens_to_mel(tokens[None, :30], flow_full["embedding"]), expected_mel)
+        assert len(calls) == 5
     finally:
         del decoder.time_conditioning
-        model.config.estimator_autocast_dtype = None
 
 
 def _record_solver_shapes(model, shapes: list):

@@ -183,7 +183,12 @@ class CosyVoice3AdaLayerNormFinal(nn.Module):
 
 
 class CosyVoice3Attention(nn.Module):
-    """Multi-head self-attention with biased projections and partial (head-0) rotary positions."""
+    """Multi-head self-attention with biased projections and partial (head-0) rotary positions.
+
+    `fuse_qkv_projections()` concatenates the q/k/v weights into one (3 * inner_dim, dim) matrix (non-persistent
+    buffers: checkpoints keep `to_q` / `to_k` / `to_v`), one GEMM instead of three per block; equal up to float
+    rounding. The copies are taken at fusing time: fuse again (or unfuse) after changing the weights.
+    """
 
     def __init__(self, dim: int, heads: int, dim_head: int, dropout: float = 0.0):
         super().__init__()
@@ -194,6 +199,17 @@ class CosyVoice3Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner_dim)
         self.to_v = nn.Linear(dim, inner_dim)
         self.to_out = nn.ModuleList([nn.Linear(inner_dim, dim), nn.Dropout(dropout)])
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    @torch.no_grad()
+    def fuse_qkv_projections(self) -> None:
+        projections = (self.to_q, self.to_k, self.to_v)
+        self.qkv_weight = torch.cat([projection.weight for projection in projections])
+        self.qkv_bias = torch.cat([projection.bias for projection in projections])
+
+    def unfuse_qkv_projections(self) -> None:
+        self.qkv_weight = self.qkv_bias = None
 
     def forward(
         self,
@@ -203,9 +219,12 @@ class CosyVoice3Attention(nn.Module):
     ) -> torch.Tensor:
         batch, frames, _ = hidden.shape
         cos, sin = rotary
-        query = apply_partial_rotary(self.to_q(hidden), cos, sin)
-        key = apply_partial_rotary(self.to_k(hidden), cos, sin)
-        value = self.to_v(hidden)
+        if self.qkv_weight is None:
+            query, key, value = self.to_q(hidden), self.to_k(hidden), self.to_v(hidden)
+        else:
+            query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1)
+        query = apply_partial_rotary(query, cos, sin)
+        key = apply_partial_rotary(key, cos, sin)
         query, key, value = (
             tensor.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for tensor in (query, key, value)
         )
@@ -340,6 +359,7 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         self.config = config
         self.estimator = CosyVoice3DiT(config)
         self.register_buffer("rand_noise", torch.zeros(1, config.mel_bins, config.noise_frames), persistent=False)
+        self._time_conditioning_cache: dict = {}
 
     @torch.no_grad()
     def init_noise(self) -> None:
@@ -387,7 +407,8 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         """mu, cond (batch, mel_bins, frames); spks (batch, mel_bins) -> mel (batch, mel_bins, frames) float32."""
         batch, _, frames = mu.shape
         noise = self.start_noise(batch, frames, noise_offset).to(mu.dtype)
-        return self.solve(noise, mu, spks, cond, attention_mask)
+        conditioning = self.cached_time_conditioning(batch, mu.device, mu.dtype)
+        return self.solve(noise, mu, spks, cond, attention_mask, *conditioning)
 
     def _estimator_autocast(self, device: torch.device):
         """The estimator's precision context (`config.estimator_autocast_dtype`; disabled for float32).
@@ -403,6 +424,14 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
             cache_enabled=False,
         )
 
+    def _check_estimator_dtype(self, dtype: torch.dtype) -> None:
+        weight_dtype = self.estimator.proj_out.weight.dtype
+        if self.config.estimator_autocast_dtype is None and weight_dtype != dtype:
+            raise ValueError(
+                f"The DiT estimator's weights are {weight_dtype} (`use_low_precision_estimator`) but "
+                "config.estimator_autocast_dtype is None: set it back, or reload the model for float32."
+            )
+
     def time_conditioning(
         self, batch: int, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -410,10 +439,11 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
 
         (dt (n_steps,), block modulations (n_steps, n_blocks, 2 * batch, 6 * dim), final-norm modulations
         (n_steps, 2 * batch, 2 * dim)), computed exactly as each Euler step would (same shapes, same precision).
-        The same for every call with the same batch size, precision and weights: the streaming decoder computes it
-        once per reply, which takes the time MLP and 23 modulation GEMMs per Euler step (2.8 GB of bfloat16 weight
-        reads per chunk at full size) out of every chunk.
+        The same for every call with the same batch size, precision and weights: [`cached_time_conditioning`] keeps
+        it, which takes the time MLP and 23 modulation GEMMs per Euler step (2.8 GB of bfloat16 weight reads per
+        chunk at full size) out of every streamed chunk and offline call.
         """
+        self._check_estimator_dtype(dtype)
         times, deltas = self.time_grid(device, dtype)
         blocks, finals = [], []
         for step in range(self.config.n_timesteps):
@@ -422,6 +452,32 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
             blocks.append(block_modulations)
             finals.append(final_modulation)
         return deltas, torch.stack(blocks), torch.stack(finals)
+
+    def cached_time_conditioning(
+        self, batch: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`time_conditioning(batch, device, dtype)`, kept from one call to the next while the weights it reads and
+        the precision stay the same (an in-place update bumps a weight's `_version`, a re-allocation changes its
+        address: either recomputes it; with autograd enabled it is never cached). It is ~250 small kernels at full
+        size, which every offline call and the first chunk of every streamed reply would otherwise pay for."""
+        if torch.is_grad_enabled():
+            return self.time_conditioning(batch, device, dtype)
+        estimator = self.estimator
+        modules = [estimator.time_embed, estimator.norm_out.linear]
+        modules += [block.attn_norm.linear for block in estimator.transformer_blocks]
+        weights_key = (
+            self.config.estimator_autocast_dtype,
+            self.config.n_timesteps,
+            tuple((p.data_ptr(), p._version) for module in modules for p in module.parameters()),
+        )
+        key = (batch, str(device), dtype)
+        cached = self._time_conditioning_cache.get(key)
+        if cached is None or cached[0] != weights_key:
+            if cached is None and len(self._time_conditioning_cache) >= 4:  # a few batch sizes / devices at most
+                self._time_conditioning_cache.clear()
+            cached = (weights_key, self.time_conditioning(batch, device, dtype))
+            self._time_conditioning_cache[key] = cached
+        return cached[1]
 
     def solve(
         self,
@@ -442,12 +498,7 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         (`CosyVoice3Token2Wav.compile_estimator(whole_solver=True)`).
         """
         batch = mu.shape[0]
-        weight_dtype = self.estimator.proj_out.weight.dtype
-        if self.config.estimator_autocast_dtype is None and weight_dtype != mu.dtype:
-            raise ValueError(
-                f"The DiT estimator's weights are {weight_dtype} (`use_low_precision_estimator`) but "
-                "config.estimator_autocast_dtype is None: set it back, or reload the model for float32."
-            )
+        self._check_estimator_dtype(mu.dtype)
         if deltas is None:
             deltas, block_modulations, final_modulations = self.time_conditioning(batch, mu.device, mu.dtype)
         cfg = self.config.inference_cfg_rate
@@ -827,7 +878,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
 
     # -- performance ----------------------------------------------------------------------------------------------
 
-    def compile_estimator(self, whole_solver: bool = False, **compile_kwargs) -> None:
+    def compile_estimator(self, whole_solver: bool = False, fuse_qkv_projections: bool = True, **compile_kwargs) -> None:
         """`torch.compile` the DiT estimator in place (the 10-step Euler loop calls it with fixed shapes).
 
         whole_solver=True compiles the whole Euler loop (`flow.decoder.solve`: 10 steps x CFG batch) as one graph
@@ -835,8 +886,11 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary). On CUDA, inputs on either
         side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs. Offline calls of a few seconds are bound by
         kernel launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first
-        call), which halved a 10 s call on an H200 (BENCHMARKS.md).
+        call), which halved a 10 s call on an H200 (BENCHMARKS.md). `fuse_qkv_projections` (default True): first
+        run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]).
         """
+        if fuse_qkv_projections:
+            self.fuse_qkv_projections()
         compile_kwargs.setdefault("dynamic", True)
         self._flow_compile_kwargs = dict(compile_kwargs)
         if whole_solver:
@@ -873,6 +927,26 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.config.estimator_autocast_dtype = dtype
         for parameter in self.flow.decoder.estimator.parameters():
             parameter.data = parameter.data.to(getattr(torch, dtype))
+        if self.qkv_projections_fused:  # the fused copies follow the weights' new dtype
+            self.fuse_qkv_projections()
+
+    def fuse_qkv_projections(self) -> None:
+        """Run each DiT block's q/k/v projections as one GEMM: 22 x 10 fewer GEMMs per flow call at full size, which
+        matter where the flow is bound by kernel latency (streaming chunks, short offline calls). Equal up to float
+        rounding. The fused weights are non-persistent copies (checkpoints are unchanged), taken now: call it again,
+        or `unfuse_qkv_projections()`, after changing the estimator's weights (`use_low_precision_estimator` does).
+        `compile_estimator()` calls it by default."""
+        for block in self.flow.decoder.estimator.transformer_blocks:
+            block.attn.fuse_qkv_projections()
+
+    def unfuse_qkv_projections(self) -> None:
+        for block in self.flow.decoder.estimator.transformer_blocks:
+            block.attn.unfuse_qkv_projections()
+
+    @property
+    def qkv_projections_fused(self) -> bool:
+        blocks = self.flow.decoder.estimator.transformer_blocks
+        return len(blocks) > 0 and blocks[0].attn.qkv_weight is not None
 
     @property
     def flow_is_compiled(self) -> bool:

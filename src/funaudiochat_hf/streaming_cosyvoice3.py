@@ -153,7 +153,6 @@ class CosyVoice3StreamingDecoder:
         self.f0_start = 0
         self.finished = False
         # (estimator precision, the flow solver's time-grid conditioning), computed at the first flow call.
-        self._time_conditioning: Optional[tuple] = None
 
     # -- public API -----------------------------------------------------------------------------------------------
 
@@ -236,11 +235,8 @@ class CosyVoice3StreamingDecoder:
             mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
         spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(mu.dtype)
-        # The same for every chunk of the reply: computed once (again only if the estimator's precision changes).
-        precision = model.config.estimator_autocast_dtype
-        if self._time_conditioning is None or self._time_conditioning[0] != precision:
-            self._time_conditioning = (precision, flow.decoder.time_conditioning(1, mu.device, mu.dtype))
-        conditioning = self._time_conditioning[1]
+        # The same for every chunk of every reply: computed once per model (again if the weights or precision change).
+        conditioning = flow.decoder.cached_time_conditioning(1, mu.device, mu.dtype)
         if self._graphs is None:
             mel = flow.decoder.solve(noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
         else:  # the same, as one graph replay (always with a mask: one signature)
@@ -336,12 +332,16 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                 # What the recorded kernels depend on besides the input shapes: precision switches, and where the
                 # weights live (a `.to()` re-allocates them; a graph holds their old addresses).
                 weight = next(module.parameters())
+                # The fused DiT q/k/v copies (`fuse_qkv_projections`) are new tensors each time they are built.
+                blocks = decoder.estimator.transformer_blocks
+                fused = blocks[0].attn.qkv_weight if len(blocks) else None
                 return (
                     config.estimator_autocast_dtype,
                     torch.backends.cuda.matmul.allow_tf32,
                     torch.backends.cudnn.allow_tf32,
                     weight.data_ptr(),
                     weight.dtype,
+                    None if fused is None else fused.data_ptr(),
                 )
 
             runners = {
