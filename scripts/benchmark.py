@@ -158,7 +158,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}"
-            + ("; time to first audio also with compile_prefill=True" if args.compile_prefill else "")
+            + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
         + (" + compile_vocoder()" if args.compile_vocoder else ""),
@@ -526,7 +526,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile": compile_argument(mode, args),
         "compile_scope": args.compile_scope,
         "compile_attention": args.compile_attention,
-        "compile_prefill": False,  # the time to first audio is also measured with it on (--compile-prefill)
+        "compile_prefill": None,  # default: compiled with the loop; --eager-prefill adds a TTFA row without
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "cache_implementation": "static",
         "return_audio": False,
@@ -640,20 +640,20 @@ def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_m
     return row
 
 
-def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, compile_prefill: bool = False) -> dict:
+def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, eager_prefill: bool = False) -> dict:
     """Time to the first non-empty audio chunk of `generate_speech_stream` (batch 1, full decoder, hop 15), with
-    `generate_speech(compile_prefill=...)` in compiled mode."""
+    the prompt forward compiled with the compiled loop (the default) or, `eager_prefill`, not."""
     device = args.device
     inputs = make_chat_inputs(model, 1, args.input_seconds, device)
     notes: list[str] = []
     prompt_len = inputs["input_ids"].shape[1]
     kwargs = generation_kwargs(
         model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args),
-        compile_prefill=compile_prefill and mode == "compiled",
+        compile_prefill=False if eager_prefill else None,
     )
     kwargs.pop("return_audio")
     kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
-    # Seeded: every call (and both rows of --compile-prefill) samples the same speech tokens, so a row never fails
+    # Seeded: every call (and both rows of --eager-prefill) samples the same speech tokens, so a row never fails
     # or differs because one draw happened to end the speech early.
     kwargs["seed"] = 0
     if args.stream_options:
@@ -690,7 +690,7 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, compile_prefil
     return {
         "mode": mode,
         "input_seconds": args.input_seconds,
-        "compile_prefill": kwargs["compile_prefill"],
+        "prefill": "compiled" if mode == "compiled" and not eager_prefill else "eager",
         "ttfa_ms": best * 1e3,
         "first_call_ttfa_ms": cold["seconds"] * 1e3,
         "events_before_audio": warm[0]["events"],
@@ -1115,6 +1115,8 @@ def render_extras(data: dict) -> str:
     stream_options = data.get("meta", {}).get("stream_options", "streaming_decoder() defaults")
     for r in data.get("ttfa", []):
         mode = r["mode"] + (", compile_prefill=True" if r.get("compile_prefill") else "")
+        if r.get("prefill"):  # rows since the prefill compiles with the loop by default
+            mode = f"{r['mode']}, {r['prefill']} prefill"
         if row_status(r):
             lines.append(f"- Time to first audio ({mode}): {r['status']}")
         else:
@@ -1301,8 +1303,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="compiled decoder mode also runs decoder.compile_vocoder() (HiFT's upsampling stack, dynamic shapes)",
     )
     p.add_argument(
-        "--compile-prefill", action="store_true",
-        help="also measure the time to first audio with generate_speech(compile_prefill=True), side by side",
+        "--eager-prefill", action="store_true",
+        help="also measure the time to first audio with generate_speech(compile_prefill=False), side by side",
     )
     p.add_argument(
         "--compile-attention", default="auto",
@@ -1385,9 +1387,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
                 items.append(("decoder_compile", "decoder compile", {"mode": mode}))
             if "chat" in parts and not any(kind == "ttfa" for kind, _, _ in items):  # the decoder as first set up
                 items.append(("ttfa", f"time to first audio ({best})", {"mode": best}))
-                if args.compile_prefill and best == "compiled":  # side by side: the same graphs apart from the prefill
-                    label = f"time to first audio ({best}, compile_prefill)"
-                    items.append(("ttfa", label, {"mode": best, "compile_prefill": True}))
+                if args.eager_prefill and best == "compiled":  # side by side: the same graphs apart from the prefill
+                    label = f"time to first audio ({best}, eager prefill)"
+                    items.append(("ttfa", label, {"mode": best, "eager_prefill": True}))
             for s in seconds:
                 for test in tests:
                     label = f"decoder {mode} {test} {s:g} s"
@@ -1533,10 +1535,11 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
             results.add("crq_share", {"mode": mode, "batch": p["batch"], **row})
         elif kind == "ttfa":
             mode = usable_mode(mode, full_step_ms)
-            prefill = p.get("compile_prefill", False) and mode == "compiled"
-            label = f"time to first audio ({mode}{', compile_prefill' if prefill else ''})"
-            row = measure(label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args, prefill))
-            row = {"mode": mode, "input_seconds": args.input_seconds, "compile_prefill": prefill, **row}
+            eager_prefill = p.get("eager_prefill", False) and mode == "compiled"
+            label = f"time to first audio ({mode}{', eager prefill' if eager_prefill else ''})"
+            row = measure(label, lambda: ttfa_row(chat_model(), decoder_model(), mode, args, eager_prefill))
+            prefill = "compiled" if mode == "compiled" and not eager_prefill else "eager"
+            row = {"mode": mode, "input_seconds": args.input_seconds, "prefill": prefill, **row}
             results.add("ttfa", row)  # both models count
         elif kind == "repeat":
             mode = usable_mode(mode, full_step_ms)

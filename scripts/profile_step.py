@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--compile-config", default=None, help="generate_speech(compile=...) as JSON")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--prefill", action="store_true", help="profile a max_new_tokens=1 call (the prefill)")
-    parser.add_argument("--compile-prefill", action="store_true", help="generate_speech(compile_prefill=True)")
+    parser.add_argument("--eager-prefill", action="store_true", help="generate_speech(compile_prefill=False)")
     args = parser.parse_args()
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
@@ -47,7 +47,7 @@ def main() -> None:
     steps = 1 if args.prefill else args.steps
     kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, steps,
                                          cache_max_length=benchmark.cache_length(prompt_len, bench_args),
-                                         compile_prefill=args.compile_prefill)
+                                         compile_prefill=False if args.eager_prefill else None)
     for attempt in range(3):  # compile, capture, warm
         start = time.perf_counter()
         with torch.no_grad():

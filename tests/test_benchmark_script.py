@@ -196,19 +196,19 @@ def test_compile_sweep_smoke():
     assert proc.returncode == 1  # a failed configuration is reported, the others still measured
 
 
-def test_compile_prefill_adds_a_side_by_side_time_to_first_audio_row():
+def test_eager_prefill_adds_a_side_by_side_time_to_first_audio_row():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import benchmark
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    args = benchmark.parse_args(["--no-write", "--compile-prefill"])
+    args = benchmark.parse_args(["--no-write", "--eager-prefill"])
     labels = [label for _, label, _ in benchmark.plan(args)]
     ttfa = [label for label in labels if label.startswith("time to first audio")]
-    assert ttfa == ["time to first audio (compiled)", "time to first audio (compiled, compile_prefill)"]
+    assert ttfa == ["time to first audio (compiled)", "time to first audio (compiled, eager prefill)"]
     assert labels.index(ttfa[1]) == labels.index(ttfa[0]) + 1
-    # Only that row compiles the prefill: the step rows keep the default.
+    # Every other row keeps generate_speech's default (the prefill compiled with a compiled loop).
     from funaudiochat_hf import FunAudioChatConfig
 
     model = type("Model", (), {"config": FunAudioChatConfig()})()
-    assert benchmark.generation_kwargs(model, "compiled", args, 4)["compile_prefill"] is False
+    assert benchmark.generation_kwargs(model, "compiled", args, 4)["compile_prefill"] is None

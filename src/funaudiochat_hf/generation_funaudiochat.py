@@ -231,6 +231,9 @@ class _DecodeWorkspace:
 # sub-steps: ~5x less to compile, at the price of K + 2 graph launches per step instead of 1).
 # --------------------------------------------------------------------------------------------------------------------
 
+# torch.compile options of `compile_prefill=True`: one graph per layer half, reused by every layer and prompt length.
+PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
+
 
 def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
     """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
@@ -688,8 +691,16 @@ class _SpeechRun:
             )
         self.cache_max_length = cache_max_length
         self.step_fn = self._pick_step_function(options["compile"], options["compile_scope"], device)
-        self.prefill_forward = self._pick_prefill_function(options["compile_prefill"])
         compiled = self.step_fn is not _decode_step
+        compile_prefill = options["compile_prefill"]
+        if compile_prefill is None:
+            # Auto: with a compiled loop, the prompt forward is the largest part of the time to first audio and is
+            # bound by eager kernel launches; compiling its layer halves took ~13 s at full size on an H200 and
+            # 18 ms off that time (BENCHMARKS.md). A test backend given to `compile` is used for it too.
+            compile_prefill = compiled
+            if compiled and isinstance(options["compile"], dict) and "backend" in options["compile"]:
+                compile_prefill = {**PREFILL_COMPILE_DEFAULTS, "backend": options["compile"]["backend"]}
+        self.prefill_forward = self._pick_prefill_function(compile_prefill)
         fuse = options["fuse_crq_projections"]
         if fuse is None:
             # Auto: a compiled loop is bound by the CRQ's many small GEMMs (measured on an H200, BENCHMARKS.md), so
@@ -743,7 +754,7 @@ class _SpeechRun:
         shapes, and serve every layer and prompt length (compiling the whole prompt forward as one graph took more
         than 5 minutes at full size on an H200). No CUDA graphs by default: every prompt length would record its own.
         """
-        options = self._compile_options("compile_prefill", compile_option, {"fullgraph": True, "dynamic": True})
+        options = self._compile_options("compile_prefill", compile_option, PREFILL_COMPILE_DEFAULTS)
         if options is None:
             return _prefill_forward
         halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
@@ -936,11 +947,12 @@ class FunAudioChatSpeechGenerationMixin:
                 `text_`/`speech_` prefixed overrides of do_sample/temperature/top_p/top_k/repetition_penalty,
                 `generator` or `seed`, `compile` (False | True | dict of torch.compile options), `compile_scope`
                 ("parts", default: LLM part, CRQ sub-step and bookkeeping compiled separately, ~5x faster to
-                compile than "step", the whole step as one graph), `compile_prefill` (False, default | True | dict
-                of torch.compile options: the two halves of every LLM and CRQ decoder layer around its attention
-                compiled once with dynamic shapes, one graph per half and stack for every layer and prompt length,
-                no CUDA graphs: fewer kernel launches in the prefill, which eagerly is bound by them, at the price of
-                a compile on the first call; not yet measured on a GPU, see BENCHMARKS.md), `compile_attention`
+                compile than "step", the whole step as one graph), `compile_prefill` (None, default: on when the loop is
+                compiled, with `compile`'s backend if it names one | False | True | dict of torch.compile options:
+                the two halves of every LLM and CRQ decoder layer around its attention compiled once with dynamic
+                shapes, one graph per half and stack for every layer and prompt length, no CUDA graphs: fewer kernel
+                launches in the prefill, which eagerly is bound by them; on an H200 it took 18 ms off the time to
+                first audio for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
                 ("auto", default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
                 "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
                 the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`
@@ -1114,7 +1126,7 @@ _DEFAULTS = {
     "seed": None,
     "compile": False,
     "compile_scope": "parts",
-    "compile_prefill": False,
+    "compile_prefill": None,
     "compile_attention": "auto",
     "fuse_crq_projections": None,
     "cache_implementation": "static",
