@@ -695,8 +695,8 @@ class _SpeechRun:
         compile_prefill = options["compile_prefill"]
         if compile_prefill is None:
             # Auto: with a compiled loop, the prompt forward is the largest part of the time to first audio and is
-            # bound by eager kernel launches; compiling its layer halves took ~13 s at full size on an H200 and
-            # 18 ms off that time (BENCHMARKS.md). A test backend given to `compile` is used for it too.
+            # bound by eager kernel launches; compiling its layer halves takes ~13 s at full size on an H200 and took
+            # 19-64 ms off the prefill in two runs (BENCHMARKS.md). A test backend given to `compile` is used too.
             compile_prefill = compiled
             if compiled and isinstance(options["compile"], dict) and "backend" in options["compile"]:
                 compile_prefill = {**PREFILL_COMPILE_DEFAULTS, "backend": options["compile"]["backend"]}
@@ -951,8 +951,8 @@ class FunAudioChatSpeechGenerationMixin:
                 compiled, with `compile`'s backend if it names one | False | True | dict of torch.compile options:
                 the two halves of every LLM and CRQ decoder layer around its attention compiled once with dynamic
                 shapes, one graph per half and stack for every layer and prompt length, no CUDA graphs: fewer kernel
-                launches in the prefill, which eagerly is bound by them; on an H200 it took 18 ms off the time to
-                first audio for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
+                launches in the prefill, which eagerly is bound by them; on an H200 the time to first audio went
+                from 189 to 135 ms for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
                 ("auto", default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
                 "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
                 the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`
