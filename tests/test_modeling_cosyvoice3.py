@@ -345,6 +345,39 @@ def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full
     assert short_flow.abs().max() <= 0.99
 
 
+def test_streaming_f0_runs_on_the_new_frames_and_their_context_only(original_model, monkeypatch):
+    """The float64 F0 predictor of a stream runs on the new frames plus the 8 frames each depends on (plus the
+    look-ahead), not the whole HiFT window, and gives the same f0 as running it on the whole window."""
+    from funaudiochat_hf.modeling_cosyvoice3_hift import CausalConvF0Predictor
+
+    hift = original_model.hift
+    assert hift.f0_predictor.left_context == 8
+    tokens = torch.arange(90) % original_model.config.vocab_size
+
+    def stream_f0() -> tuple[torch.Tensor, list[int]]:
+        lengths, pieces = [], []
+        predict = hift.predict_f0
+        hift.predict_f0 = lambda mel, **kwargs: lengths.append(mel.shape[-1]) or predict(mel, **kwargs)
+        decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+        extend = decoder._extend_source_state
+        decoder._extend_source_state = lambda f0: pieces.append(f0) or extend(f0)
+        try:
+            for start in range(0, tokens.numel(), 5):
+                decoder.push(tokens[start : start + 5])
+            decoder.finalize()
+        finally:
+            del hift.predict_f0
+        return torch.cat(pieces, dim=1), lengths
+
+    cropped, cropped_lengths = stream_f0()
+    monkeypatch.setattr(CausalConvF0Predictor, "left_context", property(lambda self: 10**6))  # the whole window
+    whole, whole_lengths = stream_f0()
+    torch.testing.assert_close(cropped, whole, atol=1e-6, rtol=1e-6)
+    hop_frames = 15 * original_model.config.token_mel_ratio
+    # 8 frames of context + a hop of new frames + 3 of look-ahead (41 here) against up to 102 for the whole window.
+    assert max(cropped_lengths) <= 8 + hop_frames + 3 < max(whole_lengths)
+
+
 def test_bfloat16_estimator_autocast_stays_close(original_model, flow_full):
     reference = original_model.tokens_to_mel(flow_full["speech_token"], flow_full["embedding"])
     original_model.config.estimator_autocast_dtype = "bfloat16"

@@ -188,6 +188,13 @@ class CausalConvF0Predictor(nn.Module):
         """Mel frames of right context the first conv needs (3)."""
         return self.condnet[0].causal_padding
 
+    @property
+    def left_context(self) -> int:
+        """Mel frames before a frame that its f0 depends on (8: four k=3 causal convs); with at least that many real
+        frames before it, a frame's f0 is the same as in a run over the whole history."""
+        convs = [layer for layer in self.condnet if isinstance(layer, WeightNormCausalConv1d)]
+        return sum(conv.causal_padding for conv in convs if conv.causal_type == "left")
+
     def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """mel (batch, in_channels, frames) -> f0 (batch, frames) if finalize else (batch, frames - lookahead).
 

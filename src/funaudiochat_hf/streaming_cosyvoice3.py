@@ -256,11 +256,14 @@ class CosyVoice3StreamingDecoder:
         f0_lookahead = 0 if finalize else hift.f0_predictor.lookahead
         source_end = mel_end - f0_lookahead  # frames that get an excitation in this call
 
-        # f0 of frames not seen before; the window has >= 8 frames of real left context, so they are exact.
+        # f0 of frames not seen before. The float64 predictor runs on them plus the `left_context` (8) frames each
+        # one depends on, not on the whole window; the window has that many real frames before them, so they are
+        # exact.
         f0_end = self.f0_start + self.f0.shape[1]
         if source_end > f0_end:
-            f0_new = hift.predict_f0(mel, finalize=finalize)[:, f0_end - window_start :].to(torch.float32)
-            self._extend_source_state(f0_new)
+            first = max(0, f0_end - window_start - hift.f0_predictor.left_context)
+            f0_new = hift.predict_f0(mel[:, :, first:], finalize=finalize)[:, f0_end - window_start - first :]
+            self._extend_source_state(f0_new.to(torch.float32))
         source = self._source(window_start, source_end)
 
         decode_mel = mel[:, :, : source_end - window_start]
