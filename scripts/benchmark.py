@@ -1324,7 +1324,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decoder-tests", default="offline,stream", help="which decoder measurements to run")
     p.add_argument("--decoder-modes", default=None, help="decoder modes (default: --modes)")
     p.add_argument(
-        "--stream-options", default=None, help='JSON kwargs for streaming_decoder(), e.g. \'{"flow_left_context_tokens": 100}\''
+        "--stream-options", default=None,
+        help='JSON kwargs for streaming_decoder(), e.g. \'{"flow_left_context_tokens": 100}\''
     )
     p.add_argument("--hop", type=int, default=15, help="streaming decoder token hop")
     p.add_argument("--decoder-seconds", default=None, help="decoder reply lengths (10,30; 1,2 with --tiny)")

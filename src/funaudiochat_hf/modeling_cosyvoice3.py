@@ -884,7 +884,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
 
     # -- performance ----------------------------------------------------------------------------------------------
 
-    def compile_estimator(self, whole_solver: bool = False, fuse_qkv_projections: bool = True, **compile_kwargs) -> None:
+    def compile_estimator(
+        self, whole_solver: bool = False, fuse_qkv_projections: bool = True, **compile_kwargs
+    ) -> None:
         """`torch.compile` the DiT estimator in place (the 10-step Euler loop calls it with fixed shapes).
 
         whole_solver=True compiles the whole Euler loop (`flow.decoder.solve`: 10 steps x CFG batch) as one graph

@@ -420,7 +420,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
         with torch.device("cpu"):
             if generator is None:
                 generator = reference_rng_after_flow()
-            # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source module.
+            # The F0 predictor is built (default PyTorch inits: weight, then bias of each layer) before the source
+            # module.
             for module in self.f0_predictor.modules():
                 if isinstance(module, WeightNormCausalConv1d):
                     _skip_default_init(tuple(module.weight_v.shape), generator)
