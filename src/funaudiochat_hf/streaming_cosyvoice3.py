@@ -152,7 +152,6 @@ class CosyVoice3StreamingDecoder:
         self.phase_cycles = torch.zeros(1, 0, num_harmonics, dtype=torch.float64, device=device)
         self.f0_start = 0
         self.finished = False
-        # (estimator precision, the flow solver's time-grid conditioning), computed at the first flow call.
 
     # -- public API -----------------------------------------------------------------------------------------------
 
