@@ -14,7 +14,11 @@ from transformers import AutoModel
 
 from funaudiochat_hf import CosyVoice3Config, CosyVoice3Token2Wav
 from funaudiochat_hf.conversion_cosyvoice3 import config_from_yaml, read_cosyvoice3_yaml
-from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3CausalConvPositionEmbedding, causal_grouped_conv1d
+from funaudiochat_hf.modeling_cosyvoice3 import (
+    CosyVoice3CausalConvPositionEmbedding,
+    additive_attention_mask,
+    causal_grouped_conv1d,
+)
 
 from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
 
@@ -193,6 +197,38 @@ def test_mel_streaming_chunk_mask_and_prompt(model, flow_full):
     with pytest.raises(ValueError, match="prompt_mel"):
         model.tokens_to_mel(flow_full["speech_token"], flow_full["embedding"], prompt_tokens=extra["prompt_token"],
                             prompt_mel=extra["prompt_feat"])  # (batch, frames, 80) is the wrong layout
+
+
+def test_solve_converts_a_boolean_mask_once_into_an_aligned_additive_mask(model, flow_full):
+    """SDPA turns a boolean mask into an additive one on every call (n_steps x n_blocks calls per solve): `solve`
+    does it once and every estimator call gets that same float mask, with 16-element-aligned rows; same mel."""
+    seen = []
+    estimator = model.flow.decoder.estimator
+    handle = estimator.register_forward_pre_hook(lambda module, args: seen.append(args[5]))
+    try:
+        mel = model.tokens_to_mel(flow_full["speech_token"], flow_full["embedding"], streaming=True)
+    finally:
+        handle.remove()
+    extra = load_file(COSYVOICE3_GOLDEN / "flow_extra.safetensors")
+    _close(mel, extra["mel_streaming_chunk_mask"])
+    assert len(seen) == model.config.n_timesteps and all(mask is seen[0] for mask in seen)
+    mask = seen[0]
+    assert mask.dtype == torch.float32 and mask.stride(-2) % 16 == 0 and mask.stride(-1) == 1
+    assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+
+
+def test_additive_attention_mask_values_and_fully_hidden_rows():
+    mask = torch.tensor([[True, False, True], [False, False, False]]).reshape(1, 1, 2, 3)
+    additive = additive_attention_mask(mask, torch.bfloat16)
+    low = torch.finfo(torch.bfloat16).min
+    assert additive.dtype == torch.bfloat16 and additive.shape == (1, 1, 2, 3) and additive.stride(-2) == 16
+    torch.testing.assert_close(additive[0, 0].float(), torch.tensor([[0, low, 0], [low, low, low]]))
+    query = torch.randn(1, 2, 2, 4)
+    value = torch.randn(1, 2, 3, 4)
+    out = torch.nn.functional.scaled_dot_product_attention(query, value, value, attn_mask=additive.float())
+    expected = torch.nn.functional.scaled_dot_product_attention(query[:, :, :1], value, value, attn_mask=mask[..., :1, :])
+    torch.testing.assert_close(out[:, :, :1], expected)
+    assert torch.isfinite(out).all()  # a row with no visible key averages the values instead of giving NaN
 
 
 def test_whole_model_matches_token2wav(model, flow_full):

@@ -234,7 +234,8 @@ class CosyVoice3Attention(nn.Module):
         query, key, value = (
             tensor.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for tensor in (query, key, value)
         )
-        # attention_mask: boolean (batch, 1, frames, frames), True = may attend; None = full attention.
+        # attention_mask (batch, 1, frames, frames): boolean, True = may attend, or additive (`solve` converts a
+        # boolean mask once per call); None = full attention.
         attended = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
         attended = attended.transpose(1, 2).reshape(batch, frames, self.heads * self.dim_head)
         return self.to_out[1](self.to_out[0](attended))
@@ -275,7 +276,8 @@ class CosyVoice3DiT(nn.Module):
     """Velocity estimator v(x, t | mu, spk, cond).
 
     Inputs channel-first: x, mu, cond (batch, mel_bins, frames); t (batch,); spks (batch, mel_bins);
-    attention_mask boolean (batch, 1, frames, frames) or None (full attention). Output (batch, mel_bins, frames).
+    attention_mask (batch, 1, frames, frames), boolean or additive, or None (full attention).
+    Output (batch, mel_bins, frames).
     `time_conditioning`: `self.time_conditioning(t)` computed beforehand (t is then not used): it depends on the
     timestep alone, so a caller that runs the same timesteps again (the streaming decoder) computes it once.
     """
@@ -513,6 +515,10 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         spks_in = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
         mask_in = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+        if mask_in is not None and mask_in.dtype == torch.bool:
+            # SDPA would turn a boolean mask into an additive one in each of the n_steps x n_blocks attention calls.
+            autocast_dtype = self.config.estimator_autocast_dtype
+            mask_in = additive_attention_mask(mask_in, getattr(torch, autocast_dtype) if autocast_dtype else mu.dtype)
         for step in range(self.config.n_timesteps):
             conditioning = (block_modulations[step], final_modulations[step])
             with self._estimator_autocast(mu.device):
@@ -522,6 +528,19 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
             v_cond, v_uncond = velocity[:batch], velocity[batch:]
             x = x + deltas[step] * ((1.0 + cfg) * v_cond - cfg * v_uncond)
         return x.float()
+
+
+def additive_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean (..., queries, keys) mask, True = may attend -> additive `dtype` mask: 0, or the dtype's minimum.
+
+    The minimum rather than -inf: a row with no visible key then averages all values instead of giving NaN. Rows are
+    stored with their stride rounded up to 16 elements (a view of a wider buffer): the fused attention kernels want
+    aligned bias rows and would otherwise copy the mask into a padded buffer on every call.
+    """
+    *leading, keys = mask.shape
+    aligned_keys = -(-keys // 16) * 16
+    additive = torch.zeros(*leading, aligned_keys, dtype=dtype, device=mask.device)[..., :keys]
+    return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def build_attention_mask(

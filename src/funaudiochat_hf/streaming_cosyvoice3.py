@@ -125,6 +125,7 @@ class CosyVoice3StreamingDecoder:
             )
         self.model = model
         self.speaker_embedding = speaker_embedding
+        self._speaker_condition = None  # flow.speaker_condition of it, on first use
         self.hop = token_hop_len
         self.first_hop = first_token_hop_len
         self.lookahead = pre_lookahead_len
@@ -224,7 +225,9 @@ class CosyVoice3StreamingDecoder:
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
         # Embeddings past `num_tokens` are zeroed: the pre-lookahead conv of the last real tokens sees the real
         # look-ahead tokens (non-final) or zeros (final), exactly as the unpadded call.
-        hidden = flow.encode_tokens(tokens, torch.tensor([num_tokens], device=tokens.device), finalize=True)
+        # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy before the flow's launch.
+        lengths = torch.full((1,), num_tokens, device=tokens.device)
+        hidden = flow.encode_tokens(tokens, lengths, finalize=True)
         mu = hidden.repeat_interleave(self.ratio, dim=1).transpose(1, 2)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
         frames = mu.shape[2]  # ratio * padded: the look-ahead tokens' frames are computed too, then hidden
@@ -232,7 +235,11 @@ class CosyVoice3StreamingDecoder:
         mask = None
         if real_frames < frames:
             mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
-        spks = flow.speaker_condition(model.get_speaker_embedding(speaker_embedding=self.speaker_embedding))
+        if self._speaker_condition is None:  # the same for every chunk of the reply
+            self._speaker_condition = flow.speaker_condition(
+                model.get_speaker_embedding(speaker_embedding=self.speaker_embedding)
+            )
+        spks = self._speaker_condition
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(mu.dtype)
         # The same for every chunk of every reply: computed once per model (again if the weights or precision change).
         conditioning = flow.decoder.cached_time_conditioning(1, mu.device, mu.dtype)
