@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
-from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, conv1d_as_matmul
 
 
 # Longest source any golden needs (180 mel frames * 480); a prefix of the reference's 300 s table.
@@ -261,3 +261,18 @@ def test_decode_compiles_fullgraph(golden):
     compiled = torch.compile(hift.decode, fullgraph=True, backend="aot_eager")
     # The non-final path (look-ahead context, trimmed STFT and tail) is the superset; one compile keeps this test short.
     torch.testing.assert_close(compiled(mel, source, False), hift.decode(mel, source, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_conv1d_as_matmul_equals_the_convolution(dtype):
+    """The F0 predictor's convs run as one GEMM (cuDNN has no fast float64 convolution)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, 9, generator=generator, dtype=dtype)
+    weight = torch.randn(7, 12, 3, generator=generator, dtype=dtype)
+    bias = torch.randn(7, generator=generator, dtype=dtype)
+    out = conv1d_as_matmul(hidden, weight, bias)
+    assert out.shape == (2, 7, 7)
+    torch.testing.assert_close(out, torch.nn.functional.conv1d(hidden, weight, bias))
+    # a strided (transposed) input, as the previous conv's output arrives
+    strided = hidden.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(conv1d_as_matmul(strided, weight, bias), out)

@@ -109,7 +109,23 @@ class WeightNormCausalConv1d(nn.Module):
         """(batch, in_channels, frames) -> (batch, out_channels, frames), computed in hidden.dtype."""
         weight = torch._weight_norm(self.weight_v.to(hidden.dtype), self.weight_g.to(hidden.dtype), 0)
         hidden = _pad_one_side(hidden, self.causal_padding, self.causal_type, context)
-        return F.conv1d(hidden, weight, self.bias.to(hidden.dtype))
+        return conv1d_as_matmul(hidden, weight, self.bias.to(hidden.dtype))
+
+
+def conv1d_as_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`F.conv1d(hidden, weight, bias)` (stride 1, no padding) as one GEMM over the unfolded frames:
+    hidden (batch, in, frames), weight (out, in, kernel), bias (out,) -> (batch, out, frames - kernel + 1).
+
+    For the float64 F0 predictor: cuDNN has no fast float64 convolution (a k=3, 512-channel conv over ~40 frames
+    took ~170 us on an H200), while a float64 GEMM of that size is a few us. Same sums, in another order.
+    """
+    out_channels, in_channels, kernel = weight.shape
+    batch, _, frames = hidden.shape
+    # (batch, frames', in, kernel) -> (batch, frames', in * kernel), matching weight.reshape(out, in * kernel).
+    columns = hidden.unfold(2, kernel, 1).transpose(1, 2).reshape(batch, frames - kernel + 1, in_channels * kernel)
+    return torch.addmm(bias, columns.flatten(0, 1), weight.reshape(out_channels, -1).t()).view(
+        batch, frames - kernel + 1, out_channels
+    ).transpose(1, 2)
 
 
 class CausalConv1dUpsample(nn.Conv1d):
