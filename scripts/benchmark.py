@@ -1192,15 +1192,21 @@ def render_decoder(data: dict) -> str:
 
 def render_markdown(data: dict) -> str:
     meta = data["meta"]
+    # Name only the parts that ran (a decoder-only run says nothing about generate_speech's settings).
+    compiled = []
+    if data["chat"] or data.get("chat_model"):
+        compiled.append(f"`generate_speech(compile={meta.get('chat_compile')})`")
+    if data.get("decoder") or data.get("decoder_model"):
+        compiled.append(f"decoder `{meta.get('decoder_compile')}`")
     parts = [
         f"## {meta['date']} — {meta.get('gpu')}",
         "",
         f"`{meta['command']}`",
         "",
         f"torch {meta['torch']}, transformers {meta['transformers']}, CUDA {meta.get('cuda', '–')}, python "
-        f"{meta['python']}, funaudiochat_hf {meta.get('funaudiochat_hf')} (git {meta.get('git') or '?'}); compiled "
-        f"= `generate_speech(compile={meta.get('chat_compile')})`, decoder `{meta.get('decoder_compile')}`; float32 "
-        f"matmul precision {meta.get('float32_matmul_precision')}"
+        f"{meta['python']}, funaudiochat_hf {meta.get('funaudiochat_hf')} (git {meta.get('git') or '?'}); "
+        + (f"compiled = {', '.join(compiled)}; " if compiled else "")
+        + f"float32 matmul precision {meta.get('float32_matmul_precision')}"
         + (" — **tiny random configs, numbers are not meaningful**" if meta.get("tiny") else ""),
         "",
     ]

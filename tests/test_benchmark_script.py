@@ -114,6 +114,9 @@ def test_decoder_precision_and_stream_options(tmp_path):
     assert [(r["mode"], r["test"]) for r in data["decoder"]] == [("eager", "stream 1 s"), ("eager", "stream 2 s")]
     assert all("flow window padded to 8 tokens" in r["notes"] for r in data["decoder"])
     assert "Precision check (bfloat16 vs float32" in proc.stdout
+    # A decoder-only run names the decoder's compile settings, not generate_speech's.
+    header = (tmp_path / "benchmark.md").read_text()
+    assert "compiled = decoder `" in header and "generate_speech(compile=" not in header
 
 
 def test_time_budget_skips_remaining_work(tmp_path):
