@@ -534,8 +534,8 @@ def additive_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     """Boolean (..., queries, keys) mask, True = may attend -> additive `dtype` mask: 0, or the dtype's minimum.
 
     The minimum rather than -inf: a row with no visible key then averages all values instead of giving NaN. Rows are
-    stored with their stride rounded up to 16 elements (a view of a wider buffer): the fused attention kernels want
-    aligned bias rows and would otherwise copy the mask into a padded buffer on every call.
+    stored with their stride rounded up to 16 elements (a view of a wider buffer): SDPA's memory-efficient kernel
+    copies a bias with unaligned rows into a padded buffer on every call.
     """
     *leading, keys = mask.shape
     aligned_keys = -(-keys // 16) * 16
