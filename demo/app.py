@@ -10,6 +10,8 @@ Environment variables:
     FUNAUDIOCHAT_TRUST_REMOTE_CODE   "1" to load one-folder Hub repos without the package installed
     FUNAUDIOCHAT_STREAM_AUDIO        "0" to send the reply audio in one piece at the end (default: stream when
                                      ffmpeg is installed, which Gradio needs to stream audio; see packages.txt)
+    FUNAUDIOCHAT_FAST                "1" (on a GPU) to compile the chat loop and the decoder and run the decoder's
+                                     DiT in bfloat16: the first reply waits a few minutes for the compile
 
 Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SERVER_NAME / GRADIO_SERVER_PORT).
 """
@@ -70,7 +72,26 @@ def load_pipeline():
         trust_remote_code=trust_remote_code or None,
     )
     pipe.is_tiny_model = is_tiny
+    pipe.fast_generate_kwargs = {}
+    if os.environ.get("FUNAUDIOCHAT_FAST") == "1":
+        if pipe.device.type == "cuda":
+            pipe.fast_generate_kwargs = enable_fast_decoding(pipe)
+        else:
+            print(f"note: FUNAUDIOCHAT_FAST=1 needs a CUDA device (running on {pipe.device}): ignored.", file=sys.stderr)
     return pipe
+
+
+def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
+    """The measured fast settings (BENCHMARKS.md): the decoder's DiT in bfloat16 (mel SNR ~49 dB against float32)
+    with its estimator and vocoder compiled, and the chat loop compiled. Returns the `generate_speech` keyword
+    arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
+    compile_kwargs = {} if backend is None else {"backend": backend}
+    decoder = pipe.decoder
+    if decoder is not None:
+        decoder.use_low_precision_estimator("bfloat16")
+        decoder.compile_estimator(**compile_kwargs)
+        decoder.compile_vocoder(**compile_kwargs)
+    return {"compile": compile_kwargs or True}
 
 
 def example_wav() -> str:
@@ -129,6 +150,7 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
             top_p=float(top_p),
             max_new_tokens=int(max_new_tokens),
             system_prompt=system_prompt or None,
+            **getattr(pipe, "fast_generate_kwargs", {}),
         )
         for event in pipe.stream(chat, **kwargs):
             text += event["text"]

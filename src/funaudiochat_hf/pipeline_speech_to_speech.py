@@ -84,7 +84,7 @@ class SpeechToSpeechPipeline(Pipeline):
             decoder = load_speech_decoder(decoder, speakers_file=speakers_file)
             decoder.to(self.device)
         self.speech_decoder = decoder
-        if self._decoder is None:
+        if self.decoder is None:
             raise ValueError(
                 "This chat model has no speech decoder (token2wav). Pass `decoder=` with a CosyVoice3 folder or Hub "
                 "id (the official Fun-CosyVoice3-0.5B-2512 layout or one converted by scripts/convert_cosyvoice3.py), "
@@ -105,18 +105,19 @@ class SpeechToSpeechPipeline(Pipeline):
         return AutoProcessor.from_pretrained(source, trust_remote_code=trust)
 
     @property
-    def _decoder(self):
+    def decoder(self):
+        """The CosyVoice3 decoder that voices the replies: the one passed as `decoder=`, else the model's own."""
         return self.speech_decoder if self.speech_decoder is not None else getattr(self.model, "token2wav", None)
 
     @property
     def speakers(self) -> list[str]:
         """Names of the voices stored in the speech decoder (pass one as `speaker=`)."""
-        config = getattr(self._decoder, "config", None)
+        config = getattr(self.decoder, "config", None)
         return list(getattr(config, "speaker_names", None) or [])
 
     @property
     def sampling_rate(self) -> int:
-        config = getattr(self._decoder, "config", None)
+        config = getattr(self.decoder, "config", None)
         return int(getattr(config, "sampling_rate", None) or DEFAULT_SAMPLING_RATE)
 
     # ---------------------------------------------------------------------------------------------------------------
