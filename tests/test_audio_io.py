@@ -4,12 +4,13 @@ import io
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 from conftest import FUNAUDIOCHAT_GOLDEN
 from safetensors.torch import load_file
 
 from funaudiochat_hf.audio_io import MAX_CHANNELS, load_audio, resample
+
+sf = pytest.importorskip("soundfile")  # librosa's audio backend (absent on bare GPU hosts)
 
 
 WAV_PATH = FUNAUDIOCHAT_GOLDEN / "input_16k.wav"

@@ -5,10 +5,11 @@ import subprocess
 import sys
 
 import pytest
-import soundfile
 
 from funaudiochat_hf.cli import main
 from funaudiochat_hf.tiny_model import TINY_MODEL_VERSION, build_tiny_model, synthetic_question
+
+soundfile = pytest.importorskip("soundfile")  # librosa's audio backend (absent on bare GPU hosts)
 
 
 @pytest.fixture(scope="module")

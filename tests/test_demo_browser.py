@@ -15,9 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import soundfile
 
 from funaudiochat_hf.tiny_model import TINY_MODEL_VERSION, build_tiny_model, synthetic_question
+
+soundfile = pytest.importorskip("soundfile")  # librosa's audio backend (absent on bare GPU hosts)
 
 
 pytestmark = pytest.mark.browser

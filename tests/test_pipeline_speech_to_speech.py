@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import soundfile
 import torch
 from transformers import pipeline
 
@@ -18,6 +17,8 @@ import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.pipeline_speech_to_speech import SpeechToSpeechPipeline, register_pipeline
 from funaudiochat_hf.processing_funaudiochat import SPOKEN_S2M_PROMPT, FunAudioChatProcessor
 from funaudiochat_hf.tiny_model import ASSETS_DIR, TINY_MODEL_VERSION, build_tiny_model, synthetic_question
+
+soundfile = pytest.importorskip("soundfile")  # librosa's audio backend (absent on bare GPU hosts)
 
 
 AUDIO_TOKEN_ID = 346  # `<|AUDIO|>` in the tiny tokenizer
