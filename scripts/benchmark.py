@@ -690,7 +690,6 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, eager_prefill:
     return {
         "mode": mode,
         "input_seconds": args.input_seconds,
-        "prefill": "compiled" if mode == "compiled" and not eager_prefill else "eager",
         "ttfa_ms": best * 1e3,
         "first_call_ttfa_ms": cold["seconds"] * 1e3,
         "events_before_audio": warm[0]["events"],

@@ -10,7 +10,7 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
-  prompt length with one graph each ("regional" compilation; `generate_speech(compile_prefill=True)`). Compiling
+  prompt length with one graph each ("regional" compilation: `generate_speech`'s compiled prefill). Compiling
   a whole layer would not work: transformers' `Cache.update` indexes `cache.layers[layer_idx]`, which gives every
   layer its own graph.
 """

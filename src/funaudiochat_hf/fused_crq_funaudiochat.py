@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass
 class FusedLayerProjections:
     """Concatenated input projections of one Qwen3 decoder layer.

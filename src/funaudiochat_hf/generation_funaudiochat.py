@@ -231,7 +231,7 @@ class _DecodeWorkspace:
 # sub-steps: ~5x less to compile, at the price of K + 2 graph launches per step instead of 1).
 # --------------------------------------------------------------------------------------------------------------------
 
-# torch.compile options of `compile_prefill=True`: one graph per layer half, reused by every layer and prompt length.
+# torch.compile options of the compiled prefill: one graph per layer half, reused by every layer and prompt length.
 PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
 
 
@@ -392,7 +392,7 @@ def _prefill_forward(
     """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
     `K * L - (K - 1)` sub-positions, each in one pass.
 
-    `halves` (`compile_prefill=True`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
+    `halves` (`compile_prefill` on: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
     layer by layer through them; None runs the models' own forwards.
     """
     length = input_ids.shape[1]
