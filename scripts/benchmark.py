@@ -1313,7 +1313,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile-attention", default="auto",
-        choices=["auto", "default", "math", "efficient", "cudnn", "gqa_matmul"],
+        choices=["auto", "default", "math", "efficient", "cudnn", "gqa_matmul", "triton"],
         help="generate_speech(compile_attention=...)",
     )
     p.add_argument(

@@ -19,7 +19,7 @@ from funaudiochat_hf.attention_funaudiochat import (
     gqa_decode_attention,
     register_gqa_decode_attention,
 )
-from funaudiochat_hf.generation_funaudiochat import _GQADecodeAttention
+from funaudiochat_hf.generation_funaudiochat import _DecodeAttention
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
 
@@ -234,7 +234,7 @@ def test_attention_setting_switched_during_the_step_and_restored_on_error(model)
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        _GQADecodeAttention(failing_step)(model, None, None)
+        _DecodeAttention(failing_step, "gqa_matmul")(model, None, None)
     assert seen == [(GQA_DECODE_ATTENTION, GQA_DECODE_ATTENTION)]
     assert model.language_model.config._attn_implementation == "sdpa"
     assert model.audio_invert_tower.crq_transformer.config._attn_implementation == "sdpa"

@@ -161,7 +161,7 @@ def test_non_plain_linear_projection_raises():
 def test_compiled_loops_fuse_and_use_gqa_attention_by_default(model, inputs):
     """Issue 4: `fuse_crq_projections=None` / `compile_attention="auto"` (defaults) turn both on for a compiled loop
     (measured faster on an H200) and leave the eager loop as the plain model; explicit values win."""
-    from funaudiochat_hf.generation_funaudiochat import _CompiledParts, _decode_step, _GQADecodeAttention
+    from funaudiochat_hf.generation_funaudiochat import _CompiledParts, _decode_step, _DecodeAttention
 
     options = _resolve_options({})
     assert options["fuse_crq_projections"] is None and options["compile_attention"] == "auto"
@@ -170,8 +170,9 @@ def test_compiled_loops_fuse_and_use_gqa_attention_by_default(model, inputs):
     eager = model._speech_run(ids, None, {}, {})
     assert eager.step_fn is _decode_step and not eager.cfg.fuse_crq_projections
     compiled = model._speech_run(ids, None, {}, {"compile": compile_options})
-    assert compiled.cfg.fuse_crq_projections and isinstance(compiled.step_fn, _GQADecodeAttention)
-    assert isinstance(compiled.prefill_crq_part, _GQADecodeAttention)
+    assert compiled.cfg.fuse_crq_projections and isinstance(compiled.step_fn, _DecodeAttention)
+    assert isinstance(compiled.prefill_crq_part, _DecodeAttention)
+    assert compiled.attention == "gqa_matmul"  # CPU: no Triton kernels
     plain = model._speech_run(
         ids, None, {}, {"compile": compile_options, "fuse_crq_projections": False, "compile_attention": "default"}
     )

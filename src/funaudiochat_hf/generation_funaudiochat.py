@@ -35,6 +35,7 @@ from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
+from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
 
 
 logger = logging.get_logger(__name__)
@@ -456,20 +457,23 @@ class _PinnedAttention:
             self.step_fn(model, ws, cfg)
 
 
-class _GQADecodeAttention:
-    """Run a compiled step (or part) with the attention in `gqa_decode_attention` (`compile_attention="gqa_matmul"`).
+class _DecodeAttention:
+    """Run a compiled step (or part) with the attention in one of our one-query attention functions:
+    `compile_attention="gqa_matmul"` (`gqa_decode_attention`: two batched GEMMs over the KV heads, no `repeat_kv`
+    copy of the cache, no SDPA backend choice) or `"triton"` (`triton_decode_attention`: two Triton kernels that skip
+    the cache positions the mask hides).
 
-    The decode attention becomes two batched GEMMs over the KV heads (no `repeat_kv` copy of the cache, no SDPA
-    backend choice); the eager prefill keeps the model's own attention. The switch is the configs'
-    `_attn_implementation`, set around every call and restored in `finally`: it is per model, not per thread, so an
-    eager forward of the same model in another thread during a step also runs through it (same results: the function
-    delegates to `sdpa` for more than one query position and computes the same attention for one). `torch.compile`
-    guards on the value, so alternating with "default" on one model recompiles once per variant.
+    The eager prefill keeps the model's own attention. The switch is the configs' `_attn_implementation`, set around
+    every call and restored in `finally`: it is per model, not per thread, so an eager forward of the same model in
+    another thread during a step also runs through it (same results: both functions delegate to `sdpa` for more than
+    one query position and compute the same attention for one). `torch.compile` guards on the value, so alternating
+    with "default" on one model recompiles once per variant.
     """
 
-    def __init__(self, step_fn):
+    def __init__(self, step_fn, attention: str):
         self.step_fn = step_fn
-        self.implementation = register_gqa_decode_attention()
+        register = register_triton_decode_attention if attention == "triton" else register_gqa_decode_attention
+        self.implementation = register()
 
     def __call__(self, model, ws: "_DecodeWorkspace", cfg: _StepConfig) -> None:
         configs = [model.language_model.config]
@@ -708,19 +712,12 @@ class _SpeechRun:
             crq = None if disable_speech else model.audio_invert_tower.crq_transformer
             fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
         self.cfg = replace(self.cfg, fuse_crq_projections=bool(fuse) and not disable_speech)
-        attention = options["compile_attention"]
-        if attention not in ("auto", "default", "gqa_matmul") and attention not in _SDPA_BACKENDS:
-            raise ValueError(
-                "`compile_attention` must be 'auto', 'default', 'gqa_matmul' or one of "
-                f"{sorted(_SDPA_BACKENDS)}, got {attention!r}."
-            )
-        if attention == "auto":
-            attention = "gqa_matmul" if compiled else "default"
+        self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
         self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
-        if compiled and attention == "gqa_matmul":
-            self.step_fn = _GQADecodeAttention(self.step_fn)
-            self.prefill_crq_part = _GQADecodeAttention(self.prefill_crq_part)
+        if compiled and attention in ("gqa_matmul", "triton"):
+            self.step_fn = _DecodeAttention(self.step_fn, attention)
+            self.prefill_crq_part = _DecodeAttention(self.prefill_crq_part, attention)
         elif compiled and attention != "default" and device.type == "cuda":
             self.step_fn = _PinnedAttention(self.step_fn, attention)
             self.prefill_crq_part = _PinnedAttention(self.prefill_crq_part, attention)
@@ -759,6 +756,25 @@ class _SpeechRun:
             return _prefill_forward
         halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
         return functools.partial(_prefill_forward, halves=halves)
+
+    @staticmethod
+    def _pick_attention(attention: str, compiled: bool, device: torch.device) -> str:
+        """The decode attention of the run: `compile_attention` with "auto" resolved."""
+        choices = ("auto", "default", "gqa_matmul", "triton")
+        if attention not in choices and attention not in _SDPA_BACKENDS:
+            raise ValueError(
+                f"`compile_attention` must be one of {list(choices) + sorted(_SDPA_BACKENDS)}, got {attention!r}."
+            )
+        if attention == "triton" and not (triton_available() and device.type == "cuda"):
+            raise ValueError(
+                "`compile_attention='triton'` needs the `triton` package and the model on a CUDA device; use "
+                "'gqa_matmul' (the same attention as batched matmuls) or 'auto'."
+            )
+        if attention == "auto":
+            if not compiled:
+                return "default"
+            return "triton" if device.type == "cuda" and triton_available() else "gqa_matmul"
+        return attention
 
     def _pick_step_function(self, compile_option, compile_scope: str, device):
         if compile_scope not in ("step", "parts"):
@@ -953,9 +969,11 @@ class FunAudioChatSpeechGenerationMixin:
                 shapes, one graph per half and stack for every layer and prompt length, no CUDA graphs: fewer kernel
                 launches in the prefill, which eagerly is bound by them; on an H200 the time to first audio went
                 from 189 to 135 ms for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
-                ("auto", default: "gqa_matmul" when compiled, else "default"; "default": PyTorch's SDPA kernel choice;
-                "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA; "gqa_matmul":
-                the compiled step's attention as two GQA-aware batched matmuls, any device), `fuse_crq_projections`
+                ("auto", default: "triton" when compiled on CUDA with Triton installed, "gqa_matmul" when compiled
+                elsewhere, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" | "cudnn":
+                pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's attention as two
+                GQA-aware batched matmuls, any device; "triton": two Triton kernels that also skip the cache
+                positions not yet written, CUDA only), `fuse_crq_projections`
                 (None, default: True when compiled and the CRQ projections are plain linears, else False; True:
                 the CRQ layers run with their q/k/v and gate/up projections fused into one GEMM each, 4 instead of 7
                 per layer, compiled or eager; costs one extra copy of those weights, ~0.6 GB in bfloat16 at full

@@ -1,0 +1,267 @@
+"""One-query GQA attention over a static KV cache as two Triton kernels (split-KV "flash decoding").
+
+`generate_speech(compile_attention="triton")` (the compiled default on CUDA when Triton is installed). Each decode
+step attends one query position per row to the whole static cache of every LLM and CRQ layer (176 attention calls
+per LLM step at full size). The matmul version (`attention_funaudiochat.gqa_decode_attention`) costs three kernels
+per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache position, used or not. Here:
+
+- `_split_kernel`, grid `(batch * kv_heads, splits)`: each program takes the `groups` query heads of one KV head as
+  the rows of a small matrix, walks its share of the cache in blocks of `BLOCK_N` positions with an online softmax,
+  and skips blocks the mask hides entirely (the unused tail of a static cache, a row's left padding) without
+  reading their keys or values. It writes a partial (max, sum, weighted values) per head and split.
+- `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head.
+
+Splitting the cache gives enough programs to fill the GPU at batch 1 (8 KV heads alone would use 8 of 132 SMs).
+The scores are accumulated in float32 from the cache's dtype, softmax in float32 and the probabilities are cast to
+the value dtype for the second product, as SDPA and `gqa_decode_attention` do. A row that sees no position gets
+zeros (never the case when decoding: a position sees itself).
+
+`torch.library.triton_op` makes the launcher a PyTorch operator that `torch.compile` traces into its graph (and CUDA
+graphs replay); the host code only depends on shapes, so it adds no sync.
+"""
+
+import functools
+import math
+
+import torch
+
+from .attention_funaudiochat import gqa_decode_attention
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the matmul attention is used instead.
+    triton = None
+
+
+TRITON_DECODE_ATTENTION = "funaudiochat_triton_decode"
+BLOCK_N = 64  # cache positions per block (and per skip decision)
+MAX_SPLITS = 64
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here (Triton importable and a CUDA device present)."""
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        kv_len, scaling,
+        stride_qb, stride_qh, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_mb, stride_mn,
+        KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        batch_head = tl.program_id(0)
+        split = tl.program_id(1)
+        b = batch_head // KV_HEADS
+        h = batch_head % KV_HEADS
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < GROUPS
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + b * stride_qb + (h * GROUPS + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        k_base = k_ptr + b * stride_kb + h * stride_kh
+        v_base = v_ptr + b * stride_vb + h * stride_vh
+        row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for block in range(SPLIT_BLOCKS):
+            n = (split * SPLIT_BLOCKS + block) * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = n < kv_len
+            if HAS_MASK:
+                valid = valid & (tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=valid, other=0) != 0)
+            # A block nobody may see (the unused tail of a static cache, left padding): skip its keys and values.
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                kv_mask = valid[:, None] & d_ok[None, :]
+                k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+                # `.to`: under torch.compile a Python float argument may arrive as a float64 constant.
+                scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling).to(tl.float32)  # (G, N)
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+                correction = tl.exp(row_max - new_max)
+                probs = tl.exp(scores - new_max[:, None])
+                row_sum = row_sum * correction + tl.sum(probs, axis=1)
+                v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+                row_max = new_max
+        part = (batch_head * NUM_SPLITS + split) * BLOCK_G + g
+        tl.store(part_max_ptr + part, row_max)
+        tl.store(part_sum_ptr + part, row_sum)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+        stride_ob, stride_oh, stride_od,
+        KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        batch_head = tl.program_id(0)
+        g = tl.program_id(1)
+        b = batch_head // KV_HEADS
+        h = batch_head % KV_HEADS
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = s < NUM_SPLITS
+        part = (batch_head * NUM_SPLITS + s) * BLOCK_G + g
+        split_max = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+        split_sum = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+        head_max = tl.max(split_max, axis=0)
+        # Splits that saw nothing have max -inf: weight 0. If no split saw anything, keep the weights finite.
+        head_max = tl.where(head_max == float("-inf"), 0.0, head_max)
+        weight = tl.exp(split_max - head_max)
+        total = tl.sum(weight * split_sum, axis=0)
+        acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + b * stride_ob + (h * GROUPS + g) * stride_oh + d * stride_od, out, mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
+    """`(splits, blocks per split)`: about two programs per multiprocessor, at least one block per split."""
+    blocks = max(1, triton.cdiv(kv_len, BLOCK_N))
+    programs = 2 * (_multiprocessors(device.index or 0) if device.type == "cuda" else 132)
+    splits = min(blocks, MAX_SPLITS, max(1, triton.cdiv(programs, batch_heads)))
+    split_blocks = triton.cdiv(blocks, splits)
+    return triton.cdiv(blocks, split_blocks), split_blocks
+
+
+def launch_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    wrap=lambda kernel: kernel,
+) -> torch.Tensor:
+    """Attention of one query position per row; the body of the `funaudiochat::decode_attention` operator.
+
+    Args:
+        query: `(batch, heads, 1, head_dim)`.
+        key, value: `(batch, kv_heads, kv_len, head_dim)` (any strides), `heads` a multiple of `kv_heads`.
+        mask: None or boolean `(batch or 1, kv_len)` (True = attend, any strides).
+        scaling: softmax scale.
+        wrap: `torch.library.wrap_triton` inside the operator (so `torch.compile` can trace the launches); the
+            identity when called directly (Triton's CPU interpreter in tests).
+    Returns:
+        `(batch, 1, heads, head_dim)` in the query's dtype, contiguous.
+    """
+    batch, heads, _, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    block_g = max(16, triton.next_power_of_2(groups))  # tl.dot needs 16 rows at least
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    splits, split_blocks = _num_splits(batch * kv_heads, kv_len, query.device)
+    parts = batch * kv_heads * splits * block_g
+    part_acc = torch.empty(parts, block_d, dtype=torch.float32, device=query.device)
+    part_max = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
+    out = torch.empty(batch, 1, heads, head_dim, dtype=query.dtype, device=query.device)
+    has_mask = mask is not None
+    mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)) if has_mask else (0, 0)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # exact float32; unused for 16-bit inputs
+    wrap(_split_kernel)[(batch * kv_heads, splits)](
+        query, key, value, mask if has_mask else query, part_acc, part_max, part_sum,
+        kv_len, scaling,
+        query.stride(0), query.stride(1), query.stride(3),
+        *key.stride(), *value.stride(), *mask_strides,
+        KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision,
+    )  # fmt: skip
+    wrap(_combine_kernel)[(batch * kv_heads, groups)](
+        part_acc, part_max, part_sum, out,
+        out.stride(0), out.stride(2), out.stride(3),
+        KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @torch.library.triton_op("funaudiochat::decode_attention", mutates_args={})
+    def _decode_attention_op(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
+        return launch_decode_attention(query, key, value, mask, scaling, wrap=torch.library.wrap_triton)
+
+
+def _flat_bool_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:
+    """`(supported, mask)`: a `(batch or 1, 1, 1, kv_len)` boolean mask as a `(batch or 1, kv_len)` view."""
+    if attention_mask is None:
+        return True, None
+    shape_ok = attention_mask.ndim == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
+    if attention_mask.dtype != torch.bool or not shape_ok or attention_mask.shape[-1] != kv_len:
+        return False, None
+    if attention_mask.shape[0] not in (1, batch):
+        return False, None
+    return True, attention_mask[:, 0, 0, :]
+
+
+def triton_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: the Triton kernels for one CUDA query position with a boolean (or no) mask,
+    `gqa_decode_attention` (matmuls, or SDPA for several positions) for anything else.
+
+    Shapes as `gqa_decode_attention`: query `(batch, heads, q_len, head_dim)`, key / value `(batch, kv_heads,
+    kv_len, head_dim)`; returns `((batch, q_len, heads, head_dim), None)`.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    usable = (
+        triton is not None
+        and query.is_cuda
+        and q_len == 1
+        and dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and heads % key.shape[1] == 0
+    )
+    supported, mask = _flat_bool_mask(attention_mask, batch, key.shape[2]) if usable else (False, None)
+    if not supported:
+        return gqa_decode_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(head_dim)
+    return torch.ops.funaudiochat.decode_attention(query, key, value, mask, float(scaling)), None
+
+
+def register_triton_decode_attention() -> str:
+    """Register `triton_decode_attention` (with the `sdpa` mask builder) globally; returns its name. Idempotent."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(TRITON_DECODE_ATTENTION, triton_decode_attention)
+    AttentionMaskInterface.register(TRITON_DECODE_ATTENTION, sdpa_mask)
+    return TRITON_DECODE_ATTENTION
+
+
+__all__ = [
+    "TRITON_DECODE_ATTENTION",
+    "launch_decode_attention",
+    "register_triton_decode_attention",
+    "triton_available",
+    "triton_decode_attention",
+]

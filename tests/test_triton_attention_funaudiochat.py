@@ -1,0 +1,165 @@
+"""Tests of the Triton one-query attention (`triton_attention_funaudiochat`, `compile_attention="triton"`).
+
+The kernels are checked against `gqa_decode_attention` (itself checked against SDPA in test_attention_funaudiochat.py):
+on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess: the variable must be set before the
+kernels are defined; skipped where Triton is not installed), on a GPU for real (marked `gpu`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
+from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
+from funaudiochat_hf.generation_funaudiochat import _SpeechRun
+
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+
+
+GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# (batch, heads, kv_heads, kv_len, head_dim, mask): masks "tail" (a static cache's unused end), "padding" (left
+# padding, a row seeing one position), "broadcast" (one row's mask expanded to the batch, stride 0), None.
+CASES = [
+    (1, 16, 8, 300, 128, "tail"),  # the CRQ's head layout, several splits, skipped blocks
+    (3, 4, 2, 70, 64, "padding"),
+    (2, 6, 3, 10, 32, None),  # fewer positions than one block
+    (2, 4, 4, 200, 48, "broadcast"),  # no grouping, head_dim not a power of two
+    (2, 32, 8, 129, 128, "tail"),  # the LLM's head layout
+]
+
+
+def _case_tensors(batch, heads, kv_heads, kv_len, head_dim, mask_kind, dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(batch * 1000 + kv_len)
+    query = torch.randn(batch, heads, 1, head_dim, generator=generator)
+    key = torch.randn(batch, kv_heads, kv_len, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, kv_len, head_dim, generator=generator)
+    mask = None
+    if mask_kind == "tail":
+        mask = torch.zeros(batch, 1, 1, kv_len, dtype=torch.bool)
+        mask[..., : kv_len // 2 + 1] = True
+    elif mask_kind == "padding":
+        mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+        mask[0, ..., :5] = False
+        mask[1, ..., 50:] = False
+        mask[2] = False
+        mask[2, ..., 3] = True  # sees a single position
+    elif mask_kind == "broadcast":
+        mask = (torch.rand(1, 1, 1, kv_len, generator=generator) > 0.3).expand(batch, 1, 1, kv_len)
+    tensors = [t.to(device=device, dtype=dtype) for t in (query, key, value)]
+    return (*tensors, None if mask is None else mask.to(device))
+
+
+_INTERPRETER_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_triton_attention_funaudiochat import CASES, _case_tensors
+from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
+from funaudiochat_hf.triton_attention_funaudiochat import launch_decode_attention
+errors = []
+for case in CASES:
+    query, key, value, mask = _case_tensors(*case)
+    expected, _ = gqa_decode_attention(None, query, key, value, mask, scaling=0.1)
+    flat = None if mask is None else mask[:, 0, 0, :]
+    got = launch_decode_attention(query, key, value, flat, 0.1)
+    assert got.shape == expected.shape and got.is_contiguous(), (got.shape, expected.shape)
+    errors.append((got - expected).abs().max().item())
+print(json.dumps(errors))
+"""
+
+
+def test_kernels_match_matmul_attention_in_the_triton_interpreter():
+    """Every mask layout, grouping and head size; float32, tolerance 1e-5 (same math, another summation order)."""
+    pytest.importorskip("triton")
+    script = _INTERPRETER_SCRIPT.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(errors) == len(CASES)
+    assert max(errors) < 1e-5, errors
+
+
+def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
+    """On CPU (and for float masks or several query positions) the function is `gqa_decode_attention`, bit for bit."""
+    query, key, value, mask = _case_tensors(3, 4, 2, 70, 64, "padding")
+    expected, _ = gqa_decode_attention(None, query, key, value, mask, scaling=0.1)
+    got, weights = triton_attention.triton_decode_attention(None, query, key, value, mask, scaling=0.1)
+    assert weights is None and torch.equal(got, expected)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, -1e9)
+    assert triton_attention._flat_bool_mask(additive, 3, 70) == (False, None)
+    supported, flat = triton_attention._flat_bool_mask(mask, 3, 70)
+    assert supported and flat.shape == (3, 70) and torch.equal(flat, mask[:, 0, 0])
+    assert triton_attention._flat_bool_mask(mask, 3, 71) == (False, None)  # mask / cache length mismatch
+
+
+def test_compile_attention_choice(monkeypatch):
+    """"auto" picks the Triton kernels only for a compiled loop on CUDA with Triton; asking for them elsewhere is a
+    clear error; unknown names are refused."""
+    pick = _SpeechRun._pick_attention
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda: True)
+    assert pick("auto", True, cuda) == "triton"
+    assert pick("auto", True, cpu) == "gqa_matmul"
+    assert pick("auto", False, cuda) == "default"
+    assert pick("gqa_matmul", True, cuda) == "gqa_matmul"
+    with pytest.raises(ValueError, match="CUDA device"):
+        pick("triton", True, cpu)
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda: False)
+    assert pick("auto", True, cuda) == "gqa_matmul"
+    with pytest.raises(ValueError, match="needs the `triton` package"):
+        pick("triton", True, cuda)
+    with pytest.raises(ValueError, match="compile_attention"):
+        pick("flash", True, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_match_matmul_attention(dtype):
+    """Float32: 1e-5; bfloat16: within the bf16 rounding of the probabilities (2e-2 on unit-variance values)."""
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for case in [*CASES, (16, 16, 8, 3200, 128, "tail"), (1, 32, 8, 4096, 128, "tail")]:
+        query, key, value, mask = _case_tensors(*case, dtype=dtype, device="cuda")
+        expected, _ = gqa_decode_attention(None, query, key, value, mask, scaling=0.1)
+        got, _ = triton_attention.triton_decode_attention(None, query, key, value, mask, scaling=0.1)
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert (got.float() - expected.float()).abs().max().item() < tolerance, case
+
+
+@pytest.mark.gpu
+def test_cuda_operator_compiles_into_one_graph():
+    query, key, value, mask = _case_tensors(1, 16, 8, 300, 128, "tail", dtype=torch.bfloat16, device="cuda")
+    flat = mask[:, 0, 0, :]
+
+    def attention(query, key, value, mask):
+        return torch.ops.funaudiochat.decode_attention(query * 2, key, value, mask, 0.1) + 1
+
+    compiled = torch.compile(attention, fullgraph=True)
+    expected = attention(query, key, value, flat)
+    assert torch.equal(compiled(query, key, value, flat), expected)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_triton_step_matches_eager_on_gpu(inputs):
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS)
+    golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
+    assert torch.equal(eager.sequences.cpu(), golden["sequences"])
+    for _ in range(2):  # the second call replays the captured CUDA graphs
+        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, compile_attention="triton")
+        assert torch.equal(graphed.sequences, eager.sequences)
+        assert torch.equal(graphed.speech_ids, eager.speech_ids)
+    assert model.config.text_config._attn_implementation == "sdpa"
