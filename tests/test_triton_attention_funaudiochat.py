@@ -82,7 +82,8 @@ def test_kernels_match_matmul_attention_in_the_triton_interpreter():
     """Every mask layout, grouping and head size; float32, tolerance 1e-5 (same math, another summation order)."""
     pytest.importorskip("triton")
     script = _INTERPRETER_SCRIPT.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=600
     )
