@@ -16,6 +16,9 @@ The scores are accumulated in float32 from the cache's dtype, softmax in float32
 the value dtype for the second product, as SDPA and `gqa_decode_attention` do. A row that sees no position gets
 zeros (never the case when decoding: a position sees itself).
 
+Measured on an H200 (BENCHMARKS.md, `scripts/bench_decode_attention.py`): 1.3-1.5x faster per call than the compiled
+matmuls (a CRQ layer at batch 1: 6.3 against 10.0 µs); the whole batch-1 step 14.35 -> 13.91 ms side by side.
+
 `torch.library.triton_op` makes the launcher a PyTorch operator that `torch.compile` traces into its graph (and CUDA
 graphs replay); the host code only depends on shapes, so it adds no sync.
 """
