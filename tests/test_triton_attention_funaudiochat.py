@@ -107,23 +107,36 @@ def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
 
 
 def test_compile_attention_choice(monkeypatch):
-    """"auto" picks the Triton kernels only for a compiled loop on CUDA with Triton; asking for them elsewhere is a
+    """"auto" picks the Triton kernels only for a compiled loop where they can run; asking for them elsewhere is a
     clear error; unknown names are refused."""
     pick = _SpeechRun._pick_attention
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda: True)
+    available = "funaudiochat_hf.generation_funaudiochat.triton_available"
+    monkeypatch.setattr(available, lambda device: device.type == "cuda")
     assert pick("auto", True, cuda) == "triton"
     assert pick("auto", True, cpu) == "gqa_matmul"
     assert pick("auto", False, cuda) == "default"
     assert pick("gqa_matmul", True, cuda) == "gqa_matmul"
-    with pytest.raises(ValueError, match="CUDA device"):
+    with pytest.raises(ValueError, match="CUDA GPU"):
         pick("triton", True, cpu)
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda: False)
+    monkeypatch.setattr(available, lambda device: False)
     assert pick("auto", True, cuda) == "gqa_matmul"
     with pytest.raises(ValueError, match="needs the `triton` package"):
         pick("triton", True, cuda)
     with pytest.raises(ValueError, match="compile_attention"):
         pick("flash", True, cuda)
+
+
+def test_triton_available_needs_triton_and_a_recent_gpu(monkeypatch):
+    assert not triton_attention.triton_available("cpu")
+    monkeypatch.setattr(triton_attention, "triton", object())  # pretend Triton is installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100: no bf16 tl.dot
+    assert not triton_attention.triton_available("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert triton_attention.triton_available("cuda:0") and not triton_attention.triton_available("cpu")
+    monkeypatch.setattr(triton_attention, "triton", None)
+    assert not triton_attention.triton_available("cuda")
 
 
 @pytest.mark.gpu

@@ -765,15 +765,15 @@ class _SpeechRun:
             raise ValueError(
                 f"`compile_attention` must be one of {list(choices) + sorted(_SDPA_BACKENDS)}, got {attention!r}."
             )
-        if attention == "triton" and not (triton_available() and device.type == "cuda"):
+        if attention == "triton" and not triton_available(device):
             raise ValueError(
-                "`compile_attention='triton'` needs the `triton` package and the model on a CUDA device; use "
-                "'gqa_matmul' (the same attention as batched matmuls) or 'auto'."
+                "`compile_attention='triton'` needs the `triton` package and the model on a CUDA GPU of compute "
+                "capability 8.0 or newer; use 'gqa_matmul' (the same attention as batched matmuls) or 'auto'."
             )
         if attention == "auto":
             if not compiled:
                 return "default"
-            return "triton" if device.type == "cuda" and triton_available() else "gqa_matmul"
+            return "triton" if triton_available(device) else "gqa_matmul"
         return attention
 
     def _pick_step_function(self, compile_option, compile_scope: str, device):
@@ -969,7 +969,8 @@ class FunAudioChatSpeechGenerationMixin:
                 shapes, one graph per half and stack for every layer and prompt length, no CUDA graphs: fewer kernel
                 launches in the prefill, which eagerly is bound by them; on an H200 the time to first audio went
                 from 189 to 135 ms for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
-                ("auto", default: "triton" when compiled on CUDA with Triton installed, "gqa_matmul" when compiled
+                ("auto", default: "triton" when compiled on a CUDA GPU of compute capability >= 8.0 with Triton
+                installed, "gqa_matmul" when compiled
                 elsewhere, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" | "cudnn":
                 pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's attention as two
                 GQA-aware batched matmuls, any device; "triton": two Triton kernels that also skip the cache

@@ -43,9 +43,13 @@ BLOCK_N = 64  # cache positions per block (and per skip decision)
 MAX_SPLITS = 64
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernels can run here (Triton importable and a CUDA device present)."""
-    return triton is not None and torch.cuda.is_available()
+def triton_available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on `device`: Triton importable and an NVIDIA GPU with bfloat16 tensor cores
+    (compute capability 8.0 or newer: the 16-bit `tl.dot` of the kernels)."""
+    device = torch.device(device)
+    if triton is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 if triton is not None:
