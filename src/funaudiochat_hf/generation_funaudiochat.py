@@ -970,15 +970,14 @@ class FunAudioChatSpeechGenerationMixin:
                 launches in the prefill, which eagerly is bound by them; on an H200 the time to first audio went
                 from 189 to 135 ms for ~13 s more compilation on the first call, BENCHMARKS.md), `compile_attention`
                 ("auto", default: "triton" when compiled on a CUDA GPU of compute capability >= 8.0 with Triton
-                installed, "gqa_matmul" when compiled
-                elsewhere, else "default"; "default": PyTorch's SDPA kernel choice; "math" | "efficient" | "cudnn":
-                pin the SDPA backend of the compiled step on CUDA; "gqa_matmul": the compiled step's attention as two
-                GQA-aware batched matmuls, any device; "triton": two Triton kernels that also skip the cache
-                positions not yet written, CUDA only), `fuse_crq_projections`
-                (None, default: True when compiled and the CRQ projections are plain linears, else False; True:
-                the CRQ layers run with their q/k/v and gate/up projections fused into one GEMM each, 4 instead of 7
-                per layer, compiled or eager; costs one extra copy of those weights, ~0.6 GB in bfloat16 at full
-                size; same math, float rounding may differ slightly),
+                installed, "gqa_matmul" when compiled elsewhere, else "default"; "default": PyTorch's SDPA kernel
+                choice; "math" | "efficient" | "cudnn": pin the SDPA backend of the compiled step on CUDA;
+                "gqa_matmul": the compiled step's attention as two GQA-aware batched matmuls, any device; "triton":
+                two Triton kernels that also skip the cache positions not yet written, CUDA only),
+                `fuse_crq_projections` (None, default: True when compiled and the CRQ projections are plain
+                linears, else False; True: the CRQ layers run with their q/k/v and gate/up projections fused into
+                one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those weights,
+                ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
