@@ -215,3 +215,19 @@ def test_eager_prefill_adds_a_side_by_side_time_to_first_audio_row():
 
     model = type("Model", (), {"config": FunAudioChatConfig()})()
     assert benchmark.generation_kwargs(model, "compiled", args, 4)["compile_prefill"] is None
+
+
+def test_bench_ttfa_smoke():
+    """scripts/bench_ttfa.py on tiny configs: one row per `--compile-attention` value, in the order given, each with
+    a time to first audio and the arrival of every stream event."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "bench_ttfa.py"), "--compile-attention", "default,gqa_matmul", "--",
+         "--tiny", "--device", "cpu", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert [row[1] for row in rows] == ["default", "gqa_matmul"]
+    for row in rows:
+        ttfa, events = float(row[2]), [float(ms) for ms in row[3].split(", ")]
+        assert len(events) >= 2 and 0 < events[0] <= ttfa + 1  # the first event (the prefill) precedes the audio
