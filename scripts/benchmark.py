@@ -1113,9 +1113,10 @@ def render_extras(data: dict) -> str:
             )
     stream_options = data.get("meta", {}).get("stream_options", "streaming_decoder() defaults")
     for r in data.get("ttfa", []):
-        mode = r["mode"] + (", compile_prefill=True" if r.get("compile_prefill") else "")
         if r.get("prefill"):  # rows since the prefill compiles with the loop by default
             mode = f"{r['mode']}, {r['prefill']} prefill"
+        else:  # older JSON (--from-json): the prefill was eager unless compile_prefill was set
+            mode = r["mode"] + (", compile_prefill=True" if r.get("compile_prefill") else "")
         if row_status(r):
             lines.append(f"- Time to first audio ({mode}): {r['status']}")
         else:
