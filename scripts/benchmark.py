@@ -157,7 +157,8 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "tiny": args.tiny,
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
-            f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}"
+            f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
+            f"crq_linear={args.crq_linear!r}"
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
@@ -528,6 +529,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile_attention": args.compile_attention,
         "compile_prefill": None,  # default: compiled with the loop; --eager-prefill adds a TTFA row without
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
+        "crq_linear": args.crq_linear,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -1320,6 +1322,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--fuse-crq-projections", default="auto", choices=["auto", "on", "off"],
         help="generate_speech(fuse_crq_projections=None | True | False)",
+    )
+    p.add_argument(
+        "--crq-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(crq_linear=...)"
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(

@@ -6,7 +6,9 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 (`config._attn_implementation`) and projections. Two things are added:
 
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
-  separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step);
+  separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their
+  `decode_kernels` set, a decode step of a few rows on CUDA runs the four projections, the two norms, the activation
+  and the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -24,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, eager_attention_forward
 
 from .compat import attention_passes_kwargs_to_cache
+from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
 
 
 _CACHE_UPDATE_GETS_KWARGS = attention_passes_kwargs_to_cache()
@@ -43,14 +46,18 @@ def attention_inputs(
         query `(batch, heads, n, head_dim)`, key and value `(batch, kv_heads, n, head_dim)`.
     """
     attention = layer.self_attn
-    hidden_states = layer.input_layernorm(hidden_states)
     hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
     if projections is None:
+        hidden_states = layer.input_layernorm(hidden_states)
         query = attention.q_proj(hidden_states)
         key = attention.k_proj(hidden_states)
         value = attention.v_proj(hidden_states)
     else:
-        qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
+        if _takes_kernels(projections, hidden_states):
+            qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, layer.input_layernorm)
+        else:
+            hidden_states = layer.input_layernorm(hidden_states)
+            qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
         query, key, value = qkv.split(projections.qkv_split, dim=-1)
     query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
     key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
@@ -64,15 +71,32 @@ def attention_output_and_mlp(
 ) -> torch.Tensor:
     """Second half of `Qwen3DecoderLayer.forward`: `(batch, n, heads * head_dim)` attention output and the layer's
     `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output."""
+    mlp = layer.mlp
+    if _takes_kernels(projections, attn_output):
+        o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
+        hidden_states = decode_linear(attn_output, o_proj.weight, o_proj.bias, residual=residual)
+        activated = decode_linear(
+            hidden_states,
+            projections.gate_up_weight,
+            projections.gate_up_bias,
+            layer.post_attention_layernorm,
+            gated=True,
+        )
+        return decode_linear(activated, down_proj.weight, down_proj.bias, residual=hidden_states)
     hidden_states = residual + layer.self_attn.o_proj(attn_output)
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
-    mlp = layer.mlp
     if projections is None:
         return residual + mlp(hidden_states)
     gate_up = nn.functional.linear(hidden_states, projections.gate_up_weight, projections.gate_up_bias)
     gate, up = gate_up.split(projections.intermediate_size, dim=-1)
     return residual + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _takes_kernels(projections, hidden_states: torch.Tensor) -> bool:
+    """Whether this layer call runs its projections through `triton_linear_funaudiochat`'s kernels: asked for by the
+    projections (`decode_kernels`) and a few-row CUDA input (a decode step)."""
+    return projections is not None and projections.decode_kernels and use_decode_kernels(hidden_states)
 
 
 class DecoderLayerHalves(NamedTuple):

@@ -17,7 +17,7 @@ Cost: one extra copy of the CRQ's q/k/v and gate/up weights (about 0.6 GB in bfl
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ class FusedLayerProjections:
         gate_up_bias: `(2 * intermediate,)` or None.
         qkv_split: `(q_size, kv_size, kv_size)` output sizes of the fused q/k/v GEMM.
         intermediate_size: output size of gate_proj (= up_proj).
+        decode_kernels: run a few-row CUDA decode step of the layer through the Triton kernels of
+            `triton_linear_funaudiochat` (norms, activation and residual adds folded into the projections); set per
+            run by `with_decode_kernels`, False in the cached copies.
     """
 
     qkv_weight: torch.Tensor
@@ -42,6 +45,7 @@ class FusedLayerProjections:
     gate_up_bias: torch.Tensor | None
     qkv_split: tuple[int, int, int]
     intermediate_size: int
+    decode_kernels: bool = False
 
 
 @dataclass
@@ -53,10 +57,13 @@ class FusedCRQProjections:
         source_state: `(data_ptr, _version)` of every source weight / bias at build time; any in-place update
             (`load_state_dict`, an optimizer step) bumps `_version`, any re-allocation (`.to()`, `.half()`) changes
             `data_ptr`, so a mismatch means the copies are stale.
+        kernel_view: the `with_decode_kernels` view of these copies, built on first use (one object per set of
+            copies, so a compiled step's guards on it keep holding).
     """
 
     layers: list[FusedLayerProjections]
     source_state: tuple[tuple[int, int], ...]
+    kernel_view: "FusedCRQProjections | None" = field(default=None, repr=False, compare=False)
 
 
 # One set of fused copies per CRQ module; dies with the module (the model stays picklable: nothing is attached to it).
@@ -153,4 +160,14 @@ def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
             fused = _build(linears, state)
             _FUSED[crq] = fused
     return fused
+
+
+def with_decode_kernels(fused: FusedCRQProjections) -> FusedCRQProjections:
+    """The view of `fused` (same weight tensors) whose layers run decode steps through the Triton kernels of
+    `triton_linear_funaudiochat` (`generate_speech(crq_linear="triton")`)."""
+    with _FUSED_LOCK:
+        if fused.kernel_view is None:
+            layers = [replace(layer, decode_kernels=True) for layer in fused.layers]
+            fused.kernel_view = replace(fused, layers=layers, kernel_view=None)
+        return fused.kernel_view
 

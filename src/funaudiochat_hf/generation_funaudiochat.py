@@ -33,9 +33,10 @@ from transformers.utils import ModelOutput, logging
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
-from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections
+from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections, with_decode_kernels
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
+from .triton_linear_funaudiochat import crq_linear_supported
 
 
 logger = logging.get_logger(__name__)
@@ -118,6 +119,7 @@ class _StepConfig:
     pad_token_id: int
     output_logits: bool
     fuse_crq_projections: bool = False
+    crq_linear: bool = False  # the fused projections' decode steps through `triton_linear_funaudiochat`
 
 
 class _DecodeWorkspace:
@@ -711,7 +713,9 @@ class _SpeechRun:
             # fuse them when the projections are plain linears (not LoRA-wrapped / quantized).
             crq = None if disable_speech else model.audio_invert_tower.crq_transformer
             fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
-        self.cfg = replace(self.cfg, fuse_crq_projections=bool(fuse) and not disable_speech)
+        fuse = bool(fuse) and not disable_speech
+        crq_linear = self._pick_crq_linear(options["crq_linear"], compiled, fuse, device)
+        self.cfg = replace(self.cfg, fuse_crq_projections=fuse, crq_linear=crq_linear)
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
         self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
@@ -756,6 +760,24 @@ class _SpeechRun:
             return _prefill_forward
         halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
         return functools.partial(_prefill_forward, halves=halves)
+
+    def _pick_crq_linear(self, choice: str, compiled: bool, fused: bool, device: torch.device) -> bool:
+        """Whether the CRQ's decode steps run their projections through the Triton kernels (`crq_linear`)."""
+        if choice not in ("auto", "triton", "torch"):
+            raise ValueError(f"`crq_linear` must be 'auto', 'triton' or 'torch', got {choice!r}.")
+        if choice == "torch" or self.cfg.disable_speech:
+            return False
+        crq = self.model.audio_invert_tower.crq_transformer
+        usable = fused and triton_available(device) and crq_linear_supported(crq)
+        if choice == "auto":
+            return compiled and usable
+        if not usable:
+            raise ValueError(
+                "`crq_linear='triton'` needs the fused CRQ projections (`fuse_crq_projections` not False), the "
+                "`triton` package with the model on a CUDA GPU of compute capability 8.0 or newer, and a CRQ of "
+                "plain linears with a SiLU MLP; use 'torch' or 'auto'."
+            )
+        return True
 
     @staticmethod
     def _pick_attention(attention: str, compiled: bool, device: torch.device) -> str:
@@ -858,6 +880,8 @@ class _SpeechRun:
         if cfg.fuse_crq_projections:
             # Looked up (and rebuilt if the weights changed) here, outside the compiled step.
             ws.fused_crq = fused_crq_projections(model.audio_invert_tower.crq_transformer)
+            if cfg.crq_linear:
+                ws.fused_crq = with_decode_kernels(ws.fused_crq)
         if not cfg.disable_speech:
             bos = torch.full((ws.batch_size,), cfg.speech_bos_id, dtype=torch.long, device=ws.device)
             ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(bos).to(ws.device))
@@ -977,7 +1001,12 @@ class FunAudioChatSpeechGenerationMixin:
                 `fuse_crq_projections` (None, default: True when compiled and the CRQ projections are plain
                 linears, else False; True: the CRQ layers run with their q/k/v and gate/up projections fused into
                 one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those weights,
-                ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
+                ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly), `crq_linear`
+                ("auto", default: "triton" when the fused CRQ projections are on in a compiled loop on a CUDA GPU
+                of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a CRQ decode step of
+                up to 4 rows runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and
+                the residual adds folded in, `triton_linear_funaudiochat`; "torch": cuBLAS GEMMs; same math,
+                float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
@@ -1147,6 +1176,7 @@ _DEFAULTS = {
     "compile_prefill": None,
     "compile_attention": "auto",
     "fuse_crq_projections": None,
+    "crq_linear": "auto",
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

@@ -1,0 +1,205 @@
+"""The CRQ's decode-step projections as Triton GEMV kernels, with the layer's norms and activation folded in.
+
+`generate_speech(crq_linear="triton")` (the compiled default on CUDA when Triton is installed). At batch 1 a CRQ
+sub-step is 28 layers of 4 GEMMs with a single input row: each streams 4-13 MB of weights, which an H200 reads in
+1-3 µs, yet cuBLAS takes 5-12 µs per call (its o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds
+around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (8 output
+columns over the whole reduction each, 128-512 programs), enough loads in flight to approach the copy bandwidth:
+
+- `qkv = linear(RMSNorm(x))`: the input norm folded in (each program recomputes the RMS of its few input rows);
+- `h = x + linear(attention)`: o_proj with the residual add;
+- `a = SiLU(gate(RMSNorm(h))) * up(RMSNorm(h))`: the post-attention norm, the fused gate/up GEMM and the activation;
+- `y = h + linear(a)`: down_proj with the residual add.
+
+Rounding follows the eager layer: the norm output, each GEMM output and the activation are rounded to the model
+dtype where transformers rounds them; only the float32 summation order differs from cuBLAS (results equal the eager
+layer up to one rounding of the model dtype; in float32 to ~1e-6). `torch.library.triton_op` makes the launcher an
+operator that `torch.compile` traces and CUDA graphs replay.
+
+Measured on an H200 (BENCHMARKS.md, 2026-11-30 10:10-10:45): one full-size CRQ sub-step at batch 1 takes 1,188 µs
+against 1,492 µs with cuBLAS (CUDA-graph timed, same process); the whole batch-1 LLM step 12.48 against 13.71 ms.
+Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
+"""
+
+import torch
+from torch import nn
+
+from .triton_attention_funaudiochat import triton
+
+
+# Input rows (batch x positions) up to which the kernels replace cuBLAS. Measured on an H200 (full-size CRQ sub-step,
+# BENCHMARKS.md): 1,188 against 1,492 µs at one row, but 2,096 against 1,541 µs at two, where cuBLAS shares each
+# weight read between the rows and this kernel's (rows, columns, reduction) tile is not.
+MAX_ROWS = 1
+BLOCK_N = 8  # output columns per program
+NUM_WARPS = 8
+MAX_BLOCK_K = 1024  # reduction elements per load (x rows); the loop over K is unrolled
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _decode_linear_kernel(
+        x_ptr, weight_ptr, bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, rows,
+        stride_x, stride_residual, stride_out,
+        N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """BLOCK_N output columns of every row. x `(rows, K)`; weight `(N, K)`, or `(2 * N, K)` gate rows then up
+        rows when GATED; norm weight `(K,)`; residual / out `(rows, N)`."""
+        dtype = out_ptr.dtype.element_ty
+        row = tl.arange(0, BLOCK_M)
+        row_ok = row < rows
+        col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = col < N
+        if HAS_NORM:  # Qwen3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded, times the weight, rounded
+            squares = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
+                            other=0.0).to(tl.float32)  # fmt: skip
+                squares += tl.sum(x * x, axis=1)
+            inverse_rms = tl.rsqrt(squares / K + EPS)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_NORM:
+                norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0)
+                x = (x.to(tl.float32) * inverse_rms[:, None]).to(dtype) * norm_weight[None, :]
+            x = x.to(tl.float32)[:, None, :]  # (BLOCK_M, 1, BLOCK_K)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(weight_ptr + col[:, None] * K + k[None, :], mask=w_mask, other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            acc += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
+            if GATED:
+                w = tl.load(weight_ptr + (N + col[:, None]) * K + k[None, :], mask=w_mask, other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+                acc_up += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(bias_ptr + N + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+        if GATED:  # act_fn(gate) * up on the rounded GEMM outputs, the activation rounded first
+            gate = out.to(tl.float32)
+            out = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        if HAS_RESIDUAL:
+            out += tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=out_mask, other=0.0)
+        tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out.to(dtype), mask=out_mask)
+
+
+def launch_decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+    wrap=lambda kernel: kernel,
+) -> torch.Tensor:
+    """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
+
+    Args:
+        x: `(rows, in_features)`, last dimension contiguous; a few rows (the kernel holds them all in one tile).
+        weight: `(out_features, in_features)` contiguous; with `gated`, `(2 * out_features, in_features)`, the gate
+            rows then the up rows (`FusedLayerProjections.gate_up_weight`).
+        bias: None or `(weight.shape[0],)`.
+        norm_weight: None, or the `(in_features,)` weight of a Qwen3 RMSNorm applied to x first (with `eps`).
+        residual: None or `(rows, out_features)`, added to the output.
+        gated: output `SiLU(gate) * up` (the Qwen3 MLP's activation) instead of the plain projection.
+        wrap: `torch.library.wrap_triton` inside the operator; the identity when called directly (Triton's CPU
+            interpreter in tests).
+    Returns:
+        `(rows, out_features)` in x's dtype.
+    """
+    rows, in_features = x.shape
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    block_m = triton.next_power_of_2(rows)
+    # Keep a program's (rows, columns, reduction) product tile at 8K elements: registers, not local memory.
+    block_k = min(MAX_BLOCK_K // block_m // (2 if gated else 1), triton.next_power_of_2(in_features))
+    wrap(_decode_linear_kernel)[(triton.cdiv(out_features, BLOCK_N),)](
+        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
+        x if residual is None else residual, out, rows,
+        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @torch.library.triton_op("funaudiochat::decode_linear", mutates_args={})
+    def _decode_linear_op(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        residual: torch.Tensor | None,
+        gated: bool,
+    ) -> torch.Tensor:
+        return launch_decode_linear(x, weight, bias, norm_weight, eps, residual, gated, wrap=torch.library.wrap_triton)
+
+
+def crq_linear_supported(stack: nn.Module) -> bool:
+    """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain linear o_proj
+    and down_proj (the fused q/k/v and gate/up copies are checked by `fused_crq_projections`), a SiLU MLP and RMSNorms
+    with a weight and `variance_epsilon`."""
+    if getattr(stack.config, "hidden_act", None) != "silu":
+        return False
+    for layer in stack.layers[: stack.config.num_hidden_layers]:
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if type(linear) is not nn.Linear:
+                return False
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+                return False
+    return True
+
+
+def use_decode_kernels(hidden_states: torch.Tensor) -> bool:
+    """Whether a `(batch, n, features)` layer input takes the kernels: a CUDA tensor of at most `MAX_ROWS` rows, Triton
+    installed (shape and device only, so the choice is a constant of a compiled graph; the run checked the GPU with
+    `triton_available`)."""
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    return triton is not None and hidden_states.is_cuda and rows <= MAX_ROWS
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: nn.Module | None = None,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """`(..., in_features)` -> `(..., out_features)`: `residual + act(linear(norm(x)))` through the operator.
+
+    `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used), `gated` as in
+    [`launch_decode_linear`]."""
+    shape = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
+    out = torch.ops.funaudiochat.decode_linear(
+        rows,
+        weight,
+        bias,
+        None if norm is None else norm.weight,
+        1e-6 if norm is None else float(norm.variance_epsilon),
+        flat_residual,
+        gated,
+    )
+    return out.view(*shape, out.shape[-1])
+
+
+__all__ = ["MAX_ROWS", "crq_linear_supported", "decode_linear", "launch_decode_linear", "use_decode_kernels"]

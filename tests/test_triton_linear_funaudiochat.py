@@ -1,0 +1,254 @@
+"""Tests of the CRQ's Triton decode projections (`triton_linear_funaudiochat`, `generate_speech(crq_linear=...)`).
+
+The kernel is checked against the eager composition it replaces (Qwen3RMSNorm, `F.linear`, SiLU * up, residual add):
+on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess: the variable must be set before the kernel
+is defined; skipped where Triton is not installed), on a GPU for real (marked `gpu`). The interpreter also runs the
+whole tiny model through the kernel path (availability checks patched to accept the CPU) against the golden tokens.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModel
+
+import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+
+
+GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# (rows, out_features, in_features, norm, bias, residual, gated): out_features not a multiple of the 8-column program
+# tile, in_features not a power of two, every epilogue.
+CASES = [
+    (1, 40, 64, False, False, False, False),
+    (1, 48, 96, True, False, False, False),  # q/k/v: input norm folded in
+    (1, 40, 128, False, False, True, False),  # o_proj / down_proj: residual
+    (1, 24, 64, True, False, False, True),  # gate/up: norm + SiLU * up
+    (3, 20, 96, True, True, True, False),
+    (4, 36, 64, True, True, False, True),
+    (2, 16, 1536, False, False, True, False),  # several reduction chunks
+]
+
+
+def case_tensors(rows, out_features, in_features, norm, bias, residual, gated, dtype=torch.float32, device="cpu"):
+    """`(kernel kwargs, expected output)` of one case; the expected output is the eager composition."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight_rows = 2 * out_features if gated else out_features
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(weight_rows, in_features, generator=generator) / in_features**0.5
+    bias_t = torch.randn(weight_rows, generator=generator) if bias else None
+    residual_t = torch.randn(rows, out_features, generator=generator) if residual else None
+    norm_module = None
+    if norm:
+        norm_module = Qwen3RMSNorm(in_features, eps=1e-5)
+        norm_module.weight.data = torch.rand(in_features, generator=generator) + 0.5
+        norm_module = norm_module.to(device=device, dtype=dtype)
+    x, weight = x.to(device=device, dtype=dtype), weight.to(device=device, dtype=dtype)
+    bias_t = None if bias_t is None else bias_t.to(device=device, dtype=dtype)
+    residual_t = None if residual_t is None else residual_t.to(device=device, dtype=dtype)
+
+    inputs = x if norm_module is None else norm_module(x)
+    expected = nn.functional.linear(inputs, weight, bias_t)
+    if gated:
+        gate, up = expected.split(out_features, dim=-1)
+        expected = nn.functional.silu(gate) * up
+    if residual_t is not None:
+        expected = residual_t + expected
+    kwargs = dict(
+        x=x,
+        weight=weight,
+        bias=bias_t,
+        norm_weight=None if norm_module is None else norm_module.weight,
+        eps=1e-5,
+        residual=residual_t,
+        gated=gated,
+    )
+    return kwargs, expected
+
+
+def _run_interpreted(script: str) -> str:
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+_KERNEL_SCRIPT = """
+import json
+from test_triton_linear_funaudiochat import CASES, case_tensors
+from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
+errors = []
+for case in CASES:
+    kwargs, expected = case_tensors(*case)
+    got = launch_decode_linear(**kwargs)
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (got.shape, expected.shape)
+    errors.append((got - expected).abs().max().item())
+print(json.dumps(errors))
+"""
+
+
+def test_kernel_matches_eager_composition_in_the_triton_interpreter():
+    """Every epilogue and row count; float32, tolerance 1e-5 (same math, another summation order)."""
+    errors = json.loads(_run_interpreted(_KERNEL_SCRIPT))
+    assert len(errors) == len(CASES)
+    assert max(errors) < 1e-5, errors
+
+
+_GENERATE_SCRIPT = """
+import json, sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+import funaudiochat_hf
+from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
+from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
+
+# Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
+generation_funaudiochat.triton_available = lambda device: True
+rows = lambda h: h.numel() // h.shape[-1]
+decoder_stack_funaudiochat.use_decode_kernels = lambda h: rows(h) <= triton_linear_funaudiochat.MAX_ROWS
+calls = []
+launch = triton_linear_funaudiochat.launch_decode_linear
+def counted(*args, **kwargs):
+    calls.append(kwargs.get("gated", False))
+    return launch(*args, **kwargs)
+torch.ops.funaudiochat.decode_linear = lambda x, w, b, n, eps, r, g: counted(x, w, b, n, eps, r, gated=g)
+
+model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
+inputs.pop("waveform_16k")
+golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
+out = model.generate_speech(**inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton")
+print(json.dumps({
+    "sequences": torch.equal(out.sequences, golden["sequences"]),
+    "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
+    "calls": len(calls), "gated": sum(calls),
+}))
+"""
+
+
+def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
+    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step)
+    and the greedy tokens equal the official implementation's."""
+    result = json.loads(_run_interpreted(_GENERATE_SCRIPT))
+    assert result["sequences"] and result["speech_ids"], result
+    assert result["calls"] > 0 and result["calls"] % 4 == 0 and result["gated"] == result["calls"] // 4, result
+
+
+def test_falls_back_off_cuda_and_for_many_rows():
+    assert not triton_linear.use_decode_kernels(torch.zeros(1, 1, 8))  # CPU tensor
+    if torch.cuda.is_available() and triton_linear.triton is not None:
+        assert triton_linear.use_decode_kernels(torch.zeros(1, 1, 8, device="cuda"))
+        assert not triton_linear.use_decode_kernels(torch.zeros(2, 1, 8, device="cuda"))  # a batch: cuBLAS
+        assert not triton_linear.use_decode_kernels(torch.zeros(1, 5, 8, device="cuda"))  # a prefill chunk
+
+
+def _tiny_model():
+    return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+
+
+def test_crq_linear_choice(monkeypatch, inputs):
+    """"auto" takes the kernels only for a compiled, fused loop where they can run; "triton" elsewhere is a clear
+    error; "torch" and speech-to-text never take them; unknown names are refused."""
+    model = _tiny_model()
+    ids = inputs["input_ids"]
+    compile_options = {"compile": {"backend": "eager", "fullgraph": True}}
+    assert not model._speech_run(ids, None, {}, compile_options).cfg.crq_linear  # CPU: no Triton GPU
+    with pytest.raises(ValueError, match="crq_linear='triton'"):
+        model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton"})
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
+        model._speech_run(ids, None, {}, {"crq_linear": "cublas"})
+
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
+    assert model._speech_run(ids, None, {}, compile_options).cfg.crq_linear
+    assert not model._speech_run(ids, None, {}, {}).cfg.crq_linear  # eager loop
+    assert model._speech_run(ids, None, {}, {"crq_linear": "triton", "fuse_crq_projections": True}).cfg.crq_linear
+    assert not model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "torch"}).cfg.crq_linear
+    assert not model._speech_run(ids, None, {}, {**compile_options, "disable_speech": True}).cfg.crq_linear
+    with pytest.raises(ValueError, match="fused CRQ projections"):
+        model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton", "fuse_crq_projections": False})
+
+
+def test_crq_linear_supported_needs_plain_linears_and_silu():
+    model = _tiny_model()
+    crq = model.audio_invert_tower.crq_transformer
+    assert triton_linear.crq_linear_supported(crq)
+
+    class LoraLikeLinear(nn.Linear):
+        pass
+
+    other = copy.deepcopy(crq)
+    old = other.layers[0].self_attn.o_proj
+    other.layers[0].self_attn.o_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    assert not triton_linear.crq_linear_supported(other)
+    other = copy.deepcopy(crq)
+    other.config.hidden_act = "gelu"
+    assert not triton_linear.crq_linear_supported(other)
+
+
+def test_kernel_view_is_one_object_sharing_the_fused_weights():
+    """`with_decode_kernels` returns the same view every run (a compiled step guards on it) over the same tensors;
+    the cached copies themselves keep `decode_kernels` off."""
+    crq = _tiny_model().audio_invert_tower.crq_transformer
+    fused = fused_crq_projections(crq)
+    view = with_decode_kernels(fused)
+    assert with_decode_kernels(fused) is view and with_decode_kernels(fused_crq_projections(crq)) is view
+    assert all(layer.decode_kernels for layer in view.layers)
+    assert not any(layer.decode_kernels for layer in fused.layers)
+    assert view.layers[0].qkv_weight is fused.layers[0].qkv_weight
+    with torch.no_grad():
+        crq.layers[0].mlp.up_proj.weight.add_(1.0)  # stale copies: rebuilt, and so is the view
+    assert with_decode_kernels(fused_crq_projections(crq)) is not view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_eager_composition(dtype):
+    """Float32: 1e-5; bfloat16: one rounding of the model dtype on values of order 1-4 (3e-2)."""
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for case in [*CASES, (1, 4096, 1024, True, False, False, False), (4, 3072, 1024, True, False, False, True)]:
+        kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
+        got = torch.ops.funaudiochat.decode_linear(*kwargs.values())
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert (got.float() - expected.float()).abs().max().item() < tolerance, case
+
+
+@pytest.mark.gpu
+def test_cuda_operator_compiles_into_one_graph():
+    kwargs, _ = case_tensors(1, 48, 96, True, False, True, False, dtype=torch.bfloat16, device="cuda")
+
+    def layer(x, weight, norm_weight, residual):
+        return torch.ops.funaudiochat.decode_linear(x * 2, weight, None, norm_weight, 1e-5, residual, False) + 1
+
+    args = (kwargs["x"], kwargs["weight"], kwargs["norm_weight"], kwargs["residual"])
+    with torch.no_grad():  # an inference operator (no autograd formula): generate_speech runs without gradients
+        assert torch.equal(torch.compile(layer, fullgraph=True)(*args), layer(*args))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_kernel_step_matches_eager_on_gpu(inputs):
+    model = _tiny_model().cuda()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
+    for _ in range(2):  # the second call replays the captured CUDA graphs
+        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, crq_linear="triton")
+        assert torch.equal(graphed.sequences.cpu(), golden["sequences"])
+        assert torch.equal(graphed.speech_ids.cpu(), golden["speech_ids"])
