@@ -7,8 +7,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their
-  `decode_kernels` set, a decode step of a few rows on CUDA runs the four projections, the two norms, the activation
-  and the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`);
+  `decode_kernels` set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and
+  the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -95,7 +95,7 @@ def attention_output_and_mlp(
 
 def _takes_kernels(projections, hidden_states: torch.Tensor) -> bool:
     """Whether this layer call runs its projections through `triton_linear_funaudiochat`'s kernels: asked for by the
-    projections (`decode_kernels`) and a few-row CUDA input (a decode step)."""
+    projections (`decode_kernels`) and a CUDA input of at most `MAX_ROWS` rows (a batch-1 decode step)."""
     return projections is not None and projections.decode_kernels and use_decode_kernels(hidden_states)
 
 

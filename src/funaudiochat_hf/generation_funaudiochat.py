@@ -1003,10 +1003,10 @@ class FunAudioChatSpeechGenerationMixin:
                 one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those weights,
                 ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly), `crq_linear`
                 ("auto", default: "triton" when the fused CRQ projections are on in a compiled loop on a CUDA GPU
-                of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a CRQ decode step of
-                up to 4 rows runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and
-                the residual adds folded in, `triton_linear_funaudiochat`; "torch": cuBLAS GEMMs; same math,
-                float rounding may differ slightly),
+                of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a batch-1 CRQ decode
+                step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
+                residual adds folded in, `triton_linear_funaudiochat` (batches keep cuBLAS, faster there);
+                "torch": cuBLAS GEMMs; same math, float rounding may differ slightly),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
