@@ -158,7 +158,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
-            f"crq_linear={args.crq_linear!r}"
+            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}"
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
@@ -530,6 +530,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile_prefill": None,  # default: compiled with the loop; --eager-prefill adds a TTFA row without
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "crq_linear": args.crq_linear,
+        "llm_linear": args.llm_linear,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -1325,6 +1326,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--crq-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(crq_linear=...)"
+    )
+    p.add_argument(
+        "--llm-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(llm_linear=...)"
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(

@@ -30,20 +30,23 @@ from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# (rows, out_features, in_features, norm, bias, residual, gated): out_features not a multiple of the 8-column program
-# tile, in_features not a power of two, every epilogue.
+# (rows, out_features, in_features, norm, bias, residual, gated, separate_up): out_features not a multiple of the
+# 8-column program tile, in_features not a power of two, every epilogue.
 CASES = [
-    (1, 40, 64, False, False, False, False),
-    (1, 48, 96, True, False, False, False),  # q/k/v: input norm folded in
-    (1, 40, 128, False, False, True, False),  # o_proj / down_proj: residual
-    (1, 24, 64, True, False, False, True),  # gate/up: norm + SiLU * up
-    (3, 20, 96, True, True, True, False),
-    (4, 36, 64, True, True, False, True),
-    (2, 16, 1536, False, False, True, False),  # several reduction chunks
+    (1, 40, 64, False, False, False, False, False),
+    (1, 48, 96, True, False, False, False, False),  # q/k/v: input norm folded in
+    (1, 40, 128, False, False, True, False, False),  # o_proj / down_proj: residual
+    (1, 24, 64, True, False, False, True, False),  # the CRQ's fused gate/up: norm + SiLU * up
+    (1, 24, 64, True, True, False, True, True),  # the LLM's gate and up as tensors of their own
+    (3, 20, 96, True, True, True, False, False),
+    (4, 36, 64, True, True, False, True, False),
+    (2, 16, 1536, False, False, True, False, False),  # several reduction chunks
 ]
 
 
-def case_tensors(rows, out_features, in_features, norm, bias, residual, gated, dtype=torch.float32, device="cpu"):
+def case_tensors(
+    rows, out_features, in_features, norm, bias, residual, gated, separate_up, dtype=torch.float32, device="cpu"
+):
     """`(kernel kwargs, expected output)` of one case; the expected output is the eager composition."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -69,6 +72,11 @@ def case_tensors(rows, out_features, in_features, norm, bias, residual, gated, d
         expected = nn.functional.silu(gate) * up
     if residual_t is not None:
         expected = residual_t + expected
+    up_weight = up_bias = None
+    if separate_up:
+        weight, up_weight = weight[:out_features].clone(), weight[out_features:].clone()
+        if bias_t is not None:
+            bias_t, up_bias = bias_t[:out_features].clone(), bias_t[out_features:].clone()
     kwargs = dict(
         x=x,
         weight=weight,
@@ -77,6 +85,8 @@ def case_tensors(rows, out_features, in_features, norm, bias, residual, gated, d
         eps=1e-5,
         residual=residual_t,
         gated=gated,
+        up_weight=up_weight,
+        up_bias=up_bias,
     )
     return kwargs, expected
 
@@ -127,30 +137,41 @@ rows = lambda h: h.numel() // h.shape[-1]
 decoder_stack_funaudiochat.use_decode_kernels = lambda h: rows(h) <= triton_linear_funaudiochat.MAX_ROWS
 calls = []
 launch = triton_linear_funaudiochat.launch_decode_linear
-def counted(*args, **kwargs):
-    calls.append(kwargs.get("gated", False))
-    return launch(*args, **kwargs)
-torch.ops.funaudiochat.decode_linear = lambda x, w, b, n, eps, r, g: counted(x, w, b, n, eps, r, gated=g)
+def counted(*args):
+    calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
+    return launch(*args)
+torch.ops.funaudiochat.decode_linear = counted
 
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
-out = model.generate_speech(**inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton")
-print(json.dumps({
-    "sequences": torch.equal(out.sequences, golden["sequences"]),
-    "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
-    "calls": len(calls), "gated": sum(calls),
-}))
+result = {}
+for llm_linear in ("torch", "triton"):
+    calls.clear()
+    out = model.generate_speech(
+        **inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear
+    )
+    result[llm_linear] = {
+        "sequences": torch.equal(out.sequences, golden["sequences"]),
+        "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
+        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp")},
+    }
+print(json.dumps(result))
 """
 
 
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
-    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step)
-    and the greedy tokens equal the official implementation's."""
+    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step);
+    `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v apart, the gate and up weights
+    unfused). The greedy tokens equal the official implementation's either way."""
     result = json.loads(_run_interpreted(_GENERATE_SCRIPT))
-    assert result["sequences"] and result["speech_ids"], result
-    assert result["calls"] > 0 and result["calls"] % 4 == 0 and result["gated"] == result["calls"] // 4, result
+    for run in result.values():
+        assert run["sequences"] and run["speech_ids"], result
+    crq_only, both = result["torch"], result["triton"]
+    assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
+    assert both["crq_mlp"] == crq_only["crq_mlp"] and both["llm_mlp"] > 0
+    assert both["plain"] == 3 * both["crq_mlp"] + 5 * both["llm_mlp"], result
 
 
 def test_falls_back_off_cuda_and_for_many_rows():
@@ -185,12 +206,23 @@ def test_crq_linear_choice(monkeypatch, inputs):
     assert not model._speech_run(ids, None, {}, {**compile_options, "disable_speech": True}).cfg.crq_linear
     with pytest.raises(ValueError, match="fused CRQ projections"):
         model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton", "fuse_crq_projections": False})
+    # The LLM's kernels: opt-in ("auto" leaves them off until measured at full size), over its own weights (no fused
+    # copies needed).
+    assert not model._speech_run(ids, None, {}, compile_options).cfg.llm_linear
+    assert model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "triton"}).cfg.llm_linear
+    assert model._speech_run(ids, None, {}, {"llm_linear": "triton"}).cfg.llm_linear
+    assert not model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "torch"}).cfg.llm_linear
+    model.hf_device_map = {"language_model": 0, "audio_invert_tower": 1}  # sharded: the kernels stay off
+    assert not model._speech_run(ids, None, {}, compile_options).cfg.crq_linear
+    with pytest.raises(ValueError, match="one CUDA GPU"):
+        model._speech_run(ids, None, {}, {"llm_linear": "triton"})
 
 
-def test_crq_linear_supported_needs_plain_linears_and_silu():
+def test_decode_kernels_supported_needs_plain_linears_and_silu():
     model = _tiny_model()
     crq = model.audio_invert_tower.crq_transformer
-    assert triton_linear.crq_linear_supported(crq)
+    assert triton_linear.decode_kernels_supported(crq)
+    assert triton_linear.decode_kernels_supported(model.language_model.model)
 
     class LoraLikeLinear(nn.Linear):
         pass
@@ -198,10 +230,14 @@ def test_crq_linear_supported_needs_plain_linears_and_silu():
     other = copy.deepcopy(crq)
     old = other.layers[0].self_attn.o_proj
     other.layers[0].self_attn.o_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
-    assert not triton_linear.crq_linear_supported(other)
+    assert not triton_linear.decode_kernels_supported(other)
+    other = copy.deepcopy(crq)
+    old = other.layers[1].mlp.up_proj
+    other.layers[1].mlp.up_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    assert not triton_linear.decode_kernels_supported(other)
     other = copy.deepcopy(crq)
     other.config.hidden_act = "gelu"
-    assert not triton_linear.crq_linear_supported(other)
+    assert not triton_linear.decode_kernels_supported(other)
 
 
 def test_kernel_view_is_one_object_sharing_the_fused_weights():
@@ -224,7 +260,8 @@ def test_kernel_view_is_one_object_sharing_the_fused_weights():
 def test_cuda_kernel_matches_eager_composition(dtype):
     """Float32: 1e-5; bfloat16: one rounding of the model dtype on values of order 1-4 (3e-2)."""
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    for case in [*CASES, (1, 4096, 1024, True, False, False, False), (4, 3072, 1024, True, False, False, True)]:
+    full_size = [(1, 4096, 1024, True, False, False, False, False), (1, 3072, 1024, True, False, False, True, False)]
+    for case in [*CASES, *full_size, (1, 12288, 4096, True, False, False, True, True)]:
         kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
         got = torch.ops.funaudiochat.decode_linear(*kwargs.values())
         assert got.dtype == dtype and got.shape == expected.shape
@@ -233,10 +270,11 @@ def test_cuda_kernel_matches_eager_composition(dtype):
 
 @pytest.mark.gpu
 def test_cuda_operator_compiles_into_one_graph():
-    kwargs, _ = case_tensors(1, 48, 96, True, False, True, False, dtype=torch.bfloat16, device="cuda")
+    kwargs, _ = case_tensors(1, 48, 96, True, False, True, False, False, dtype=torch.bfloat16, device="cuda")
 
     def layer(x, weight, norm_weight, residual):
-        return torch.ops.funaudiochat.decode_linear(x * 2, weight, None, norm_weight, 1e-5, residual, False) + 1
+        out = torch.ops.funaudiochat.decode_linear(x * 2, weight, None, norm_weight, 1e-5, residual, False, None, None)
+        return out + 1
 
     args = (kwargs["x"], kwargs["weight"], kwargs["norm_weight"], kwargs["residual"])
     with torch.no_grad():  # an inference operator (no autograd formula): generate_speech runs without gradients
@@ -249,6 +287,8 @@ def test_cuda_graph_kernel_step_matches_eager_on_gpu(inputs):
     inputs = {name: value.cuda() for name, value in inputs.items()}
     golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
     for _ in range(2):  # the second call replays the captured CUDA graphs
-        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, crq_linear="triton")
+        graphed = model.generate_speech(
+            **inputs, **GOLDEN_KWARGS, compile=True, crq_linear="triton", llm_linear="triton"
+        )
         assert torch.equal(graphed.sequences.cpu(), golden["sequences"])
         assert torch.equal(graphed.speech_ids.cpu(), golden["speech_ids"])

@@ -8,7 +8,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their
   `decode_kernels` set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and
-  the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`);
+  the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the
+  same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -39,7 +40,7 @@ def attention_inputs(
 
     Args:
         layer: a `Qwen3DecoderLayer`.
-        projections: its `FusedLayerProjections`, or None for the layer's own q/k/v projections.
+        projections: its `FusedLayerProjections`, an `OwnWeightLayer` (kernels over its own projections), or None.
         hidden_states: `(batch, n, hidden)`, the layer's input (also its first residual).
         cos, sin: rotary tables, each `(batch, n, head_dim)`.
     Returns:
@@ -47,17 +48,23 @@ def attention_inputs(
     """
     attention = layer.self_attn
     hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
-    if projections is None:
-        hidden_states = layer.input_layernorm(hidden_states)
+    own_weights = projections is None or projections.qkv_weight is None
+    norm = layer.input_layernorm
+    if _takes_kernels(projections, hidden_states):
+        if own_weights:
+            linears = (attention.q_proj, attention.k_proj, attention.v_proj)
+            query, key, value = (decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
+        else:
+            qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm)
+            query, key, value = qkv.split(projections.qkv_split, dim=-1)
+    elif own_weights:
+        hidden_states = norm(hidden_states)
         query = attention.q_proj(hidden_states)
         key = attention.k_proj(hidden_states)
         value = attention.v_proj(hidden_states)
     else:
-        if _takes_kernels(projections, hidden_states):
-            qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, layer.input_layernorm)
-        else:
-            hidden_states = layer.input_layernorm(hidden_states)
-            qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
+        hidden_states = norm(hidden_states)
+        qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
         query, key, value = qkv.split(projections.qkv_split, dim=-1)
     query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
     key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
@@ -75,18 +82,18 @@ def attention_output_and_mlp(
     if _takes_kernels(projections, attn_output):
         o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
         hidden_states = decode_linear(attn_output, o_proj.weight, o_proj.bias, residual=residual)
-        activated = decode_linear(
-            hidden_states,
-            projections.gate_up_weight,
-            projections.gate_up_bias,
-            layer.post_attention_layernorm,
-            gated=True,
-        )
+        norm = layer.post_attention_layernorm
+        if projections.gate_up_weight is None:  # the layer's own gate and up projections
+            gate = mlp.gate_proj
+            activated = decode_linear(hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj)
+        else:
+            gate_up = projections.gate_up_weight, projections.gate_up_bias
+            activated = decode_linear(hidden_states, *gate_up, norm, gated=True)
         return decode_linear(activated, down_proj.weight, down_proj.bias, residual=hidden_states)
     hidden_states = residual + layer.self_attn.o_proj(attn_output)
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
-    if projections is None:
+    if projections is None or projections.gate_up_weight is None:
         return residual + mlp(hidden_states)
     gate_up = nn.functional.linear(hidden_states, projections.gate_up_weight, projections.gate_up_bias)
     gate, up = gate_up.split(projections.intermediate_size, dim=-1)
@@ -162,7 +169,8 @@ def decoder_stack_forward(
 
     Args:
         stack: a transformers `Qwen3Model` (the LLM's `language_model.model`, the CRQ's `crq_transformer`).
-        projections: `FusedCRQProjections` of `stack` (concatenated q/k/v and gate/up weights), or None.
+        projections: `FusedCRQProjections` of `stack` (concatenated q/k/v and gate/up weights), `OwnWeightKernels`
+            (the kernels over the layers' own weights), or None.
         inputs_embeds: `(batch, n, hidden)`.
         attention_mask: `(batch, kv_len)` 2-D padding mask (True / 1 = attend) as `Qwen3Model` takes it, or a
             prepared `{"full_attention": ..., "sliding_attention": ...}` mapping; None = all positions.

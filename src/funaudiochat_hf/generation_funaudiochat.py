@@ -36,7 +36,7 @@ from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decode
 from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections, with_decode_kernels
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
-from .triton_linear_funaudiochat import crq_linear_supported
+from .triton_linear_funaudiochat import decode_kernels_supported, own_weight_kernels
 
 
 logger = logging.get_logger(__name__)
@@ -120,6 +120,7 @@ class _StepConfig:
     output_logits: bool
     fuse_crq_projections: bool = False
     crq_linear: bool = False  # the fused projections' decode steps through `triton_linear_funaudiochat`
+    llm_linear: bool = False  # the LLM's decode steps through `triton_linear_funaudiochat`
 
 
 class _DecodeWorkspace:
@@ -185,6 +186,8 @@ class _DecodeWorkspace:
         self.speech_sampling = SamplingParameters(dev)
         # `fuse_crq_projections=True`: the CRQ's fused weights, set by the run using the workspace (not a buffer).
         self.fused_crq = None
+        # `llm_linear`: the LLM's `OwnWeightKernels` (decode steps through the Triton kernels), set by the run.
+        self.llm_kernels = None
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
         self.text_logits = self.speech_logits = None
         if output_logits:
@@ -236,6 +239,10 @@ class _DecodeWorkspace:
 
 # torch.compile options of the compiled prefill: one graph per layer half, reused by every layer and prompt length.
 PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
+# What "auto" gives a compiled loop on a Triton GPU, per stack: the CRQ's kernels were measured faster at full size on
+# an H200 (step 12.48 against 13.71 ms, BENCHMARKS.md); the LLM's are opt-in until measured whole (their GEMVs were
+# 10-30 % faster per call, but the full-size run that would time the step did not finish compiling in its budget).
+_AUTO_LINEAR_KERNELS = {"crq_linear": True, "llm_linear": False}
 
 
 def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
@@ -313,7 +320,9 @@ def _llm_part(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     """LLM forward of the fed embeddings -> text logits and the speech-head inputs of the new position."""
     language_model = model.language_model
     positions = ws.llm_position[:, None]
-    hidden = _stack_forward(language_model.model, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache).to(ws.device)
+    stack = language_model.model
+    hidden = _stack_forward(stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels)
+    hidden = hidden.to(ws.device)
     ws.llm_position.add_(1)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
     if not cfg.disable_speech:
@@ -714,8 +723,14 @@ class _SpeechRun:
             crq = None if disable_speech else model.audio_invert_tower.crq_transformer
             fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
         fuse = bool(fuse) and not disable_speech
-        crq_linear = self._pick_crq_linear(options["crq_linear"], compiled, fuse, device)
-        self.cfg = replace(self.cfg, fuse_crq_projections=fuse, crq_linear=crq_linear)
+        crq_linear = False  # speech off: no CRQ steps
+        if not disable_speech:
+            # The CRQ's kernels read its fused copies: unfused, there is nothing for them to run.
+            crq = model.audio_invert_tower.crq_transformer if fuse else None
+            crq_linear = self._pick_linear_kernels("crq_linear", options["crq_linear"], compiled, crq, device)
+        llm = model.language_model.model
+        llm_linear = self._pick_linear_kernels("llm_linear", options["llm_linear"], compiled, llm, device)
+        self.cfg = replace(self.cfg, fuse_crq_projections=fuse, crq_linear=crq_linear, llm_linear=llm_linear)
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
         self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
@@ -761,23 +776,27 @@ class _SpeechRun:
         halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
         return functools.partial(_prefill_forward, halves=halves)
 
-    def _pick_crq_linear(self, choice: str, compiled: bool, fused: bool, device: torch.device) -> bool:
-        """Whether the CRQ's decode steps run their projections through the Triton kernels (`crq_linear`)."""
+    def _pick_linear_kernels(self, name: str, choice: str, compiled: bool, stack, device: torch.device) -> bool:
+        """Whether a stack's decode steps run their projections through the Triton GEMV kernels (`crq_linear`,
+        `llm_linear`); `stack` is None where the kernels cannot apply (the CRQ without fused projections / speech)."""
         if choice not in ("auto", "triton", "torch"):
-            raise ValueError(f"`crq_linear` must be 'auto', 'triton' or 'torch', got {choice!r}.")
-        if choice == "torch" or self.cfg.disable_speech:
+            raise ValueError(f"`{name}` must be 'auto', 'triton' or 'torch', got {choice!r}.")
+        if choice == "torch" or (choice == "auto" and not (compiled and _AUTO_LINEAR_KERNELS[name])):
             return False
-        crq = self.model.audio_invert_tower.crq_transformer
-        usable = fused and triton_available(device) and crq_linear_supported(crq)
-        if choice == "auto":
-            return compiled and usable
-        if not usable:
+        mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
+        usable = (
+            stack is not None
+            and len(mapped_devices) <= 1
+            and triton_available(device)
+            and decode_kernels_supported(stack)
+        )
+        if choice == "triton" and not usable:
+            needs = " with the fused CRQ projections (`fuse_crq_projections` not False)" if name == "crq_linear" else ""
             raise ValueError(
-                "`crq_linear='triton'` needs the fused CRQ projections (`fuse_crq_projections` not False), the "
-                "`triton` package with the model on a CUDA GPU of compute capability 8.0 or newer, and a CRQ of "
-                "plain linears with a SiLU MLP; use 'torch' or 'auto'."
+                f"`{name}='triton'` needs the `triton` package, the model on one CUDA GPU of compute capability 8.0 "
+                f"or newer{needs}, and plain linear projections with a SiLU MLP; use 'torch' or 'auto'."
             )
-        return True
+        return usable
 
     @staticmethod
     def _pick_attention(attention: str, compiled: bool, device: torch.device) -> str:
@@ -882,6 +901,7 @@ class _SpeechRun:
             ws.fused_crq = fused_crq_projections(model.audio_invert_tower.crq_transformer)
             if cfg.crq_linear:
                 ws.fused_crq = with_decode_kernels(ws.fused_crq)
+        ws.llm_kernels = own_weight_kernels(model.language_model.model) if cfg.llm_linear else None
         if not cfg.disable_speech:
             bos = torch.full((ws.batch_size,), cfg.speech_bos_id, dtype=torch.long, device=ws.device)
             ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(bos).to(ws.device))
@@ -1006,7 +1026,9 @@ class FunAudioChatSpeechGenerationMixin:
                 of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a batch-1 CRQ decode
                 step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
                 residual adds folded in, `triton_linear_funaudiochat` (batches keep cuBLAS, faster there);
-                "torch": cuBLAS GEMMs; same math, float rounding may differ slightly),
+                "torch": cuBLAS GEMMs; same math, float rounding may differ slightly), `llm_linear` ("auto",
+                default: "torch" for now, the LLM's own forward; "triton": the same kernels for the LLM's batch-1
+                decode step over its own, unfused weights, 6 per layer, opt-in until measured at full size),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
@@ -1177,6 +1199,7 @@ _DEFAULTS = {
     "compile_attention": "auto",
     "fuse_crq_projections": None,
     "crq_linear": "auto",
+    "llm_linear": "auto",
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

@@ -21,6 +21,9 @@ against 1,492 µs with cuBLAS (CUDA-graph timed, same process); the whole batch-
 Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -41,14 +44,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, weight_ptr, bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, rows,
+        x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, rows,
         stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """BLOCK_N output columns of every row. x `(rows, K)`; weight `(N, K)`, or `(2 * N, K)` gate rows then up
-        rows when GATED; norm weight `(K,)`; residual / out `(rows, N)`."""
+        """BLOCK_N output columns of every row. x `(rows, K)`; weight (the gate's when GATED) and up weight `(N,
+        K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`."""
         dtype = out_ptr.dtype.element_ty
         row = tl.arange(0, BLOCK_M)
         row_ok = row < rows
@@ -77,13 +80,13 @@ if triton is not None:
                         eviction_policy="evict_first")  # fmt: skip
             acc += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
             if GATED:
-                w = tl.load(weight_ptr + (N + col[:, None]) * K + k[None, :], mask=w_mask, other=0.0,
+                w = tl.load(up_weight_ptr + col[:, None] * K + k[None, :], mask=w_mask, other=0.0,
                             eviction_policy="evict_first")  # fmt: skip
                 acc_up += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if GATED:
-                acc_up += tl.load(bias_ptr + N + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(up_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
         if GATED:  # act_fn(gate) * up on the rounded GEMM outputs, the activation rounded first
             gate = out.to(tl.float32)
@@ -102,33 +105,46 @@ def launch_decode_linear(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    up_weight: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
     wrap=lambda kernel: kernel,
 ) -> torch.Tensor:
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
     Args:
         x: `(rows, in_features)`, last dimension contiguous; a few rows (the kernel holds them all in one tile).
-        weight: `(out_features, in_features)` contiguous; with `gated`, `(2 * out_features, in_features)`, the gate
-            rows then the up rows (`FusedLayerProjections.gate_up_weight`).
+        weight: `(out_features, in_features)` contiguous. With `gated` and no `up_weight`, `(2 * out_features,
+            in_features)`: the gate rows then the up rows (`FusedLayerProjections.gate_up_weight`).
         bias: None or `(weight.shape[0],)`.
         norm_weight: None, or the `(in_features,)` weight of a Qwen3 RMSNorm applied to x first (with `eps`).
         residual: None or `(rows, out_features)`, added to the output.
-        gated: output `SiLU(gate) * up` (the Qwen3 MLP's activation) instead of the plain projection.
+        gated: output `SiLU(x @ gate^T) * (x @ up^T)` (the Qwen3 MLP's activation) instead of the plain projection;
+            `weight` / `bias` are the gate's.
+        up_weight, up_bias: the up projection's `(out_features, in_features)` weight and bias when it is a tensor of
+            its own (the LLM's layers), None when it is in `weight`.
         wrap: `torch.library.wrap_triton` inside the operator; the identity when called directly (Triton's CPU
             interpreter in tests).
     Returns:
         `(rows, out_features)` in x's dtype.
     """
     rows, in_features = x.shape
-    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
+        out_features = weight.shape[0] // 2
+        weight, up_weight = weight[:out_features], weight[out_features:]
+        if bias is not None:
+            bias, up_bias = bias[:out_features], bias[out_features:]
+    out_features = weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     block_m = triton.next_power_of_2(rows)
     # Keep a program's (rows, columns, reduction) product tile at 8K elements: registers, not local memory.
     block_k = min(MAX_BLOCK_K // block_m // (2 if gated else 1), triton.next_power_of_2(in_features))
+
+    def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
+        return x if tensor is None else tensor  # never read: the kernel's HAS_* flag is off
+
     wrap(_decode_linear_kernel)[(triton.cdiv(out_features, BLOCK_N),)](
-        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
-        x if residual is None else residual, out, rows,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
+        rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
         num_warps=NUM_WARPS,
@@ -147,24 +163,58 @@ if triton is not None:
         eps: float,
         residual: torch.Tensor | None,
         gated: bool,
+        up_weight: torch.Tensor | None,
+        up_bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        return launch_decode_linear(x, weight, bias, norm_weight, eps, residual, gated, wrap=torch.library.wrap_triton)
+        return launch_decode_linear(
+            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, wrap=torch.library.wrap_triton
+        )
 
 
-def crq_linear_supported(stack: nn.Module) -> bool:
-    """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain linear o_proj
-    and down_proj (the fused q/k/v and gate/up copies are checked by `fused_crq_projections`), a SiLU MLP and RMSNorms
-    with a weight and `variance_epsilon`."""
+def decode_kernels_supported(stack: nn.Module) -> bool:
+    """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain `nn.Linear`
+    projections (not LoRA-wrapped or quantized: the kernels read `weight` as it is), a SiLU MLP and RMSNorms with a
+    weight and `variance_epsilon`."""
     if getattr(stack.config, "hidden_act", None) != "silu":
         return False
     for layer in stack.layers[: stack.config.num_hidden_layers]:
-        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            if type(linear) is not nn.Linear:
-                return False
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+        if any(type(linear) is not nn.Linear for linear in (*linears, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
                 return False
     return True
+
+
+@dataclass(frozen=True)
+class OwnWeightLayer:
+    """`decoder_stack_forward` projections of one layer that runs its decode steps through the kernels with its own
+    q/k/v and gate/up weights (the LLM: fused copies of an 8B model's weights would cost ~9 GB)."""
+
+    decode_kernels: bool = True
+    qkv_weight: None = None  # None: the layer's own projections, no fused copy
+    gate_up_weight: None = None
+
+
+@dataclass(frozen=True)
+class OwnWeightKernels:
+    """Per-layer [`OwnWeightLayer`]s of a stack, the `projections` argument of `decoder_stack_forward`."""
+
+    layers: tuple[OwnWeightLayer, ...]
+
+
+_OWN_WEIGHT_KERNELS: "weakref.WeakKeyDictionary[nn.Module, OwnWeightKernels]" = weakref.WeakKeyDictionary()
+
+
+def own_weight_kernels(stack: nn.Module) -> OwnWeightKernels:
+    """The [`OwnWeightKernels`] of a Qwen3 stack: one object per stack (a compiled step guards on it)."""
+    kernels = _OWN_WEIGHT_KERNELS.get(stack)
+    if kernels is None:
+        kernels = OwnWeightKernels(layers=(OwnWeightLayer(),) * stack.config.num_hidden_layers)
+        _OWN_WEIGHT_KERNELS[stack] = kernels
+    return kernels
 
 
 def use_decode_kernels(hidden_states: torch.Tensor) -> bool:
@@ -182,11 +232,12 @@ def decode_linear(
     norm: nn.Module | None = None,
     residual: torch.Tensor | None = None,
     gated: bool = False,
+    up: nn.Linear | None = None,
 ) -> torch.Tensor:
     """`(..., in_features)` -> `(..., out_features)`: `residual + act(linear(norm(x)))` through the operator.
 
-    `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used), `gated` as in
-    [`launch_decode_linear`]."""
+    `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used); `gated` as in
+    [`launch_decode_linear`], with `up` the up projection when it is not part of `weight`."""
     shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
@@ -198,8 +249,18 @@ def decode_linear(
         1e-6 if norm is None else float(norm.variance_epsilon),
         flat_residual,
         gated,
+        None if up is None else up.weight,
+        None if up is None else up.bias,
     )
     return out.view(*shape, out.shape[-1])
 
 
-__all__ = ["MAX_ROWS", "crq_linear_supported", "decode_linear", "launch_decode_linear", "use_decode_kernels"]
+__all__ = [
+    "MAX_ROWS",
+    "OwnWeightKernels",
+    "decode_kernels_supported",
+    "decode_linear",
+    "launch_decode_linear",
+    "own_weight_kernels",
+    "use_decode_kernels",
+]
