@@ -104,6 +104,7 @@ def _run_interpreted(script: str) -> str:
 
 _KERNEL_SCRIPT = """
 import json
+import torch
 from test_triton_linear_funaudiochat import CASES, case_tensors
 from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
 errors = []
@@ -112,6 +113,12 @@ for case in CASES:
     got = launch_decode_linear(**kwargs)
     assert got.shape == expected.shape and got.dtype == expected.dtype, (got.shape, expected.shape)
     errors.append((got - expected).abs().max().item())
+# A strided input row (a view of a wider tensor) and a transposed-storage weight: copied, not misread.
+kwargs, expected = case_tensors(*CASES[1])
+wide = torch.zeros(1, 2 * kwargs["x"].shape[1])
+wide[:, ::2] = kwargs["x"]
+kwargs["x"], kwargs["weight"] = wide[:, ::2], kwargs["weight"].t().contiguous().t()
+errors.append((launch_decode_linear(**kwargs) - expected).abs().max().item())
 print(json.dumps(errors))
 """
 
@@ -119,7 +126,7 @@ print(json.dumps(errors))
 def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     """Every epilogue and row count; float32, tolerance 1e-5 (same math, another summation order)."""
     errors = json.loads(_run_interpreted(_KERNEL_SCRIPT))
-    assert len(errors) == len(CASES)
+    assert len(errors) == len(CASES) + 1
     assert max(errors) < 1e-5, errors
 
 
@@ -234,6 +241,9 @@ def test_decode_kernels_supported_needs_plain_linears_and_silu():
     other = copy.deepcopy(crq)
     old = other.layers[1].mlp.up_proj
     other.layers[1].mlp.up_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    assert not triton_linear.decode_kernels_supported(other)
+    other = copy.deepcopy(crq)
+    other.layers[0].mlp.down_proj.weight.data = other.layers[0].mlp.down_proj.weight.data.t().contiguous().t()
     assert not triton_linear.decode_kernels_supported(other)
     other = copy.deepcopy(crq)
     other.config.hidden_act = "gelu"

@@ -1,12 +1,13 @@
-"""The CRQ's decode-step projections as Triton GEMV kernels, with the layer's norms and activation folded in.
+"""The decode-step projections of a Qwen3 stack as Triton GEMV kernels, with the layer's norms and activation folded in.
 
-`generate_speech(crq_linear="triton")` (the compiled default on CUDA when Triton is installed). At batch 1 a CRQ
+`generate_speech(crq_linear="triton")` (the compiled default on CUDA when Triton is installed) runs the CRQ's layers
+on them, `llm_linear="triton"` (opt-in) the LLM's, over its own unfused weights (6 kernels per layer). At batch 1 a CRQ
 sub-step is 28 layers of 4 GEMMs with a single input row: each streams 4-13 MB of weights, which an H200 reads in
 1-3 µs, yet cuBLAS takes 5-12 µs per call (its o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds
 around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (8 output
 columns over the whole reduction each, 128-512 programs), enough loads in flight to approach the copy bandwidth:
 
-- `qkv = linear(RMSNorm(x))`: the input norm folded in (each program recomputes the RMS of its few input rows);
+- `qkv = linear(RMSNorm(x))`: the input norm folded in (each program recomputes the RMS of its input row);
 - `h = x + linear(attention)`: o_proj with the residual add;
 - `a = SiLU(gate(RMSNorm(h))) * up(RMSNorm(h))`: the post-attention norm, the fused gate/up GEMM and the activation;
 - `y = h + linear(a)`: down_proj with the residual add.
@@ -16,8 +17,8 @@ dtype where transformers rounds them; only the float32 summation order differs f
 layer up to one rounding of the model dtype; in float32 to ~1e-6). `torch.library.triton_op` makes the launcher an
 operator that `torch.compile` traces and CUDA graphs replay.
 
-Measured on an H200 (BENCHMARKS.md, 2026-11-30 10:10-10:45): one full-size CRQ sub-step at batch 1 takes 1,188 µs
-against 1,492 µs with cuBLAS (CUDA-graph timed, same process); the whole batch-1 LLM step 12.48 against 13.71 ms.
+Measured on an H200 (BENCHMARKS.md, 2026-11-30 10:05-10:45): one full-size CRQ sub-step at batch 1 takes 1,188 µs
+against 1,492 µs with cuBLAS (CUDA-graph timed, same process); the whole batch-1 step 12.48 against 13.71 ms.
 Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
@@ -127,6 +128,12 @@ def launch_decode_linear(
     Returns:
         `(rows, out_features)` in x's dtype.
     """
+    # The kernel walks rows by their stride and assumes unit strides within a row / a weight matrix.
+    x, weight, residual = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (x, weight, residual))
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if up_weight is not None and not up_weight.is_contiguous():
+        up_weight = up_weight.contiguous()
     rows, in_features = x.shape
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
@@ -173,15 +180,18 @@ if triton is not None:
 
 def decode_kernels_supported(stack: nn.Module) -> bool:
     """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain `nn.Linear`
-    projections (not LoRA-wrapped or quantized: the kernels read `weight` as it is), a SiLU MLP and RMSNorms with a
-    weight and `variance_epsilon`."""
+    projections (not LoRA-wrapped or quantized: the kernels read `weight` as it is) with contiguous weights, a SiLU
+    MLP and RMSNorms with a weight and `variance_epsilon`."""
     if getattr(stack.config, "hidden_act", None) != "silu":
         return False
     for layer in stack.layers[: stack.config.num_hidden_layers]:
         attention, mlp = layer.self_attn, layer.mlp
         linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-        if any(type(linear) is not nn.Linear for linear in (*linears, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        linears = (*linears, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(linear) is not nn.Linear for linear in linears):
             return False
+        if not all(linear.weight.is_contiguous() for linear in linears):
+            return False  # the kernels would copy them on every call
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
                 return False
