@@ -1,12 +1,17 @@
 """Micro-benchmark of the decode step's projections on one GPU: compiled torch (cuBLAS) vs the Triton GEMV kernels.
 
-    python scripts/bench_decode_linear.py [--rows 1,2]
+    python scripts/bench_decode_linear.py [--rows 1,2] [--substep]
 
 For every projection of a CRQ layer (fused q/k/v and gate/up) and of an LLM layer (its own weights), bfloat16, at
 full size: µs per call of the compiled torch composition the kernel replaces (RMSNorm, `F.linear`, SiLU · up,
 residual add; cuBLAS GEMMs) and of `triton_linear_funaudiochat.decode_linear`, each timed as one CUDA graph of one call
 per layer (`triton.testing.do_bench_cudagraph`), every layer with its own weights so they are read from HBM as in a
 decode step, not from L2; the weight bytes / time and the largest difference.
+
+`--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
+cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
+with cuBLAS projections and with the kernels (`with_decode_kernels`), each replayed as a CUDA graph, and their largest
+difference from the eager transformers CRQ.
 """
 
 from __future__ import annotations
@@ -46,6 +51,69 @@ def torch_composition(x, weight, norm_weight, residual, gated, up_weight):
     return out if residual is None else residual + out
 
 
+def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -> None:
+    """CUDA-graph time of one compiled CRQ sub-step with cuBLAS projections and with the kernels."""
+    import copy
+
+    import triton
+    from transformers import StaticCache
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+    from funaudiochat_hf import FunAudioChatConfig
+    from funaudiochat_hf.compat import cache_kwargs
+    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
+    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+
+    config = FunAudioChatConfig().audio_config.crq_transformer_config
+    with torch.device("cuda"):
+        crq = Qwen3Model(config).to(torch.bfloat16).eval().requires_grad_(False)
+    for parameter in crq.parameters():
+        if parameter.ndim == 1:  # norm weights: around 1, as trained ones are
+            parameter.data.uniform_(0.5, 1.5)
+    fused = fused_crq_projections(crq)
+    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
+    attention = register_triton_decode_attention()
+    print("| rows | cuBLAS projections (µs) | Triton kernels (µs) | ratio | max diff vs eager (cuBLAS / kernels) |")
+    print("|---|---|---|---|---|")
+    for batch in rows:
+        cache = StaticCache(config=config, max_cache_len=cache_length)
+        mask = torch.ones(batch, cache_length, dtype=torch.bool, device="cuda")
+        hidden = config.hidden_size
+        with torch.no_grad():
+            crq(
+                inputs_embeds=torch.randn(batch, written, hidden, device="cuda", dtype=torch.bfloat16),
+                attention_mask=mask,
+                position_ids=torch.arange(written, device="cuda")[None].expand(batch, -1),
+                use_cache=True,
+                **cache_kwargs(cache),
+            )
+            x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
+            positions = torch.full((batch, 1), written, device="cuda")
+            caches = [copy.deepcopy(cache) for _ in range(3)]
+            expected = crq(
+                inputs_embeds=x, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(caches[2])
+            ).last_hidden_state.float()
+            crq.config._attn_implementation = attention
+            times, differences = [], []
+            for layer_cache, projections in ((caches[0], fused), (caches[1], with_decode_kernels(fused))):
+
+                def call(layer_cache=layer_cache, projections=projections):
+                    for layer in layer_cache.layers:  # every replay writes the same position
+                        layer.cumulative_length.fill_(written)
+                    return step(crq, projections, x, mask, positions, layer_cache)
+
+                differences.append((call().float() - expected).abs().max().item())
+                torch.cuda.synchronize()
+                times.append(triton.testing.do_bench_cudagraph(call, rep=200) * 1e3)
+            crq.config._attn_implementation = "sdpa"
+        print(
+            f"| {batch} | {times[0]:.0f} | {times[1]:.0f} | {times[0] / times[1]:.2f}× | "
+            f"{differences[0]:.3f} / {differences[1]:.3f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     import triton
 
@@ -53,19 +121,21 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1", help="comma-separated input rows (batch size of a decode step)")
+    parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
     compiled = torch.compile(torch_composition, fullgraph=True, dynamic=False)
     options = dict(device="cuda", dtype=torch.bfloat16)
     print("| stack | projection | rows | out × in | torch compiled (µs) | Triton (µs) | Triton TB/s | max diff |")
     print("|---|---|---|---|---|---|---|---|")
-    for rows in (int(r) for r in args.rows.split(",")):
+    for batch in rows:
         for stack, name, out_features, in_features, norm, gated, residual, separate_up, layers in PROJECTIONS:
             weight_rows = out_features * (2 if gated and not separate_up else 1)
             weights = [torch.randn(weight_rows, in_features, **options) / 32 for _ in range(layers)]
             ups = [torch.randn(out_features, in_features, **options) / 32 if separate_up else None for _ in weights]
-            x = torch.randn(rows, in_features, **options)
+            x = torch.randn(batch, in_features, **options)
             norm_weight = torch.rand(in_features, **options) + 0.5 if norm else None
-            residual_t = torch.randn(rows, out_features, **options) if residual else None
+            residual_t = torch.randn(batch, out_features, **options) if residual else None
 
             def run_torch():
                 for weight, up in zip(weights, ups):
@@ -84,11 +154,13 @@ def main(argv: list[str] | None = None) -> None:
                 times.append(triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3 / layers)
             weight_bytes = (weight_rows + (out_features if separate_up else 0)) * in_features * 2
             print(
-                f"| {stack} | {name} | {rows} | {out_features} × {in_features} | {times[0]:.2f} | {times[1]:.2f} | "
+                f"| {stack} | {name} | {batch} | {out_features} × {in_features} | {times[0]:.2f} | {times[1]:.2f} | "
                 f"{weight_bytes / times[1] / 1e6:.2f} | {(got - expected).abs().max().item():.1e} |",
                 flush=True,
             )
             del weights, ups
+    if args.substep:
+        crq_substep(rows)
 
 
 if __name__ == "__main__":
