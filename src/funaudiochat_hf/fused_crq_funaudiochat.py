@@ -34,7 +34,7 @@ class FusedLayerProjections:
         gate_up_bias: `(2 * intermediate,)` or None.
         qkv_split: `(q_size, kv_size, kv_size)` output sizes of the fused q/k/v GEMM.
         intermediate_size: output size of gate_proj (= up_proj).
-        decode_kernels: run a few-row CUDA decode step of the layer through the Triton kernels of
+        decode_kernels: run a one-row CUDA decode step of the layer through the Triton kernels of
             `triton_linear_funaudiochat` (norms, activation and residual adds folded into the projections); set per
             run by `with_decode_kernels`, False in the cached copies.
     """
