@@ -35,11 +35,10 @@ PROJECTIONS = [
 ]
 
 
-def torch_composition(x, weight, norm_weight, residual, gated, up_weight):
-    """What the kernel computes, as transformers' modules compute it (bf16 rounding at the same places)."""
-    if norm_weight is not None:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        x = norm_weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+def torch_composition(x, weight, norm, residual, gated, up_weight):
+    """What the kernel computes, with transformers' `Qwen3RMSNorm` module `norm` (or None) and `F.linear`."""
+    if norm is not None:
+        x = norm(x)
     if gated:
         if up_weight is None:
             gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
@@ -116,6 +115,7 @@ def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -
 
 def main(argv: list[str] | None = None) -> None:
     import triton
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
 
@@ -134,18 +134,22 @@ def main(argv: list[str] | None = None) -> None:
             weights = [torch.randn(weight_rows, in_features, **options) / 32 for _ in range(layers)]
             ups = [torch.randn(out_features, in_features, **options) / 32 if separate_up else None for _ in weights]
             x = torch.randn(batch, in_features, **options)
-            norm_weight = torch.rand(in_features, **options) + 0.5 if norm else None
+            norm_module = None
+            if norm:
+                norm_module = Qwen3RMSNorm(in_features, eps=1e-6).to(**options).requires_grad_(False)
+                norm_module.weight.data.uniform_(0.5, 1.5)
+            norm_weight = None if norm_module is None else norm_module.weight
             residual_t = torch.randn(batch, out_features, **options) if residual else None
 
             def run_torch():
                 for weight, up in zip(weights, ups):
-                    compiled(x, weight, norm_weight, residual_t, gated, up)
+                    compiled(x, weight, norm_module, residual_t, gated, up)
 
             def run_kernels():
                 for weight, up in zip(weights, ups):
                     launch_decode_linear(x, weight, None, norm_weight, 1e-6, residual_t, gated, up)
 
-            expected = torch_composition(x, weights[0], norm_weight, residual_t, gated, ups[0]).float()
+            expected = torch_composition(x, weights[0], norm_module, residual_t, gated, ups[0]).float()
             got = launch_decode_linear(x, weights[0], None, norm_weight, 1e-6, residual_t, gated, ups[0]).float()
             times = []
             for fn in (run_torch, run_kernels):

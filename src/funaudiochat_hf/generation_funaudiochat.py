@@ -754,14 +754,19 @@ class _SpeechRun:
         if not self.static:
             logger.warning(f"`{name}` needs `cache_implementation='static'`; running eagerly.")
             return None
-        mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
-        if len(mapped_devices) > 1 or mapped_devices & {"cpu", "disk"}:
+        if self._dispatched():
             logger.warning(
                 f"The model is dispatched over several devices (device_map); `{name}` cannot capture it, so that "
                 "part runs eagerly."
             )
             return None
         return dict(defaults) if option is True else dict(option)
+
+    def _dispatched(self) -> bool:
+        """Whether the model is spread over several devices or offloaded (`device_map`): no compiled capture, no
+        Triton kernels."""
+        mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
+        return len(mapped_devices) > 1 or bool(mapped_devices & {"cpu", "disk"})
 
     def _pick_prefill_function(self, compile_option):
         """`_prefill_forward`, with its LLM and CRQ layers' halves compiled when asked to.
@@ -783,10 +788,9 @@ class _SpeechRun:
             raise ValueError(f"`{name}` must be 'auto', 'triton' or 'torch', got {choice!r}.")
         if choice == "torch" or (choice == "auto" and not (compiled and _AUTO_LINEAR_KERNELS[name])):
             return False
-        mapped_devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
         usable = (
             stack is not None
-            and len(mapped_devices) <= 1
+            and not self._dispatched()
             and triton_available(device)
             and decode_kernels_supported(stack)
         )

@@ -128,12 +128,9 @@ def launch_decode_linear(
     Returns:
         `(rows, out_features)` in x's dtype.
     """
-    # The kernel walks rows by their stride and assumes unit strides within a row / a weight matrix.
-    x, weight, residual = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (x, weight, residual))
-    if not weight.is_contiguous():
-        weight = weight.contiguous()
-    if up_weight is not None and not up_weight.is_contiguous():
-        up_weight = up_weight.contiguous()
+    # The kernel walks rows by their stride, with unit strides within a row, and reads weights as contiguous matrices.
+    x, residual = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    weight, up_weight = (t if t is None or t.is_contiguous() else t.contiguous() for t in (weight, up_weight))
     rows, in_features = x.shape
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
