@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
+    # One graph per projection shape and row count: more than dynamo's default 8 recompilations of one function.
+    torch._dynamo.config.recompile_limit = 8 * len(PROJECTIONS) * len(rows)
     compiled = torch.compile(torch_composition, fullgraph=True, dynamic=False)
     options = dict(device="cuda", dtype=torch.bfloat16)
     print("| stack | projection | rows | out × in | torch compiled (µs) | Triton (µs) | Triton TB/s | max diff |")

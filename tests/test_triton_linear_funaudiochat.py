@@ -40,7 +40,8 @@ CASES = [
     (1, 24, 64, True, True, False, True, True),  # the LLM's gate and up as tensors of their own
     (3, 20, 96, True, True, True, False, False),
     (4, 36, 64, True, True, False, True, False),
-    (2, 16, 1536, False, False, True, False, False),  # several reduction chunks
+    (2, 16, 3072, False, False, True, False, False),  # two reduction chunks, the second one masked
+    (1, 16, 1312, True, False, False, True, True),  # a wide gated input: six chunks, the last one masked
 ]
 
 
@@ -213,9 +214,9 @@ def test_crq_linear_choice(monkeypatch, inputs):
     assert not model._speech_run(ids, None, {}, {**compile_options, "disable_speech": True}).cfg.crq_linear
     with pytest.raises(ValueError, match="fused CRQ projections"):
         model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton", "fuse_crq_projections": False})
-    # The LLM's kernels: opt-in ("auto" leaves them off until measured at full size), over its own weights (no fused
-    # copies needed).
-    assert not model._speech_run(ids, None, {}, compile_options).cfg.llm_linear
+    # The LLM's kernels: on by default in a compiled loop on a Triton GPU, over its own weights (no fused copies).
+    assert model._speech_run(ids, None, {}, compile_options).cfg.llm_linear
+    assert not model._speech_run(ids, None, {}, {}).cfg.llm_linear  # eager loop
     assert model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "triton"}).cfg.llm_linear
     assert model._speech_run(ids, None, {}, {"llm_linear": "triton"}).cfg.llm_linear
     assert not model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "torch"}).cfg.llm_linear

@@ -239,10 +239,10 @@ class _DecodeWorkspace:
 
 # torch.compile options of the compiled prefill: one graph per layer half, reused by every layer and prompt length.
 PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
-# What "auto" gives a compiled loop on a Triton GPU, per stack: the CRQ's kernels were measured faster at full size on
-# an H200 (step 12.48 against 13.71 ms, BENCHMARKS.md); the LLM's are opt-in until measured whole (their GEMVs were
-# 10-30 % faster per call, but the full-size run that would time the step did not finish compiling in its budget).
-_AUTO_LINEAR_KERNELS = {"crq_linear": True, "llm_linear": False}
+# What "auto" gives a compiled loop on a Triton GPU, per stack. Both were measured faster at full size on an H200
+# (BENCHMARKS.md, 2026-11-30): the CRQ's kernels took the batch-1 step from 13.71 to 12.48 ms, and to 11.57 ms once
+# their per-step warp synchronisations were gone; the LLM's, over its own weights, then to 11.08 ms.
+_AUTO_LINEAR_KERNELS = {"crq_linear": True, "llm_linear": True}
 
 
 def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
@@ -1030,9 +1030,10 @@ class FunAudioChatSpeechGenerationMixin:
                 of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a batch-1 CRQ decode
                 step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
                 residual adds folded in, `triton_linear_funaudiochat` (batches keep cuBLAS, faster there);
-                "torch": cuBLAS GEMMs; same math, float rounding may differ slightly), `llm_linear` ("auto",
-                default: "torch" for now, the LLM's own forward; "triton": the same kernels for the LLM's batch-1
-                decode step over its own, unfused weights, 6 per layer, opt-in until measured at full size),
+                "torch": cuBLAS GEMMs; same math, float rounding may differ slightly), `llm_linear` (the same
+                choice for the LLM: "auto" gives "triton" under the same conditions, minus the fused projections:
+                its batch-1 decode step runs the kernels over its own, unfused weights, 6 per layer; "torch": the
+                LLM's own forward),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:

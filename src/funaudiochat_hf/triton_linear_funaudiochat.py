@@ -1,7 +1,7 @@
 """The decode-step projections of a Qwen3 stack as Triton GEMV kernels, with the layer's norms and activation folded in.
 
-`generate_speech(crq_linear="triton")` (the compiled default on CUDA when Triton is installed) runs the CRQ's layers
-on them, `llm_linear="triton"` (opt-in) the LLM's, over its own unfused weights (6 kernels per layer). At batch 1 a CRQ
+`generate_speech(crq_linear="triton")` runs the CRQ's layers on them, `llm_linear="triton"` the LLM's, over its own
+unfused weights (6 kernels per layer); both are the compiled default on CUDA when Triton is installed. At batch 1 a CRQ
 sub-step is 28 layers of 4 GEMMs with a single input row: each streams 4-13 MB of weights, which an H200 reads in
 1-3 µs, yet cuBLAS takes 5-12 µs per call (its o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds
 around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (8 output
@@ -17,9 +17,11 @@ dtype where transformers rounds them; only the float32 summation order differs f
 layer up to one rounding of the model dtype; in float32 to ~1e-6). `torch.library.triton_op` makes the launcher an
 operator that `torch.compile` traces and CUDA graphs replay.
 
-Measured on an H200 (BENCHMARKS.md, 2026-11-30 10:05-10:45): one full-size CRQ sub-step at batch 1 takes 1,188 µs
-against 1,492 µs with cuBLAS (CUDA-graph timed, same process); the whole batch-1 step 12.48 against 13.71 ms.
-Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
+Measured on an H200 (BENCHMARKS.md, 2026-11-30): one full-size CRQ sub-step at batch 1 took 1,188 against 1,492 µs
+with cuBLAS (CUDA-graph timed, same process), the whole batch-1 step 12.48 against 13.71 ms. Summing each program's
+products once after the reduction loop, instead of once per unrolled step (each sum synchronised the warps between
+weight loads), made the CRQ's four kernels 19.0 instead of 25.0 µs per layer and the step 11.57 ms; with the LLM on
+them too, 11.08 ms. Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
 import weakref
@@ -33,11 +35,16 @@ from .triton_attention_funaudiochat import triton
 
 # Input rows (batch x positions) up to which the kernels replace cuBLAS. Measured on an H200 (full-size CRQ sub-step,
 # BENCHMARKS.md): 1,188 against 1,492 µs at one row, but 2,096 against 1,541 µs at two, where cuBLAS shares each
-# weight read between the rows and this kernel's (rows, columns, reduction) tile is not.
+# weight read between the rows; this kernel reads the weights once per row (one row per program).
 MAX_ROWS = 1
 BLOCK_N = 8  # output columns per program
 NUM_WARPS = 8
-MAX_BLOCK_K = 1024  # reduction elements per load (x rows); the loop over K is unrolled
+# Reduction elements per weight load (the loop over K is unrolled): 64 per thread and load. A gated program loads two
+# weights and holds two product tiles: 512 for the CRQ's 1,024-wide inputs, 256 for wider ones (the LLM's gate/up took
+# 53 µs at 256 against 77 µs at 512 on an H200; every other full-size shape was fastest or within 1 µs at 2,048).
+MAX_BLOCK_K = 2048
+MAX_BLOCK_K_GATED = 512
+MAX_BLOCK_K_GATED_WIDE = 256
 
 
 if triton is not None:
@@ -45,57 +52,61 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, rows,
+        x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr,
         stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """BLOCK_N output columns of every row. x `(rows, K)`; weight (the gate's when GATED) and up weight `(N,
-        K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`."""
+        """BLOCK_N output columns of row `program_id(1)`. x `(rows, K)`; weight (the gate's when GATED) and up weight
+        `(N, K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`.
+
+        The products are accumulated elementwise in a `(BLOCK_N, BLOCK_K)` tile over the unrolled reduction and summed
+        once at the end: a sum per step would synchronise the warps (through shared memory) between the weight loads.
+        """
         dtype = out_ptr.dtype.element_ty
-        row = tl.arange(0, BLOCK_M)
-        row_ok = row < rows
+        x_row = x_ptr + tl.program_id(1) * stride_x
         col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        MASK_N: tl.constexpr = N % BLOCK_N != 0
+        MASK_K: tl.constexpr = K % BLOCK_K != 0
         col_ok = col < N
         if HAS_NORM:  # Qwen3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded, times the weight, rounded
-            squares = tl.zeros([BLOCK_M], tl.float32)
+            squares = tl.zeros([BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
-                            other=0.0).to(tl.float32)  # fmt: skip
-                squares += tl.sum(x * x, axis=1)
-            inverse_rms = tl.rsqrt(squares / K + EPS)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                x = tl.load(x_row + k, mask=(k < K) if MASK_K else None, other=0.0 if MASK_K else None)
+                squares += x.to(tl.float32) * x.to(tl.float32)
+            inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + EPS)
+        products = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up_products = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_row + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
             if HAS_NORM:
-                norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok, other=0.0)
-                x = (x.to(tl.float32) * inverse_rms[:, None]).to(dtype) * norm_weight[None, :]
-            x = x.to(tl.float32)[:, None, :]  # (BLOCK_M, 1, BLOCK_K)
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            w = tl.load(weight_ptr + col[:, None] * K + k[None, :], mask=w_mask, other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            acc += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
+                norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
+                x = (x.to(tl.float32) * inverse_rms).to(dtype) * norm_weight
+            x = x.to(tl.float32)[None, :]
+            w_offsets = col[:, None] * K + k[None, :]
+            w_mask = col_ok[:, None] & k_ok[None, :] if MASK_N or MASK_K else None
+            w_other = 0.0 if MASK_N or MASK_K else None
+            w = tl.load(weight_ptr + w_offsets, mask=w_mask, other=w_other, eviction_policy="evict_first")
+            products += x * w.to(tl.float32)
             if GATED:
-                w = tl.load(up_weight_ptr + col[:, None] * K + k[None, :], mask=w_mask, other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
-                acc_up += tl.sum(x * w.to(tl.float32)[None, :, :], axis=2)
+                w = tl.load(up_weight_ptr + w_offsets, mask=w_mask, other=w_other, eviction_policy="evict_first")
+                up_products += x * w.to(tl.float32)
+        acc = tl.sum(products, axis=1)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(up_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
         out = acc.to(dtype)
         if GATED:  # act_fn(gate) * up on the rounded GEMM outputs, the activation rounded first
+            acc_up = tl.sum(up_products, axis=1)
+            if HAS_BIAS:
+                acc_up += tl.load(up_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
             gate = out.to(tl.float32)
             out = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
-        out_mask = row_ok[:, None] & col_ok[None, :]
         if HAS_RESIDUAL:
-            out += tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=out_mask, other=0.0)
-        tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out.to(dtype), mask=out_mask)
+            out += tl.load(residual_ptr + tl.program_id(1) * stride_residual + col, mask=col_ok, other=0.0)
+        tl.store(out_ptr + tl.program_id(1) * stride_out + col, out.to(dtype), mask=col_ok)
 
 
 def launch_decode_linear(
@@ -113,7 +124,7 @@ def launch_decode_linear(
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
     Args:
-        x: `(rows, in_features)`, last dimension contiguous; a few rows (the kernel holds them all in one tile).
+        x: `(rows, in_features)`, last dimension contiguous; a few rows (each row's programs read all the weights).
         weight: `(out_features, in_features)` contiguous. With `gated` and no `up_weight`, `(2 * out_features,
             in_features)`: the gate rows then the up rows (`FusedLayerProjections.gate_up_weight`).
         bias: None or `(weight.shape[0],)`.
@@ -139,19 +150,20 @@ def launch_decode_linear(
             bias, up_bias = bias[:out_features], bias[out_features:]
     out_features = weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    block_m = triton.next_power_of_2(rows)
-    # Keep a program's (rows, columns, reduction) product tile at 8K elements: registers, not local memory.
-    block_k = min(MAX_BLOCK_K // block_m // (2 if gated else 1), triton.next_power_of_2(in_features))
+    if gated:
+        block_k = MAX_BLOCK_K_GATED if in_features <= 1024 else MAX_BLOCK_K_GATED_WIDE
+    else:
+        block_k = MAX_BLOCK_K
+    block_k = min(block_k, triton.next_power_of_2(in_features))
 
     def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
         return x if tensor is None else tensor  # never read: the kernel's HAS_* flag is off
 
-    wrap(_decode_linear_kernel)[(triton.cdiv(out_features, BLOCK_N),)](
+    wrap(_decode_linear_kernel)[(triton.cdiv(out_features, BLOCK_N), rows)](
         x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
-        rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
+        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
