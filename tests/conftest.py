@@ -1,5 +1,9 @@
 """Shared fixtures: paths to the golden data copied from the reference implementations (see fixtures/MANIFEST.md)."""
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,22 @@ FUNAUDIOCHAT_TINY = FIXTURES / "funaudiochat_tiny"
 FUNAUDIOCHAT_GOLDEN = FIXTURES / "funaudiochat_golden"
 COSYVOICE3_TINY = FIXTURES / "cosyvoice3_tiny"
 COSYVOICE3_GOLDEN = FIXTURES / "cosyvoice3_golden"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
+    """Run a Python `script` under Triton's CPU interpreter and return its last stdout line; skips without Triton.
+
+    A subprocess, because `TRITON_INTERPRET=1` must be set before the kernels are defined; the package sources and the
+    tests folder are importable in it."""
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
 
 
 def pytest_collection_modifyitems(config, items):

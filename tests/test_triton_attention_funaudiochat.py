@@ -6,10 +6,6 @@ kernels are defined; skipped where Triton is not installed), on a GPU for real (
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,11 +18,10 @@ from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
 from funaudiochat_hf.generation_funaudiochat import _SpeechRun
 
-from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, run_in_triton_interpreter
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 # (batch, heads, kv_heads, kv_len, head_dim, mask): masks "tail" (a static cache's unused end), "padding" (left
 # padding, a row seeing one position), "broadcast" (one row's mask expanded to the batch, stride 0), None.
@@ -80,8 +75,7 @@ print(json.dumps(errors))
 
 def test_kernels_match_matmul_attention_in_the_triton_interpreter():
     """Every mask layout, grouping and head size; float32, tolerance 1e-5 (same math, another summation order)."""
-    pytest.importorskip("triton")
-    errors = json.loads(_run_in_interpreter(_INTERPRETER_SCRIPT.format(tests=str(Path(__file__).parent))))
+    errors = json.loads(run_in_triton_interpreter(_INTERPRETER_SCRIPT.format(tests=str(Path(__file__).parent))))
     assert len(errors) == len(CASES)
     assert max(errors) < 1e-5, errors
 
@@ -113,23 +107,11 @@ print(json.dumps({"splits": kwargs["NUM_SPLITS"], "splits_with_work": torch.isfi
 """
 
 
-def _run_in_interpreter(script: str, timeout: int = 600) -> str:
-    """Run `script` with `TRITON_INTERPRET=1` (set before the kernels are defined); returns its last stdout line."""
-    path = os.pathsep.join([str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1]
-
-
 def test_used_cache_prefix_is_shared_by_all_splits():
     """Regression: the cache blocks were split into contiguous ranges, so the used prefix of a long static cache fell
     on the first split and the others skipped everything (at batch 16, 43 µs per CRQ layer instead of ~15). Dealt
     in turn, every split gets one of the three used blocks."""
-    pytest.importorskip("triton")
-    result = json.loads(_run_in_interpreter(_BALANCE_SCRIPT))
+    result = json.loads(run_in_triton_interpreter(_BALANCE_SCRIPT))
     assert result["splits"] == 3
     assert result["splits_with_work"] == [3] * 128
 

@@ -8,11 +8,6 @@ whole tiny model through the kernel path (availability checks patched to accept 
 
 import copy
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +19,10 @@ import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
 
-from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, run_in_triton_interpreter
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 # (rows, out_features, in_features, norm, bias, residual, gated, separate_up): out_features not a multiple of the
 # 8-column program tile, in_features not a power of two, every epilogue.
@@ -92,17 +86,6 @@ def case_tensors(
     return kwargs, expected
 
 
-def _run_interpreted(script: str) -> str:
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1]
-
-
 _KERNEL_SCRIPT = """
 import json
 import torch
@@ -126,7 +109,7 @@ print(json.dumps(errors))
 
 def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     """Every epilogue and row count; float32, tolerance 1e-5 (same math, another summation order)."""
-    errors = json.loads(_run_interpreted(_KERNEL_SCRIPT))
+    errors = json.loads(run_in_triton_interpreter(_KERNEL_SCRIPT))
     assert len(errors) == len(CASES) + 1
     assert max(errors) < 1e-5, errors
 
@@ -173,7 +156,7 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step);
     `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v apart, the gate and up weights
     unfused). The greedy tokens equal the official implementation's either way."""
-    result = json.loads(_run_interpreted(_GENERATE_SCRIPT))
+    result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     for run in result.values():
         assert run["sequences"] and run["speech_ids"], result
     crq_only, both = result["torch"], result["triton"]

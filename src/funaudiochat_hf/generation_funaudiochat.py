@@ -239,10 +239,6 @@ class _DecodeWorkspace:
 
 # torch.compile options of the compiled prefill: one graph per layer half, reused by every layer and prompt length.
 PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
-# What "auto" gives a compiled loop on a Triton GPU, per stack. Both were measured faster at full size on an H200
-# (BENCHMARKS.md, 2026-11-30): the CRQ's kernels took the batch-1 step from 13.71 to 12.48 ms, and to 11.57 ms once
-# their per-step warp synchronisations were gone; the LLM's, over its own weights, then to 11.08 ms.
-_AUTO_LINEAR_KERNELS = {"crq_linear": True, "llm_linear": True}
 
 
 def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
@@ -716,18 +712,17 @@ class _SpeechRun:
             if compiled and isinstance(options["compile"], dict) and "backend" in options["compile"]:
                 compile_prefill = {**PREFILL_COMPILE_DEFAULTS, "backend": options["compile"]["backend"]}
         self.prefill_forward = self._pick_prefill_function(compile_prefill)
+        crq = None if disable_speech else model.audio_invert_tower.crq_transformer  # speech off: no CRQ steps
         fuse = options["fuse_crq_projections"]
         if fuse is None:
             # Auto: a compiled loop is bound by the CRQ's many small GEMMs (measured on an H200, BENCHMARKS.md), so
             # fuse them when the projections are plain linears (not LoRA-wrapped / quantized).
-            crq = None if disable_speech else model.audio_invert_tower.crq_transformer
             fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
-        fuse = bool(fuse) and not disable_speech
-        crq_linear = False  # speech off: no CRQ steps
-        if not disable_speech:
-            # The CRQ's kernels read its fused copies: unfused, there is nothing for them to run.
-            crq = model.audio_invert_tower.crq_transformer if fuse else None
-            crq_linear = self._pick_linear_kernels("crq_linear", options["crq_linear"], compiled, crq, device)
+        fuse = bool(fuse) and crq is not None
+        # The CRQ's kernels read its fused copies: unfused, there is nothing for them to run.
+        crq_linear = crq is not None and self._pick_linear_kernels(
+            "crq_linear", options["crq_linear"], compiled, crq if fuse else None, device
+        )
         llm = model.language_model.model
         llm_linear = self._pick_linear_kernels("llm_linear", options["llm_linear"], compiled, llm, device)
         self.cfg = replace(self.cfg, fuse_crq_projections=fuse, crq_linear=crq_linear, llm_linear=llm_linear)
@@ -786,7 +781,10 @@ class _SpeechRun:
         `llm_linear`); `stack` is None where the kernels cannot apply (the CRQ without fused projections / speech)."""
         if choice not in ("auto", "triton", "torch"):
             raise ValueError(f"`{name}` must be 'auto', 'triton' or 'torch', got {choice!r}.")
-        if choice == "torch" or (choice == "auto" and not (compiled and _AUTO_LINEAR_KERNELS[name])):
+        # "auto" takes them in a compiled loop: measured faster there at full size on an H200 for both stacks
+        # (BENCHMARKS.md, 2026-11-30: the batch-1 step 13.71 -> 12.48 ms with the CRQ's, 11.58 -> 10.69 ms with the
+        # LLM's added, side by side).
+        if choice == "torch" or (choice == "auto" and not compiled):
             return False
         usable = (
             stack is not None

@@ -20,8 +20,8 @@ operator that `torch.compile` traces and CUDA graphs replay.
 Measured on an H200 (BENCHMARKS.md, 2026-11-30): one full-size CRQ sub-step at batch 1 took 1,188 against 1,492 µs
 with cuBLAS (CUDA-graph timed, same process), the whole batch-1 step 12.48 against 13.71 ms. Summing each program's
 products once after the reduction loop, instead of once per unrolled step (each sum synchronised the warps between
-weight loads), made the CRQ's four kernels 19.0 instead of 25.0 µs per layer and the step 11.57 ms; with the LLM on
-them too, 11.08 ms. Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
+weight loads), made the CRQ's four kernels 19.0 instead of 25.0 µs per layer and the step 11.58 ms; with the LLM on
+them too, 10.69 ms (side by side). Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
 import weakref
