@@ -159,6 +159,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
             f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}"
+            + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
@@ -1330,6 +1331,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--llm-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(llm_linear=...)"
     )
+    p.add_argument(
+        "--plain-launches", action="store_true",
+        help="launch the Triton decode kernels without programmatic dependent launch (for comparisons)",
+    )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(
         "--decoder-precision", default="float32", choices=["float32", "tf32", "bfloat16"],
@@ -1448,6 +1453,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"benchmark: {meta['gpu']} | torch {meta['torch']} | transformers {meta['transformers']} | {meta['command']}")
     torch.manual_seed(0)
     raise_recompile_limits()
+    if args.plain_launches:
+        from funaudiochat_hf import triton_attention_funaudiochat
+
+        triton_attention_funaudiochat.PROGRAMMATIC_DEPENDENT_LAUNCH = False
 
     device = args.device
     bandwidth = run_measurement(

@@ -33,6 +33,23 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4) -> str:
+    """PTX of a Triton kernel compiled for an H100 / H200 (sm_90, no GPU needed) as a programmatic dependent launch.
+
+    `constexprs`: the values of its `tl.constexpr` parameters; `types`: the Triton type of its pointer (e.g. `"*bf16"`,
+    taken as 16-byte aligned, as Triton specialises launches on torch's allocations) and float parameters; the other
+    parameters are 32-bit integers."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if signature[name][0] == "*"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": num_warps, "launch_pdl": True}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

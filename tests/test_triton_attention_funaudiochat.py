@@ -18,7 +18,7 @@ from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
 from funaudiochat_hf.generation_funaudiochat import _SpeechRun
 
-from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, run_in_triton_interpreter
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, hopper_ptx, run_in_triton_interpreter
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
@@ -86,21 +86,24 @@ from funaudiochat_hf import triton_attention_funaudiochat as attention
 
 launches = {}
 
-def recording(kernel):  # the `wrap` hook: keep each kernel's grid and arguments
-    class Launcher:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches[kernel.__name__] = (grid, args, kwargs)
-                return kernel[grid](*args, **kwargs)
-            return launch
-    return Launcher()
+class Recording:  # stands in for a kernel: keeps its grid and arguments, then launches it
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            launches[self.kernel.__name__] = (grid, args, kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+attention._split_kernel = Recording(attention._split_kernel)
 
 # 16 rows x 8 KV heads = 128 (row, head) programs per split: 3 splits of a 12-block cache, of which a decode step
 # sees the first 3 blocks (192 positions).
 query, key, value = torch.randn(16, 8, 1, 16), torch.randn(16, 8, 768, 16), torch.randn(16, 8, 768, 16)
 mask = torch.zeros(16, 768, dtype=torch.bool)
 mask[:, :192] = True
-attention.launch_decode_attention(query, key, value, mask, 0.25, wrap=recording)
+attention.launch_decode_attention(query, key, value, mask, 0.25)
 grid, args, kwargs = launches["_split_kernel"]
 part_max = args[5].view(grid[0], kwargs["NUM_SPLITS"], kwargs["BLOCK_G"])[:, :, 0]
 print(json.dumps({"splits": kwargs["NUM_SPLITS"], "splits_with_work": torch.isfinite(part_max).sum(1).tolist()}))
@@ -114,6 +117,41 @@ def test_used_cache_prefix_is_shared_by_all_splits():
     result = json.loads(run_in_triton_interpreter(_BALANCE_SCRIPT))
     assert result["splits"] == 3
     assert result["splits_with_work"] == [3] * 128
+
+
+def _kernel_ptx(kernel, pdl: bool, **constexprs) -> str:
+    types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
+    types.update(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", mask_ptr="*i1", scaling="fp32")
+    shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
+    return hopper_ptx(kernel, {**shared, **constexprs}, types)
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_programmatic_launch_waits_before_reading(pdl):
+    """As programmatic dependent launches (H100 / H200) both kernels wait for the previous kernel before their first
+    read (the query, the cache, the partial results); plain launches compile without the instructions."""
+    pytest.importorskip("triton")
+    split = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=True, PRECISION="tf32")
+    combine = {"BLOCK_S": 8}
+    for kernel, constexprs in [(triton_attention._split_kernel, split), (triton_attention._combine_kernel, combine)]:
+        lines = _kernel_ptx(kernel, pdl, **constexprs).splitlines()
+        control = [i for i, line in enumerate(lines) if "griddepcontrol" in line]
+        if not pdl:
+            assert not control
+            continue
+        first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+        assert "griddepcontrol.wait" in lines[control[0]] and control[0] < first_load
+        assert any("griddepcontrol.launch_dependents" in lines[i] for i in control)
+
+
+def test_programmatic_launch_needs_a_hopper_gpu(monkeypatch):
+    assert not triton_attention.programmatic_launch(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, expected in [((8, 0), False), ((9, 0), True), ((10, 0), True)]:
+        monkeypatch.setattr(triton_attention, "_compute_capability", lambda index, capability=capability: capability)
+        assert triton_attention.programmatic_launch(torch.device("cuda", 0)) is expected
+    monkeypatch.setattr(triton_attention, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
+    assert not triton_attention.programmatic_launch(torch.device("cuda", 0))
 
 
 def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():

@@ -19,7 +19,7 @@ import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
 
-from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, run_in_triton_interpreter
+from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, hopper_ptx, run_in_triton_interpreter
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
@@ -120,6 +120,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
+from funaudiochat_hf import triton_attention_inputs_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
 # Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
@@ -131,38 +132,49 @@ launch = triton_linear_funaudiochat.launch_decode_linear
 def counted(*args):
     calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
     return launch(*args)
-torch.ops.funaudiochat.decode_linear = counted
+triton_linear_funaudiochat.launch_decode_linear = counted  # what the operators call (also when compiled)
+write = triton_attention_inputs_funaudiochat.launch_decode_attention_inputs
+def counted_write(*args):
+    calls.append("attention_inputs")
+    return write(*args)
+triton_attention_inputs_funaudiochat.launch_decode_attention_inputs = counted_write
 
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
 result = {}
-for llm_linear in ("torch", "triton"):
+# The last run compiles the loop whole (fullgraph: the kernels' operators, the cache writes among them, no breaks).
+compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "gqa_matmul"}
+for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {}), ("compiled", "triton", compiled)):
     calls.clear()
     out = model.generate_speech(
-        **inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear
+        **inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear, **options
     )
-    result[llm_linear] = {
+    result[name] = {
         "sequences": torch.equal(out.sequences, golden["sequences"]),
         "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
-        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp")},
+        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs")},
     }
 print(json.dumps(result))
 """
 
 
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
-    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step);
-    `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v apart, the gate and up weights
-    unfused). The greedy tokens equal the official implementation's either way."""
+    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step,
+    and the attention inputs' kernel); `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v
+    apart, the gate and up weights unfused; and the attention inputs). The greedy tokens equal the official
+    implementation's either way, also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     for run in result.values():
         assert run["sequences"] and run["speech_ids"], result
-    crq_only, both = result["torch"], result["triton"]
+    crq_only, both, compiled = result["torch"], result["triton"], result["compiled"]
     assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
     assert both["crq_mlp"] == crq_only["crq_mlp"] and both["llm_mlp"] > 0
     assert both["plain"] == 3 * both["crq_mlp"] + 5 * both["llm_mlp"], result
+    assert crq_only["attention_inputs"] == crq_only["crq_mlp"], result
+    assert both["attention_inputs"] == both["crq_mlp"] + both["llm_mlp"], result
+    assert compiled["crq_mlp"] > 0 and compiled["llm_mlp"] > 0 and compiled["attention_inputs"] > 0, result
 
 
 def test_falls_back_off_cuda_and_for_many_rows():
@@ -171,6 +183,32 @@ def test_falls_back_off_cuda_and_for_many_rows():
         assert triton_linear.use_decode_kernels(torch.zeros(1, 1, 8, device="cuda"))
         assert not triton_linear.use_decode_kernels(torch.zeros(2, 1, 8, device="cuda"))  # a batch: cuBLAS
         assert not triton_linear.use_decode_kernels(torch.zeros(1, 5, 8, device="cuda"))  # a prefill chunk
+
+
+def _linear_ptx(pdl: bool, gated: bool) -> list[str]:
+    pytest.importorskip("triton")
+    constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=gated,
+                      BLOCK_N=8, BLOCK_K=512, PDL=pdl)
+    names = triton_linear._decode_linear_kernel.arg_names
+    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    return hopper_ptx(triton_linear._decode_linear_kernel, constexprs, types, num_warps=8).splitlines()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_programmatic_launch_fetches_weights_before_waiting_for_the_previous_kernel(gated):
+    """As a programmatic dependent launch (H100 / H200), the GEMV streams its first weight tiles (per weight: 8 rows x
+    512 bf16 = 8 KB, 16 bytes per load over 256 threads = 2 loads per thread) while the previous kernel finishes and
+    reads its input only after `griddepcontrol.wait`; the next kernel is let in after the reduction. Plain launches
+    compile without either instruction."""
+    lines = _linear_ptx(pdl=True, gated=gated)
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    launch = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    early = [lines[i] for i in loads if i < wait]
+    assert len(early) == (4 if gated else 2), early
+    assert all(".L1::no_allocate" in line or "evict_first" in line for line in early), early  # the weight loads
+    assert wait < launch and any(wait < i < launch for i in loads)
+    assert not any("griddepcontrol" in line for line in _linear_ptx(pdl=False, gated=gated))
 
 
 def _tiny_model():

@@ -9,7 +9,9 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their
   `decode_kernels` set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and
   the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the
-  same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM);
+  same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM); over a static
+  cache the q/k norms, rotary embedding and cache write of those steps are one more kernel
+  (`triton_attention_inputs_funaudiochat`);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -27,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, eager_attention_forward
 
 from .compat import attention_passes_kwargs_to_cache
+from .triton_attention_inputs_funaudiochat import decode_attention_inputs, writable_static_layer
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
 
 
@@ -48,29 +51,33 @@ def attention_inputs(
     """
     attention = layer.self_attn
     hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
-    own_weights = projections is None or projections.qkv_weight is None
-    norm = layer.input_layernorm
-    if _takes_kernels(projections, hidden_states):
-        if own_weights:
-            linears = (attention.q_proj, attention.k_proj, attention.v_proj)
-            query, key, value = (decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
-        else:
-            qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm)
-            query, key, value = qkv.split(projections.qkv_split, dim=-1)
-    elif own_weights:
-        hidden_states = norm(hidden_states)
-        query = attention.q_proj(hidden_states)
-        key = attention.k_proj(hidden_states)
-        value = attention.v_proj(hidden_states)
-    else:
-        hidden_states = norm(hidden_states)
-        qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
-        query, key, value = qkv.split(projections.qkv_split, dim=-1)
+    query, key, value = _project_qkv(layer, projections, hidden_states)
     query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
     key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
     value_states = value.view(hidden_shape).transpose(1, 2)
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
     return query_states, key_states, value_states
+
+
+def _project_qkv(
+    layer: nn.Module, projections, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input norm and the q, k and v projections: `(batch, n, hidden)` -> `(batch, n, heads * head_dim)` query,
+    `(batch, n, kv_heads * head_dim)` key and value."""
+    attention = layer.self_attn
+    own_weights = projections is None or projections.qkv_weight is None
+    norm = layer.input_layernorm
+    if _takes_kernels(projections, hidden_states):
+        if own_weights:
+            linears = (attention.q_proj, attention.k_proj, attention.v_proj)
+            return tuple(decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
+        qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm)
+        return qkv.split(projections.qkv_split, dim=-1)
+    hidden_states = norm(hidden_states)
+    if own_weights:
+        return attention.q_proj(hidden_states), attention.k_proj(hidden_states), attention.v_proj(hidden_states)
+    qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
+    return qkv.split(projections.qkv_split, dim=-1)
 
 
 def attention_output_and_mlp(
@@ -131,12 +138,19 @@ def _decoder_layer(
     """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`."""
     attention = layer.self_attn
     cos, sin = position_embeddings
-    query_states, key_states, value_states = halves.attention_inputs(layer, projections, hidden_states, cos, sin)
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
     kwargs = {"position_ids": position_ids, "use_cache": True}
-    if cache is not None:
-        update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
-        key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
+    kernel_step = _takes_kernels(projections, hidden_states)
+    static_layer = writable_static_layer(cache, attention.layer_idx) if kernel_step else None
+    if static_layer is not None:  # a kernel decode step: the norms, rotary and cache write as one kernel too
+        query, key, value = _project_qkv(layer, projections, hidden_states)
+        attention_inputs = decode_attention_inputs(attention, query, key, value, cos, sin, static_layer)
+        query_states, key_states, value_states = attention_inputs
+    else:
+        query_states, key_states, value_states = halves.attention_inputs(layer, projections, hidden_states, cos, sin)
+        if cache is not None:
+            update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
+            key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
 
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
         attention.config._attn_implementation, eager_attention_forward

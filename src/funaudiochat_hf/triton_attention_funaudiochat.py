@@ -23,8 +23,10 @@ matmuls (a CRQ layer at batch 1: 6.3 against 10.0 µs); the whole batch-1 step 1
 the blocks in turn instead of in contiguous ranges: a CRQ layer at batch 16 with 700 of 1,280 positions used, 28.3 ->
 21.7 µs; the batch-16 step 17.83 -> 16.53 ms.
 
-`torch.library.triton_op` makes the launcher a PyTorch operator that `torch.compile` traces into its graph (and CUDA
-graphs replay); the host code only depends on shapes, so it adds no sync.
+The launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and
+CUDA graphs replay; its host code only depends on shapes, so it adds no sync. It is opaque rather than a traced
+`triton_op` because torch.compile launches traced kernels itself, and those launches cannot be programmatic dependent
+launches (`PROGRAMMATIC_DEPENDENT_LAUNCH`), which let a kernel start while the previous one finishes.
 """
 
 import functools
@@ -45,6 +47,12 @@ except ImportError:  # CPU-only installs: the matmul attention is used instead.
 TRITON_DECODE_ATTENTION = "funaudiochat_triton_decode"
 BLOCK_N = 64  # cache positions per block (and per skip decision)
 MAX_SPLITS = 64
+# Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
+# have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
+# what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
+# anything else. Every kernel so launched waits, so each still starts its dependent reads after all earlier kernels
+# ended. False: plain launches (for comparisons).
+PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -69,7 +77,10 @@ if triton is not None:
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # a programmatic dependent launch: the query and the cache are the previous kernels' output
+            tl.extra.cuda.gdc_wait()
         batch_head = tl.program_id(0)
         split = tl.program_id(1)
         b = batch_head // KV_HEADS
@@ -109,6 +120,8 @@ if triton is not None:
                 v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
                 acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
                 row_max = new_max
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         part = (batch_head * NUM_SPLITS + split) * BLOCK_G + g
         tl.store(part_max_ptr + part, row_max)
         tl.store(part_sum_ptr + part, row_sum)
@@ -120,7 +133,11 @@ if triton is not None:
         stride_ob, stride_oh, stride_od,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # wait for the split kernel, then let the next kernel (o_proj) start fetching its weights
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         batch_head = tl.program_id(0)
         g = tl.program_id(1)
         b = batch_head // KV_HEADS
@@ -146,6 +163,19 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels for `device` are launched as programmatic dependent launches (see
+    `PROGRAMMATIC_DEPENDENT_LAUNCH`): a CUDA GPU of compute capability 9.0 or newer."""
+    if not PROGRAMMATIC_DEPENDENT_LAUNCH or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
 def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
     """`(splits, blocks per split)`: about two programs per multiprocessor, at least one block per split."""
     blocks = max(1, triton.cdiv(kv_len, BLOCK_N))
@@ -161,7 +191,6 @@ def launch_decode_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    wrap=lambda kernel: kernel,
 ) -> torch.Tensor:
     """Attention of one query position per row; the body of the `funaudiochat::decode_attention` operator.
 
@@ -170,8 +199,6 @@ def launch_decode_attention(
         key, value: `(batch, kv_heads, kv_len, head_dim)` (any strides), `heads` a multiple of `kv_heads`.
         mask: None or boolean `(batch or 1, kv_len)` (True = attend, any strides).
         scaling: softmax scale.
-        wrap: `torch.library.wrap_triton` inside the operator (so `torch.compile` can trace the launches); the
-            identity when called directly (Triton's CPU interpreter in tests).
     Returns:
         `(batch, 1, heads, head_dim)` in the query's dtype, contiguous.
     """
@@ -189,30 +216,37 @@ def launch_decode_attention(
     has_mask = mask is not None
     mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)) if has_mask else (0, 0)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # exact float32; unused for 16-bit inputs
-    wrap(_split_kernel)[(batch * kv_heads, splits)](
+    pdl = programmatic_launch(query.device)
+    _split_kernel[(batch * kv_heads, splits)](
         query, key, value, mask if has_mask else query, part_acc, part_max, part_sum,
         kv_len, scaling,
         query.stride(0), query.stride(1), query.stride(3),
         *key.stride(), *value.stride(), *mask_strides,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision,
+        SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
+        launch_pdl=pdl,
     )  # fmt: skip
-    wrap(_combine_kernel)[(batch * kv_heads, groups)](
+    _combine_kernel[(batch * kv_heads, groups)](
         part_acc, part_max, part_sum, out,
         out.stride(0), out.stride(2), out.stride(3),
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
 if triton is not None:
-
-    @torch.library.triton_op("funaudiochat::decode_attention", mutates_args={})
+    # Opaque, as `funaudiochat::decode_linear` (torch.compile's launches of traced kernels have no PDL).
+    @torch.library.custom_op("funaudiochat::decode_attention", mutates_args=())
     def _decode_attention_op(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
-        return launch_decode_attention(query, key, value, mask, scaling, wrap=torch.library.wrap_triton)
+        return launch_decode_attention(query, key, value, mask, scaling)
+
+    @_decode_attention_op.register_fake
+    def _(query, key, value, mask, scaling):
+        batch, heads, _, head_dim = query.shape
+        return query.new_empty(batch, 1, heads, head_dim)
 
 
 def _flat_bool_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:

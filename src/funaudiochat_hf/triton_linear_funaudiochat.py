@@ -14,14 +14,19 @@ columns over the whole reduction each, 128-512 programs), enough loads in flight
 
 Rounding follows the eager layer: the norm output, each GEMM output and the activation are rounded to the model
 dtype where transformers rounds them; only the float32 summation order differs from cuBLAS (results equal the eager
-layer up to one rounding of the model dtype; in float32 to ~1e-6). `torch.library.triton_op` makes the launcher an
-operator that `torch.compile` traces and CUDA graphs replay.
+layer up to one rounding of the model dtype; in float32 to ~1e-6). The launcher is an opaque PyTorch operator
+(`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA graphs replay.
+
+On Hopper GPUs the kernels are programmatic dependent launches (`PROGRAMMATIC_DEPENDENT_LAUNCH` in
+`triton_attention_funaudiochat`): each program fetches its first weight tiles before `griddepcontrol.wait`, so the
+weight stream of one projection starts while the previous kernel finishes.
 
 Measured on an H200 (BENCHMARKS.md, 2026-11-30): one full-size CRQ sub-step at batch 1 took 1,188 against 1,492 µs
 with cuBLAS (CUDA-graph timed, same process), the whole batch-1 step 12.48 against 13.71 ms. Summing each program's
 products once after the reduction loop, instead of once per unrolled step (each sum synchronised the warps between
 weight loads), made the CRQ's four kernels 19.0 instead of 25.0 µs per layer and the step 11.58 ms; with the LLM on
-them too, 10.69 ms (side by side). Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
+them too, 10.69 ms (side by side). Launched as programmatic dependent launches: 9.97 against 10.59 ms (side by
+side; a chain of the CRQ's 112 projections 427 against 525 µs). Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
 import weakref
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .triton_attention_funaudiochat import triton
+from .triton_attention_funaudiochat import programmatic_launch, triton
 
 
 # Input rows (batch x positions) up to which the kernels replace cuBLAS. Measured on an H200 (full-size CRQ sub-step,
@@ -51,17 +56,29 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K: tl.constexpr, MASKED: tl.constexpr):
+        """The `(BLOCK_N, BLOCK_K)` tile of a `(N, K)` weight at columns `col` and reduction indices `k`."""
+        offsets = col[:, None] * K + k[None, :]
+        if MASKED:
+            return tl.load(weight_ptr + offsets, mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                           eviction_policy="evict_first")
+        return tl.load(weight_ptr + offsets, eviction_policy="evict_first")
+
+    @triton.jit
     def _decode_linear_kernel(
         x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr,
         stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """BLOCK_N output columns of row `program_id(1)`. x `(rows, K)`; weight (the gate's when GATED) and up weight
         `(N, K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`.
 
         The products are accumulated elementwise in a `(BLOCK_N, BLOCK_K)` tile over the unrolled reduction and summed
         once at the end: a sum per step would synchronise the warps (through shared memory) between the weight loads.
+        With PDL (launched as a programmatic dependent launch) the first weight tiles are fetched before waiting for
+        the previous kernel of the stream, whose output (x, the residual) is only read after the wait.
         """
         dtype = out_ptr.dtype.element_ty
         x_row = x_ptr + tl.program_id(1) * stride_x
@@ -69,6 +86,12 @@ if triton is not None:
         MASK_N: tl.constexpr = N % BLOCK_N != 0
         MASK_K: tl.constexpr = K % BLOCK_K != 0
         col_ok = col < N
+        if PDL:  # weights are never written by a decode step: read them while the previous kernel finishes
+            k = tl.arange(0, BLOCK_K)
+            first_weight = _load_weight_tile(weight_ptr, col, k, col_ok, k < K, K, MASK_N or MASK_K)
+            if GATED:
+                first_up_weight = _load_weight_tile(up_weight_ptr, col, k, col_ok, k < K, K, MASK_N or MASK_K)
+            tl.extra.cuda.gdc_wait()
         if HAS_NORM:  # Qwen3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded, times the weight, rounded
             squares = tl.zeros([BLOCK_K], tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):
@@ -86,14 +109,19 @@ if triton is not None:
                 norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
                 x = (x.to(tl.float32) * inverse_rms).to(dtype) * norm_weight
             x = x.to(tl.float32)[None, :]
-            w_offsets = col[:, None] * K + k[None, :]
-            w_mask = col_ok[:, None] & k_ok[None, :] if MASK_N or MASK_K else None
-            w_other = 0.0 if MASK_N or MASK_K else None
-            w = tl.load(weight_ptr + w_offsets, mask=w_mask, other=w_other, eviction_policy="evict_first")
+            if PDL and k0 == 0:
+                w = first_weight
+            else:
+                w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
             products += x * w.to(tl.float32)
             if GATED:
-                w = tl.load(up_weight_ptr + w_offsets, mask=w_mask, other=w_other, eviction_policy="evict_first")
+                if PDL and k0 == 0:
+                    w = first_up_weight
+                else:
+                    w = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
                 up_products += x * w.to(tl.float32)
+        if PDL:  # the next kernel may start fetching its weights
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.sum(products, axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
@@ -119,7 +147,6 @@ def launch_decode_linear(
     gated: bool = False,
     up_weight: torch.Tensor | None = None,
     up_bias: torch.Tensor | None = None,
-    wrap=lambda kernel: kernel,
 ) -> torch.Tensor:
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
@@ -134,8 +161,6 @@ def launch_decode_linear(
             `weight` / `bias` are the gate's.
         up_weight, up_bias: the up projection's `(out_features, in_features)` weight and bias when it is a tensor of
             its own (the LLM's layers), None when it is in `weight`.
-        wrap: `torch.library.wrap_triton` inside the operator; the identity when called directly (Triton's CPU
-            interpreter in tests).
     Returns:
         `(rows, out_features)` in x's dtype.
     """
@@ -159,18 +184,22 @@ def launch_decode_linear(
     def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
         return x if tensor is None else tensor  # never read: the kernel's HAS_* flag is off
 
-    wrap(_decode_linear_kernel)[(triton.cdiv(out_features, BLOCK_N), rows)](
+    pdl = programmatic_launch(x.device)
+    _decode_linear_kernel[(triton.cdiv(out_features, BLOCK_N), rows)](
         x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
         x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=block_k, PDL=pdl,
+        num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
 if triton is not None:
-
-    @torch.library.triton_op("funaudiochat::decode_linear", mutates_args={})
+    # An opaque operator (not `triton_op`): torch.compile's own launches of traced Triton kernels cannot ask for a
+    # programmatic dependent launch; with CUDA graphs (the compiled loop's default) the launcher's host code only
+    # runs while recording.
+    @torch.library.custom_op("funaudiochat::decode_linear", mutates_args=())
     def _decode_linear_op(
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -182,15 +211,19 @@ if triton is not None:
         up_weight: torch.Tensor | None,
         up_bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        return launch_decode_linear(
-            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, wrap=torch.library.wrap_triton
-        )
+        return launch_decode_linear(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias)
+
+    @_decode_linear_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias):
+        out_features = weight.shape[0] // 2 if gated and up_weight is None else weight.shape[0]
+        return x.new_empty(x.shape[0], out_features)
 
 
 def decode_kernels_supported(stack: nn.Module) -> bool:
     """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain `nn.Linear`
     projections (not LoRA-wrapped or quantized: the kernels read `weight` as it is) with contiguous weights, a SiLU
-    MLP and RMSNorms with a weight and `variance_epsilon`."""
+    MLP and RMSNorms (also the q / k norms, see `triton_attention_inputs_funaudiochat`) with a weight and
+    `variance_epsilon`."""
     if getattr(stack.config, "hidden_act", None) != "silu":
         return False
     for layer in stack.layers[: stack.config.num_hidden_layers]:
@@ -201,7 +234,7 @@ def decode_kernels_supported(stack: nn.Module) -> bool:
             return False
         if not all(linear.weight.is_contiguous() for linear in linears):
             return False  # the kernels would copy them on every call
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm):
             if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
                 return False
     return True

@@ -1,0 +1,222 @@
+"""A decode step's attention inputs as one Triton kernel: q/k norms, rotary embedding and the static cache write.
+
+Between the q/k/v projection of a Qwen3 layer and its attention, a decode step runs `q_norm` and `k_norm`, the rotary
+embedding and `StaticLayer.update` (keys and values written at the cache's `cumulative_length`, which then advances):
+four small compiled kernels per layer, ~5.5 µs of an H200 plus their launch gaps, for each of 28 CRQ layers x 5
+sub-steps and 36 LLM layers per step. Here they are one kernel with one program (the work is a few KB), launched as a
+programmatic dependent launch after the projection, like the projections and the attention around it.
+
+Rounding follows the eager layer: each norm's output is rounded to the model dtype, then multiplied by its weight; the
+rotary's two products and their sum are each rounded (`(q * cos) + (rotate_half(q) * sin)` in the model dtype).
+Float32 results equal the eager ones up to the order of the norms' sums.
+
+`generate_speech` takes this path wherever it runs the projections through `triton_linear_funaudiochat` (one-row
+decode steps on CUDA) over a static cache. Measured on an H200 (BENCHMARKS.md, 2026-11-30): the batch-1 step 9.16
+against 10.19 ms with the four compiled kernels (side by side).
+"""
+
+import torch
+from torch import nn
+
+from .triton_attention_funaudiochat import programmatic_launch, triton
+
+
+try:
+    from transformers.cache_utils import StaticLayer
+except ImportError:  # a transformers without per-layer cache classes: the layers' own update is used
+    StaticLayer = None
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _norm_and_rotate(
+        row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, first_half, weight, partner_weight, cos, sin,
+        HEAD_DIM: tl.constexpr, EPS: tl.constexpr,
+    ):  # fmt: skip
+        """`(BLOCK_H, BLOCK_D)`: Qwen3RMSNorm then the rotary embedding of the `heads` of one row of projections."""
+        mask = (heads < NUM_HEADS)[:, None] & d_ok[None, :]
+        offsets = heads[:, None] * HEAD_DIM
+        x = tl.load(row_ptr + offsets + d[None, :], mask=mask, other=0.0)
+        x_partner = tl.load(row_ptr + offsets + partner[None, :], mask=mask, other=0.0)  # rotate_half's source
+        dtype = x.dtype
+        x = x.to(tl.float32)
+        inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + EPS)[:, None]
+        normed = (x * inverse_rms).to(dtype) * weight[None, :]
+        normed_partner = (x_partner.to(tl.float32) * inverse_rms).to(dtype) * partner_weight[None, :]
+        rotated = tl.where(first_half[None, :], -normed_partner, normed_partner)
+        return normed * cos[None, :] + rotated * sin[None, :]
+
+    @triton.jit
+    def _attention_inputs_kernel(
+        q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, length_ptr, out_ptr,
+        stride_q, stride_k, stride_v, stride_cos, stride_sin,
+        stride_keys_b, stride_keys_h, stride_keys_n, stride_values_b, stride_values_h, stride_values_n,
+        BATCH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One program. Per row: q `(HEADS * HEAD_DIM,)`, k and v `(KV_HEADS * HEAD_DIM,)`, cos / sin `(HEAD_DIM,)`;
+        keys / values `(BATCH, KV_HEADS, max_cache_len, HEAD_DIM)` written at `*length_ptr`, which then advances by
+        one; out `(BATCH, HEADS, 1, HEAD_DIM)` contiguous."""
+        if PDL:  # q, k and v are the previous kernel's output
+            tl.extra.cuda.gdc_wait()
+        position = tl.load(length_ptr)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        first_half = d < HEAD_DIM // 2
+        q_weight = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)
+        q_partner_weight = tl.load(q_norm_ptr + partner, mask=d_ok, other=0.0)
+        k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
+        k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
+        heads = tl.arange(0, BLOCK_H)
+        kv_heads = tl.arange(0, BLOCK_KV)
+        kv_mask = (kv_heads < KV_HEADS)[:, None] & d_ok[None, :]
+        for b in tl.static_range(BATCH):  # the decode kernels' few rows (`MAX_ROWS`)
+            cos = tl.load(cos_ptr + b * stride_cos + d, mask=d_ok, other=0.0)
+            sin = tl.load(sin_ptr + b * stride_sin + d, mask=d_ok, other=0.0)
+            query = _norm_and_rotate(
+                q_ptr + b * stride_q, heads, HEADS, d, d_ok, partner, first_half, q_weight, q_partner_weight, cos,
+                sin, HEAD_DIM, Q_EPS,
+            )  # fmt: skip
+            out_offsets = (b * HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+            tl.store(out_ptr + out_offsets, query, mask=(heads < HEADS)[:, None] & d_ok[None, :])
+            key = _norm_and_rotate(
+                k_ptr + b * stride_k, kv_heads, KV_HEADS, d, d_ok, partner, first_half, k_weight, k_partner_weight,
+                cos, sin, HEAD_DIM, K_EPS,
+            )  # fmt: skip
+            key_slot = b * stride_keys_b + kv_heads[:, None] * stride_keys_h + position * stride_keys_n + d[None, :]
+            tl.store(keys_ptr + key_slot, key, mask=kv_mask)
+            value = tl.load(v_ptr + b * stride_v + kv_heads[:, None] * HEAD_DIM + d[None, :], mask=kv_mask)
+            value_slot = b * stride_values_b + kv_heads[:, None] * stride_values_h + position * stride_values_n
+            tl.store(values_ptr + value_slot + d[None, :], value, mask=kv_mask)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(length_ptr, position + 1)
+
+
+def launch_decode_attention_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+) -> torch.Tensor:
+    """The body of the `funaudiochat::decode_attention_inputs` operator (one query position per row).
+
+    Args:
+        query: `(batch, heads * head_dim)` projected queries; key, value: `(batch, kv_heads * head_dim)`; rows may
+            be strided (views of a fused q/k/v output), each row contiguous.
+        q_norm_weight, k_norm_weight: `(head_dim,)` weights of the layer's q and k RMSNorms (epsilons `q_eps`,
+            `k_eps`).
+        cos, sin: `(batch, head_dim)` rotary tables at the rows' positions.
+        keys, values: a `StaticLayer`'s `(batch, kv_heads, max_cache_len, head_dim)` caches (last dimension
+            contiguous); the new key and value are written at `length`, the layer's 0-d `cumulative_length`, which
+            then advances by one (`StaticLayer.update`).
+    Returns:
+        `(batch, heads, 1, head_dim)`: the normed, rotated queries.
+    """
+    batch, kv_heads, _, head_dim = keys.shape
+    heads = query.shape[-1] // head_dim
+    query, key, value, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, cos, sin))
+    out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=query.device)
+    pdl = programmatic_launch(query.device)
+    _attention_inputs_kernel[(1,)](
+        query, key, value, q_norm_weight, k_norm_weight, cos, sin, keys, values, length, out,
+        query.stride(0), key.stride(0), value.stride(0), cos.stride(0), sin.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        BATCH=batch, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_KV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), Q_EPS=float(q_eps),
+        K_EPS=float(k_eps), PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+    # Opaque, as `funaudiochat::decode_linear` (torch.compile's launches of traced kernels have no PDL).
+    @torch.library.custom_op("funaudiochat::decode_attention_inputs", mutates_args=("keys", "values", "length"))
+    def _decode_attention_inputs_op(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        q_eps: float,
+        k_eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        length: torch.Tensor,
+    ) -> torch.Tensor:
+        return launch_decode_attention_inputs(
+            query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length
+        )
+
+    @_decode_attention_inputs_op.register_fake
+    def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length):
+        batch, _, _, head_dim = keys.shape
+        return query.new_empty(batch, query.shape[-1] // head_dim, 1, head_dim)
+
+
+def writable_static_layer(cache, layer_idx: int):
+    """The `StaticLayer` of `cache` for layer `layer_idx` when the kernel can update it (allocated, contiguous last
+    dimension), else None (dynamic and sliding-window layers update themselves)."""
+    layers = getattr(cache, "layers", None)
+    if StaticLayer is None or layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    if type(layer) is not StaticLayer or not layer.is_initialized:
+        return None
+    if layer.keys.stride(-1) != 1 or layer.values.stride(-1) != 1:
+        return None
+    return layer
+
+
+def decode_attention_inputs(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_layer,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `Qwen3Attention` computes from its projections up to the attention call, for one position per row.
+
+    Args:
+        attention: the `Qwen3Attention` module (its `q_norm` and `k_norm`).
+        query: `(batch, 1, heads * head_dim)` projected queries; key, value: `(batch, 1, kv_heads * head_dim)`.
+        cos, sin: `(batch, 1, head_dim)` rotary tables.
+        cache_layer: the layer's `StaticLayer` ([`writable_static_layer`]), updated in place.
+    Returns:
+        query `(batch, heads, 1, head_dim)`, and the cache layer's keys and values `(batch, kv_heads, max_cache_len,
+        head_dim)`, as `cache.update` returns them.
+    """
+    batch = query.shape[0]
+    query_states = torch.ops.funaudiochat.decode_attention_inputs(
+        query.reshape(batch, -1),
+        key.reshape(batch, -1),
+        value.reshape(batch, -1),
+        attention.q_norm.weight,
+        attention.k_norm.weight,
+        float(attention.q_norm.variance_epsilon),
+        float(attention.k_norm.variance_epsilon),
+        cos.reshape(batch, -1),
+        sin.reshape(batch, -1),
+        cache_layer.keys,
+        cache_layer.values,
+        cache_layer.cumulative_length,
+    )
+    return query_states, cache_layer.keys, cache_layer.values
+
+
+__all__ = ["decode_attention_inputs", "launch_decode_attention_inputs", "writable_static_layer"]

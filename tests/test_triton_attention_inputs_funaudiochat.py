@@ -1,0 +1,133 @@
+"""Tests of the decode step's attention-inputs kernel (`triton_attention_inputs_funaudiochat`): q/k norms, rotary
+embedding and static cache write in one kernel, against the eager Qwen3 layer and `StaticCache.update`. On CPU through
+Triton's interpreter (in a subprocess, see conftest), on a GPU for real (marked `gpu`); the whole tiny model through
+this path is checked against the golden tokens in test_triton_linear_funaudiochat.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from funaudiochat_hf import triton_attention_inputs_funaudiochat as attention_inputs
+
+from conftest import hopper_ptx, run_in_triton_interpreter
+
+
+# (batch, heads, kv_heads, head_dim, used cache positions), float32 (the interpreter's bfloat16 is not faithful;
+# bfloat16 runs on the GPU)
+CASES = [
+    (1, 16, 8, 128, 5),  # the CRQ's head layout
+    (2, 4, 2, 16, 0),  # two rows, an empty cache
+    (1, 6, 2, 24, 7),  # head_dim not a power of two, 3 query heads per KV head
+]
+
+_SCRIPT = """
+import copy, json, sys, torch
+from transformers import Qwen3Config, StaticCache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from funaudiochat_hf.compat import cache_kwargs
+from funaudiochat_hf.triton_attention_inputs_funaudiochat import decode_attention_inputs, writable_static_layer
+from test_triton_attention_inputs_funaudiochat import CASES
+
+torch.manual_seed(0)
+results = []
+dtype = torch.float32
+for batch, heads, kv_heads, head_dim, used in CASES:
+    config = Qwen3Config(hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         num_hidden_layers=1, max_position_embeddings=64, rms_norm_eps=1e-6)
+    attention = Qwen3Attention(config, layer_idx=0).to(dtype)
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    cache = StaticCache(config=config, max_cache_len=16)
+    # The cache as a prefill leaves it: `used` positions written, then one decode position per row.
+    prefill = [torch.randn(batch, kv_heads, used, head_dim, dtype=dtype) for _ in range(2)]
+    cache.update(*prefill, 0) if used else cache.early_initialization(batch, kv_heads, head_dim, dtype, "cpu")
+    expected_cache = copy.deepcopy(cache)
+    query = torch.randn(batch, 1, heads * head_dim, dtype=dtype) * 3
+    key, value = (torch.randn(batch, 1, kv_heads * head_dim, dtype=dtype) * 3 for _ in range(2))
+    positions = torch.arange(batch)[:, None] + used  # rows at different rotary positions
+    cos, sin = Qwen3RotaryEmbedding(config)(query, positions)
+
+    shape = (batch, 1, -1, head_dim)
+    q = attention.q_norm(query.view(shape)).transpose(1, 2)
+    k = attention.k_norm(key.view(shape)).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    expected_keys, expected_values = expected_cache.update(k, value.view(shape).transpose(1, 2), 0)
+
+    layer = writable_static_layer(cache, 0)
+    got_query, got_keys, got_values = decode_attention_inputs(attention, query, key, value, cos, sin, layer)
+    error = lambda a, b: (a.float() - b.float()).abs().max().item()
+    results.append({
+        "query": error(got_query, q), "keys": error(got_keys, expected_keys),
+        "values": error(got_values, expected_values), "shape": list(got_query.shape) == list(q.shape),
+        "length": [int(layer.cumulative_length), int(expected_cache.layers[0].cumulative_length)],
+    })
+print(json.dumps(results))
+"""
+
+
+def test_kernel_matches_eager_norms_rotary_and_cache_update_in_the_triton_interpreter():
+    """To 1e-5 (only the norms' summation order differs); the length advances by one like `StaticLayer.update`'s."""
+    results = json.loads(run_in_triton_interpreter(_SCRIPT))
+    assert len(results) == len(CASES)
+    for case, result in zip(CASES, results):
+        assert result["shape"] and result["length"][0] == result["length"][1] == case[4] + 1, (case, result)
+        assert max(result["query"], result["keys"], result["values"]) < 1e-5, (case, result)
+
+
+def test_only_allocated_static_layers_are_written_by_the_kernel():
+    from transformers import DynamicCache, Qwen3Config, StaticCache
+
+    config = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=2)
+    cache = StaticCache(config=config, max_cache_len=8)
+    assert attention_inputs.writable_static_layer(cache, 0) is None  # not allocated yet
+    cache.early_initialization(1, 1, 16, torch.float32, "cpu")
+    assert attention_inputs.writable_static_layer(cache, 1) is cache.layers[1]
+    assert attention_inputs.writable_static_layer(DynamicCache(config=config), 0) is None
+    assert attention_inputs.writable_static_layer(None, 0) is None
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_programmatic_launch_waits_before_reading(pdl):
+    pytest.importorskip("triton")
+    kernel = attention_inputs._attention_inputs_kernel
+    types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
+    types["length_ptr"] = "*i64"
+    constexprs = dict(BATCH=1, HEADS=16, KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128, Q_EPS=1e-6,
+                      K_EPS=1e-6, PDL=pdl)
+    lines = hopper_ptx(kernel, constexprs, types).splitlines()
+    control = [i for i, line in enumerate(lines) if "griddepcontrol" in line]
+    if not pdl:
+        assert not control
+        return
+    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+    assert "griddepcontrol.wait" in lines[control[0]] and control[0] < first_load
+    assert any("griddepcontrol.launch_dependents" in lines[i] for i in control)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_eager(dtype):
+    from transformers import Qwen3Config, StaticCache
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    config = Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         num_hidden_layers=1, max_position_embeddings=4096)
+    attention = qwen3.Qwen3Attention(config, layer_idx=0).to("cuda", dtype)
+    expected_cache, cache = (StaticCache(config=config, max_cache_len=64) for _ in range(2))
+    for c in (expected_cache, cache):
+        c.early_initialization(1, 8, 128, dtype, "cuda")
+    query = torch.randn(1, 1, 2048, device="cuda", dtype=dtype)
+    key, value = (torch.randn(1, 1, 1024, device="cuda", dtype=dtype) for _ in range(2))
+    cos, sin = qwen3.Qwen3RotaryEmbedding(config, device="cuda")(query, torch.tensor([[0]], device="cuda"))
+    q = attention.q_norm(query.view(1, 1, -1, 128)).transpose(1, 2)
+    k = attention.k_norm(key.view(1, 1, -1, 128)).transpose(1, 2)
+    q, k = qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+    keys, values = expected_cache.update(k, value.view(1, 1, -1, 128).transpose(1, 2), 0)
+    layer = attention_inputs.writable_static_layer(cache, 0)
+    got = attention_inputs.decode_attention_inputs(attention, query, key, value, cos, sin, layer)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip(got, (q, keys, values)):
+        assert (a.float() - b.float()).abs().max().item() < tolerance
+    assert int(layer.cumulative_length) == 1
