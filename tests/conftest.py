@@ -50,6 +50,19 @@ def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4) -> str
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+def assert_waits_before_reading(ptx: str, pdl: bool) -> None:
+    """A kernel's PTX as a programmatic dependent launch (`pdl`) waits for the previous kernel before its first global
+    load and lets the next one launch; compiled without PDL, it has neither instruction."""
+    lines = ptx.splitlines()
+    control = [i for i, line in enumerate(lines) if "griddepcontrol" in line]
+    if not pdl:
+        assert not control
+        return
+    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+    assert "griddepcontrol.wait" in lines[control[0]] and control[0] < first_load
+    assert any("griddepcontrol.launch_dependents" in lines[i] for i in control)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -18,7 +18,13 @@ from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
 from funaudiochat_hf.generation_funaudiochat import _SpeechRun
 
-from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, hopper_ptx, run_in_triton_interpreter
+from conftest import (
+    FUNAUDIOCHAT_GOLDEN,
+    FUNAUDIOCHAT_TINY,
+    assert_waits_before_reading,
+    hopper_ptx,
+    run_in_triton_interpreter,
+)
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
@@ -134,14 +140,7 @@ def test_programmatic_launch_waits_before_reading(pdl):
     split = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=True, PRECISION="tf32")
     combine = {"BLOCK_S": 8}
     for kernel, constexprs in [(triton_attention._split_kernel, split), (triton_attention._combine_kernel, combine)]:
-        lines = _kernel_ptx(kernel, pdl, **constexprs).splitlines()
-        control = [i for i, line in enumerate(lines) if "griddepcontrol" in line]
-        if not pdl:
-            assert not control
-            continue
-        first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
-        assert "griddepcontrol.wait" in lines[control[0]] and control[0] < first_load
-        assert any("griddepcontrol.launch_dependents" in lines[i] for i in control)
+        assert_waits_before_reading(_kernel_ptx(kernel, pdl, **constexprs), pdl)
 
 
 def test_programmatic_launch_needs_a_hopper_gpu(monkeypatch):

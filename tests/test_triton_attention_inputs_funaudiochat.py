@@ -11,7 +11,7 @@ import torch
 
 from funaudiochat_hf import triton_attention_inputs_funaudiochat as attention_inputs
 
-from conftest import hopper_ptx, run_in_triton_interpreter
+from conftest import assert_waits_before_reading, hopper_ptx, run_in_triton_interpreter
 
 
 # (batch, heads, kv_heads, head_dim, used cache positions), float32 (the interpreter's bfloat16 is not faithful;
@@ -96,14 +96,7 @@ def test_programmatic_launch_waits_before_reading(pdl):
     types["length_ptr"] = "*i64"
     constexprs = dict(BATCH=1, HEADS=16, KV_HEADS=8, HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_D=128, Q_EPS=1e-6,
                       K_EPS=1e-6, PDL=pdl)
-    lines = hopper_ptx(kernel, constexprs, types).splitlines()
-    control = [i for i, line in enumerate(lines) if "griddepcontrol" in line]
-    if not pdl:
-        assert not control
-        return
-    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
-    assert "griddepcontrol.wait" in lines[control[0]] and control[0] < first_load
-    assert any("griddepcontrol.launch_dependents" in lines[i] for i in control)
+    assert_waits_before_reading(hopper_ptx(kernel, constexprs, types), pdl)
 
 
 @pytest.mark.gpu

@@ -96,7 +96,9 @@ if triton is not None:
         tl.store(length_ptr, position + 1)
 
 
-def launch_decode_attention_inputs(
+# An opaque operator, as `funaudiochat::decode_linear` (torch.compile's launches of traced kernels have no PDL).
+@torch.library.custom_op("funaudiochat::decode_attention_inputs", mutates_args=("keys", "values", "length"))
+def decode_attention_inputs_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -110,7 +112,7 @@ def launch_decode_attention_inputs(
     values: torch.Tensor,
     length: torch.Tensor,
 ) -> torch.Tensor:
-    """The body of the `funaudiochat::decode_attention_inputs` operator (one query position per row).
+    """The normed, rotated queries and the cache write of one query position per row, as one kernel.
 
     Args:
         query: `(batch, heads * head_dim)` projected queries; key, value: `(batch, kv_heads * head_dim)`; rows may
@@ -140,31 +142,10 @@ def launch_decode_attention_inputs(
     return out
 
 
-if triton is not None:
-    # Opaque, as `funaudiochat::decode_linear` (torch.compile's launches of traced kernels have no PDL).
-    @torch.library.custom_op("funaudiochat::decode_attention_inputs", mutates_args=("keys", "values", "length"))
-    def _decode_attention_inputs_op(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        q_norm_weight: torch.Tensor,
-        k_norm_weight: torch.Tensor,
-        q_eps: float,
-        k_eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        length: torch.Tensor,
-    ) -> torch.Tensor:
-        return launch_decode_attention_inputs(
-            query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length
-        )
-
-    @_decode_attention_inputs_op.register_fake
-    def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length):
-        batch, _, _, head_dim = keys.shape
-        return query.new_empty(batch, query.shape[-1] // head_dim, 1, head_dim)
+@decode_attention_inputs_op.register_fake
+def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length):
+    batch, _, _, head_dim = keys.shape
+    return query.new_empty(batch, query.shape[-1] // head_dim, 1, head_dim)
 
 
 def writable_static_layer(cache, layer_idx: int):
@@ -219,4 +200,4 @@ def decode_attention_inputs(
     return query_states, cache_layer.keys, cache_layer.values
 
 
-__all__ = ["decode_attention_inputs", "launch_decode_attention_inputs", "writable_static_layer"]
+__all__ = ["decode_attention_inputs", "decode_attention_inputs_op", "writable_static_layer"]
