@@ -144,8 +144,9 @@ def _decoder_layer(
     static_layer = writable_static_layer(cache, attention.layer_idx) if kernel_step else None
     if static_layer is not None:  # a kernel decode step: the norms, rotary and cache write as one kernel too
         query, key, value = _project_qkv(layer, projections, hidden_states)
-        attention_inputs = decode_attention_inputs(attention, query, key, value, cos, sin, static_layer)
-        query_states, key_states, value_states = attention_inputs
+        query_states, key_states, value_states = decode_attention_inputs(
+            attention, query, key, value, cos, sin, static_layer
+        )
     else:
         query_states, key_states, value_states = halves.attention_inputs(layer, projections, hidden_states, cos, sin)
         if cache is not None:
