@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,3 +232,29 @@ def test_bench_ttfa_smoke():
     for row in rows:
         ttfa, events = float(row[2]), [float(ms) for ms in row[3].split(", ")]
         assert len(events) >= 2 and 0 < events[0] <= ttfa + 1  # the first event (the prefill) precedes the audio
+
+
+def test_step_time_is_never_negative(monkeypatch):
+    """Regression: on a loaded host the short run can take longer than the long one; the slope between them was
+    reported as a negative ms / step (CI saw -7.9). The long run's time per step is reported instead, with a note."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    def scripted_run(fn, device):  # `fn` generates n steps; its time comes from the script
+        steps = fn()
+        return seconds[steps].pop(), steps
+
+    monkeypatch.setattr(benchmark, "timed", scripted_run)
+    monkeypatch.setattr(benchmark, "generate", lambda model, inputs, kwargs, notes: kwargs["max_new_tokens"])
+    monkeypatch.setattr(benchmark, "generation_kwargs", lambda model, mode, args, n, **extra: {"max_new_tokens": n})
+    monkeypatch.setattr(benchmark, "generated_steps", lambda out, prompt_len: out)
+    args = benchmark.parse_args(["--tiny", "--device", "cpu", "--repeats", "2"])
+    inputs = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
+
+    seconds = {1: [0.30] * 3, 4: [0.25] * 3}  # warm-up and two repeats each: the short run slower
+    row = benchmark.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
+    assert row["ms_per_step"] == pytest.approx(250.0 / 4)
+    assert any("slope not positive" in note for note in row["notes"])
+    seconds = {1: [0.10] * 3, 4: [0.40] * 3}
+    row = benchmark.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
+    assert row["ms_per_step"] == pytest.approx(100.0) and not row["notes"]
