@@ -17,14 +17,9 @@ against 10.19 ms with the four compiled kernels (side by side).
 
 import torch
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
 from .triton_attention_funaudiochat import programmatic_launch, triton
-
-
-try:
-    from transformers.cache_utils import StaticLayer
-except ImportError:  # a transformers without per-layer cache classes: the layers' own update is used
-    StaticLayer = None
 
 
 if triton is not None:
@@ -149,17 +144,13 @@ def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, k
 
 
 def writable_static_layer(cache, layer_idx: int):
-    """The `StaticLayer` of `cache` for layer `layer_idx` when the kernel can update it (allocated, contiguous last
-    dimension), else None (dynamic and sliding-window layers update themselves)."""
+    """The `StaticLayer` of `cache` for layer `layer_idx` when the kernel can update it (allocated: `StaticLayer`
+    allocates contiguous keys and values), else None (dynamic and sliding-window layers update themselves)."""
     layers = getattr(cache, "layers", None)
-    if StaticLayer is None or layers is None or layer_idx >= len(layers):
+    if layers is None or layer_idx >= len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not StaticLayer or not layer.is_initialized:
-        return None
-    if layer.keys.stride(-1) != 1 or layer.values.stride(-1) != 1:
-        return None
-    return layer
+    return layer if type(layer) is StaticLayer and layer.is_initialized else None
 
 
 def decode_attention_inputs(
