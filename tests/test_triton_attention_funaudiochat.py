@@ -128,6 +128,7 @@ def test_used_cache_prefix_is_shared_by_all_splits():
 def _kernel_ptx(kernel, pdl: bool, **constexprs) -> str:
     types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
     types.update(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", mask_ptr="*i1", scaling="fp32")
+    types["length_ptr"] = "*i64"
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     return hopper_ptx(kernel, {**shared, **constexprs}, types)
 
@@ -137,9 +138,13 @@ def test_programmatic_launch_waits_before_reading(pdl):
     """As programmatic dependent launches (H100 / H200) both kernels wait for the previous kernel before their first
     read (the query, the cache, the partial results); plain launches compile without the instructions."""
     pytest.importorskip("triton")
-    split = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=True, PRECISION="tf32")
-    combine = {"BLOCK_S": 8}
-    for kernel, constexprs in [(triton_attention._split_kernel, split), (triton_attention._combine_kernel, combine)]:
+    split = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6)
+    for kernel, constexprs in [
+        (triton_attention._split_kernel, {**split, "PREPARE": False}),
+        (triton_attention._split_kernel, {**split, "PREPARE": True}),  # with the attention inputs' work
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": False}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True}),
+    ]:
         assert_waits_before_reading(_kernel_ptx(kernel, pdl, **constexprs), pdl)
 
 
@@ -237,3 +242,15 @@ def test_cuda_graph_triton_step_matches_eager_on_gpu(inputs):
         assert torch.equal(graphed.sequences, eager.sequences)
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
     assert model.config.text_config._attn_implementation == "sdpa"
+
+
+def test_split_writing_the_new_position_syncs_before_reading_the_cache():
+    """With the attention inputs' work (PREPARE), the split that writes the new key and value passes a barrier before
+    any of its threads reads the cache: the block it then reads holds the new position."""
+    pytest.importorskip("triton")
+    constexprs = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6)
+    lines = _kernel_ptx(triton_attention._split_kernel, True, PREPARE=True, **constexprs).splitlines()
+    cache_writes = [i for i, line in enumerate(lines) if "st.global" in line]
+    next_read = next(i for i, line in enumerate(lines) if "ld.global" in line and i > cache_writes[0])
+    last_write = max(i for i in cache_writes if i < next_read)
+    assert any("bar.sync" in line for line in lines[last_write:next_read])

@@ -76,6 +76,76 @@ def test_kernel_matches_eager_norms_rotary_and_cache_update_in_the_triton_interp
         assert max(result["query"], result["keys"], result["values"]) < 1e-5, (case, result)
 
 
+# (batch, heads, kv_heads, head_dim, max_cache_len, used positions): several splits with the new position in a later
+# split's block, two left-padded rows with head_dim not a power of two, an empty one-block cache.
+FOLDED_CASES = [(1, 16, 8, 128, 640, 200), (2, 4, 2, 24, 200, 70), (1, 6, 2, 32, 64, 0)]
+
+def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Each of `FOLDED_CASES` through `decode_attention_with_inputs` and through the attention-inputs kernel followed
+    by the attention's kernels: how far apart their outputs, caches and lengths are."""
+    from funaudiochat_hf.triton_attention_funaudiochat import launch_decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for batch, heads, kv_heads, head_dim, cache_len, used in FOLDED_CASES:
+        def rand(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+
+        query = rand(batch, heads * head_dim, scale=3)
+        key, value = (rand(batch, kv_heads * head_dim, scale=3) for _ in range(2))
+        norms = [(torch.rand(head_dim, generator=generator) + 0.5).to(device, dtype) for _ in range(2)]
+        angles = torch.rand(batch, head_dim // 2, generator=generator) * 6
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(device, dtype) for f in (torch.cos, torch.sin))
+        caches = [rand(batch, kv_heads, cache_len, head_dim) for _ in range(2)]
+        mask = torch.zeros(batch, cache_len, dtype=torch.bool, device=device)
+        mask[:, : used + 1] = True
+        mask[1:, :5] = False  # left padding
+        norm_args = (*norms, 1e-6, 1e-5, cos, sin)
+
+        # Reference: the attention-inputs kernel, then the attention's kernels.
+        keys, values = (c.clone() for c in caches)
+        length = torch.tensor(used, device=device)
+        states = attention_inputs.decode_attention_inputs_op(query, key, value, *norm_args, keys, values, length)
+        expected = launch_decode_attention(states, keys, values, mask, 0.125)
+
+        folded_keys, folded_values = (c.clone() for c in caches)
+        folded_length = torch.tensor(used, device=device)
+        got = torch.ops.funaudiochat.decode_attention_with_inputs(
+            query, key, value, *norm_args, folded_keys, folded_values, folded_length, mask, 0.125
+        )
+        results.append({
+            "output": (got.float() - expected.float()).abs().max().item(),
+            "shape": list(got.shape) == list(expected.shape),
+            "cache": max((a.float() - b.float()).abs().max().item() for a, b in ((folded_keys, keys),
+                                                                                   (folded_values, values))),
+            "written": not torch.equal(keys[:, :, used], caches[0][:, :, used]),
+            "length": [int(folded_length), int(length)],
+        })  # fmt: skip
+    return results
+
+
+def _assert_folded_results(results: list[dict], tolerance: float) -> None:
+    assert len(results) == len(FOLDED_CASES)
+    for case, result in zip(FOLDED_CASES, results):
+        assert result["shape"] and result["written"], (case, result)
+        assert result["length"] == [case[5] + 1] * 2, (case, result)
+        assert max(result["output"], result["cache"]) < tolerance, (case, result)
+
+
+_FOLDED_SCRIPT = """
+import json
+from test_triton_attention_inputs_funaudiochat import folded_case_results
+print(json.dumps(folded_case_results()))
+"""
+
+
+def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_the_triton_interpreter():
+    """`decode_attention_with_inputs`: the attention's split kernel norms and rotates the queries itself, the split
+    that reads the new position's block writes the new key and value first, the merge kernel advances the length.
+    Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention."""
+    _assert_folded_results(json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)), tolerance=1e-6)
+
+
 def test_only_allocated_static_layers_are_written_by_the_kernel():
     from transformers import DynamicCache, Qwen3Config, StaticCache
 
@@ -124,3 +194,12 @@ def test_cuda_kernel_matches_eager(dtype):
     for a, b in zip(got, (q, keys, values)):
         assert (a.float() - b.float()).abs().max().item() < tolerance
     assert int(layer.cumulative_length) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(dtype):
+    """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
+    and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
+    float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32)."""
+    _assert_folded_results(folded_case_results("cuda", dtype), tolerance=1e-6)

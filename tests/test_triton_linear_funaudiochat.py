@@ -120,7 +120,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
-from funaudiochat_hf import triton_attention_inputs_funaudiochat
+from funaudiochat_hf import triton_attention_funaudiochat, triton_attention_inputs_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
 # Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
@@ -133,22 +133,24 @@ def counted(*args):
     calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
     return launch(*args)
 triton_linear_funaudiochat.launch_decode_linear = counted  # what the operators call (also when compiled)
-class CountedKernel:  # stands in for the attention-inputs kernel, counting its launches
-    def __init__(self, kernel):
-        self.kernel = kernel
+class CountedKernel:  # stands in for a kernel, counting its launches
+    def __init__(self, kernel, name):
+        self.kernel, self.name = kernel, name
     def __getitem__(self, grid):
-        calls.append("attention_inputs")
+        calls.append(self.name)
         return self.kernel[grid]
-inputs_kernel = triton_attention_inputs_funaudiochat._attention_inputs_kernel
-triton_attention_inputs_funaudiochat._attention_inputs_kernel = CountedKernel(inputs_kernel)
+for module, name, kind in ((triton_attention_inputs_funaudiochat, "_attention_inputs_kernel", "attention_inputs"),
+                           (triton_attention_funaudiochat, "_split_kernel", "attention")):
+    setattr(module, name, CountedKernel(getattr(module, name), kind))
 
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
 result = {}
-# The last run compiles the loop whole (fullgraph: the kernels' operators, the cache writes among them, no breaks).
-compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "gqa_matmul"}
+# The last run compiles the loop whole (fullgraph: the kernels' operators, the cache writes among them, no breaks),
+# with the Triton attention, which takes the attention inputs' work into its kernels.
+compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "triton"}
 for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {}), ("compiled", "triton", compiled)):
     calls.clear()
     out = model.generate_speech(
@@ -157,7 +159,7 @@ for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {
     result[name] = {
         "sequences": torch.equal(out.sequences, golden["sequences"]),
         "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
-        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs")},
+        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs", "attention")},
     }
 print(json.dumps(result))
 """
@@ -177,7 +179,8 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     assert both["plain"] == 3 * both["crq_mlp"] + 5 * both["llm_mlp"], result
     assert crq_only["attention_inputs"] == crq_only["crq_mlp"], result
     assert both["attention_inputs"] == both["crq_mlp"] + both["llm_mlp"], result
-    assert compiled["crq_mlp"] > 0 and compiled["llm_mlp"] > 0 and compiled["attention_inputs"] > 0, result
+    assert compiled["crq_mlp"] > 0 and compiled["llm_mlp"] > 0 and compiled["attention_inputs"] == 0, result
+    assert compiled["attention"] == compiled["crq_mlp"] + compiled["llm_mlp"], result  # one per layer step
 
 
 def test_falls_back_off_cuda_and_for_many_rows():

@@ -10,8 +10,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   `decode_kernels` set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and
   the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the
   same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM); over a static
-  cache the q/k norms, rotary embedding and cache write of those steps are one more kernel
-  (`triton_attention_inputs_funaudiochat`);
+  cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the Triton
+  attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -29,7 +29,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, eager_attention_forward
 
 from .compat import attention_passes_kwargs_to_cache
-from .triton_attention_inputs_funaudiochat import decode_attention_inputs, writable_static_layer
+from .triton_attention_inputs_funaudiochat import (
+    decode_attention_inputs,
+    decode_attention_with_inputs,
+    writable_static_layer,
+)
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
 
 
@@ -142,8 +146,15 @@ def _decoder_layer(
     kwargs = {"position_ids": position_ids, "use_cache": True}
     kernel_step = _takes_kernels(projections, hidden_states)
     static_layer = writable_static_layer(cache, attention.layer_idx) if kernel_step else None
-    if static_layer is not None:  # a kernel decode step: the norms, rotary and cache write as one kernel too
+    if static_layer is not None:  # a kernel decode step: the norms, rotary and cache write as kernels too
         query, key, value = _project_qkv(layer, projections, hidden_states)
+        # With the Triton attention, inside its kernels; else one kernel before the attention function.
+        attn_output = decode_attention_with_inputs(
+            attention, query, key, value, cos, sin, static_layer, attention_mask
+        )
+        if attn_output is not None:
+            attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
+            return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states)
         query_states, key_states, value_states = decode_attention_inputs(
             attention, query, key, value, cos, sin, static_layer
         )

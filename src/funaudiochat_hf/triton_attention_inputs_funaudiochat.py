@@ -13,35 +13,30 @@ Float32 results equal the eager ones up to the order of the norms' sums.
 `generate_speech` takes this path wherever it runs the projections through `triton_linear_funaudiochat` (one-row
 decode steps on CUDA) over a static cache. Measured on an H200 (BENCHMARKS.md, 2026-11-30): the batch-1 step 9.16
 against 10.19 ms with the four compiled kernels (side by side).
+
+With the Triton attention (`compile_attention="triton"`, the compiled default on CUDA), the same work runs inside
+the attention's two kernels instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel
+fewer per layer, the batch-1 step 9.02 -> 8.69 ms side by side. This kernel stays for the other attentions.
 """
 
 import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer
 
-from .triton_attention_funaudiochat import programmatic_launch, triton
+from .triton_attention_funaudiochat import (
+    TRITON_DECODE_ATTENTION,
+    AttentionInputs,
+    _flat_bool_mask,
+    launch_decode_attention,
+    programmatic_launch,
+    triton,
+)
 
 
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
-    def _norm_and_rotate(
-        row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, first_half, weight, partner_weight, cos, sin,
-        HEAD_DIM: tl.constexpr, EPS: tl.constexpr,
-    ):  # fmt: skip
-        """`(BLOCK_H, BLOCK_D)`: Qwen3RMSNorm then the rotary embedding of the `heads` of one row of projections."""
-        mask = (heads < NUM_HEADS)[:, None] & d_ok[None, :]
-        offsets = heads[:, None] * HEAD_DIM
-        x = tl.load(row_ptr + offsets + d[None, :], mask=mask, other=0.0)
-        x_partner = tl.load(row_ptr + offsets + partner[None, :], mask=mask, other=0.0)  # rotate_half's source
-        dtype = x.dtype
-        x = x.to(tl.float32)
-        inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + EPS)[:, None]
-        normed = (x * inverse_rms).to(dtype) * weight[None, :]
-        normed_partner = (x_partner.to(tl.float32) * inverse_rms).to(dtype) * partner_weight[None, :]
-        rotated = tl.where(first_half[None, :], -normed_partner, normed_partner)
-        return normed * cos[None, :] + rotated * sin[None, :]
+    from .triton_attention_funaudiochat import _norm_and_rotate
 
     @triton.jit
     def _attention_inputs_kernel(
@@ -143,6 +138,38 @@ def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, k
     return query.new_empty(batch, query.shape[-1] // head_dim, 1, head_dim)
 
 
+# The attention itself with the same work folded into its kernels (no kernel of its own): see
+# `triton_attention_funaudiochat.AttentionInputs`.
+@torch.library.custom_op("funaudiochat::decode_attention_with_inputs", mutates_args=("keys", "values", "length"))
+def decode_attention_with_inputs_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """`decode_attention_inputs_op` then `funaudiochat::decode_attention` in two kernels instead of three: arguments as
+    theirs (`mask`: None or boolean `(batch or 1, max_cache_len)`); returns `(batch, 1, heads, head_dim)`."""
+    query, key, value, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, cos, sin))
+    inputs = AttentionInputs(key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, length)
+    return launch_decode_attention(query, keys, values, mask, scaling, inputs)
+
+
+@decode_attention_with_inputs_op.register_fake
+def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length, mask, scaling):
+    head_dim = keys.shape[-1]
+    return query.new_empty(keys.shape[0], 1, query.shape[-1] // head_dim, head_dim)
+
+
 def writable_static_layer(cache, layer_idx: int):
     """The `StaticLayer` of `cache` for layer `layer_idx` when the kernel can update it (allocated: `StaticLayer`
     allocates contiguous keys and values), else None (dynamic and sliding-window layers update themselves)."""
@@ -191,4 +218,56 @@ def decode_attention_inputs(
     return query_states, cache_layer.keys, cache_layer.values
 
 
-__all__ = ["decode_attention_inputs", "decode_attention_inputs_op", "writable_static_layer"]
+def decode_attention_with_inputs(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_layer,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`decode_attention_inputs` and the attention call after it, for a layer whose attention function is the Triton
+    one (`compile_attention="triton"`), as two kernels; None where that function would not take its kernels (then
+    call `decode_attention_inputs` and the attention function).
+
+    Args as [`decode_attention_inputs`], and attention_mask: the layer's `(batch or 1, 1, 1, max_cache_len)`
+    boolean mask, or None. Returns the attention output `(batch, 1, heads, head_dim)`.
+    """
+    batch = query.shape[0]
+    keys, values = cache_layer.keys, cache_layer.values
+    supported, mask = _flat_bool_mask(attention_mask, batch, keys.shape[2])
+    usable = (
+        attention.config._attn_implementation == TRITON_DECODE_ATTENTION
+        and supported
+        and not attention.training
+        and attention.config.num_attention_heads % attention.config.num_key_value_heads == 0
+    )
+    if not usable:
+        return None
+    return torch.ops.funaudiochat.decode_attention_with_inputs(
+        query.reshape(batch, -1),
+        key.reshape(batch, -1),
+        value.reshape(batch, -1),
+        attention.q_norm.weight,
+        attention.k_norm.weight,
+        float(attention.q_norm.variance_epsilon),
+        float(attention.k_norm.variance_epsilon),
+        cos.reshape(batch, -1),
+        sin.reshape(batch, -1),
+        keys,
+        values,
+        cache_layer.cumulative_length,
+        mask,
+        float(attention.scaling),
+    )
+
+
+__all__ = [
+    "decode_attention_inputs",
+    "decode_attention_inputs_op",
+    "decode_attention_with_inputs",
+    "decode_attention_with_inputs_op",
+    "writable_static_layer",
+]
