@@ -200,8 +200,15 @@ def decode_attention_inputs(
         query `(batch, heads, 1, head_dim)`, and the cache layer's keys and values `(batch, kv_heads, max_cache_len,
         head_dim)`, as `cache.update` returns them.
     """
+    arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
+    query_states = torch.ops.funaudiochat.decode_attention_inputs(*arguments)
+    return query_states, cache_layer.keys, cache_layer.values
+
+
+def _operator_arguments(attention, query, key, value, cos, sin, cache_layer) -> tuple:
+    """The operators' first twelve arguments: one row per batch row, the norms, the rotary tables, the cache."""
     batch = query.shape[0]
-    query_states = torch.ops.funaudiochat.decode_attention_inputs(
+    return (
         query.reshape(batch, -1),
         key.reshape(batch, -1),
         value.reshape(batch, -1),
@@ -215,7 +222,6 @@ def decode_attention_inputs(
         cache_layer.values,
         cache_layer.cumulative_length,
     )
-    return query_states, cache_layer.keys, cache_layer.values
 
 
 def decode_attention_with_inputs(
@@ -235,9 +241,7 @@ def decode_attention_with_inputs(
     Args as [`decode_attention_inputs`], and attention_mask: the layer's `(batch or 1, 1, 1, max_cache_len)`
     boolean mask, or None. Returns the attention output `(batch, 1, heads, head_dim)`.
     """
-    batch = query.shape[0]
-    keys, values = cache_layer.keys, cache_layer.values
-    supported, mask = _flat_bool_mask(attention_mask, batch, keys.shape[2])
+    supported, mask = _flat_bool_mask(attention_mask, query.shape[0], cache_layer.keys.shape[2])
     usable = (
         attention.config._attn_implementation == TRITON_DECODE_ATTENTION
         and supported
@@ -246,22 +250,8 @@ def decode_attention_with_inputs(
     )
     if not usable:
         return None
-    return torch.ops.funaudiochat.decode_attention_with_inputs(
-        query.reshape(batch, -1),
-        key.reshape(batch, -1),
-        value.reshape(batch, -1),
-        attention.q_norm.weight,
-        attention.k_norm.weight,
-        float(attention.q_norm.variance_epsilon),
-        float(attention.k_norm.variance_epsilon),
-        cos.reshape(batch, -1),
-        sin.reshape(batch, -1),
-        keys,
-        values,
-        cache_layer.cumulative_length,
-        mask,
-        float(attention.scaling),
-    )
+    arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
+    return torch.ops.funaudiochat.decode_attention_with_inputs(*arguments, mask, float(attention.scaling))
 
 
 __all__ = [
