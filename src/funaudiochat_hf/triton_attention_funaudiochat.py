@@ -310,14 +310,15 @@ def launch_decode_attention(
     pdl = programmatic_launch(query.device)
     if inputs is None:
         query_strides = (query.stride(0), query.stride(1), query.stride(3))
-        prepare = (query,) * 7, (0,) * 4, {"PREPARE": False, "Q_EPS": 0.0, "K_EPS": 0.0}
+        prepare_pointers, prepare_strides = (query,) * 7, (0,) * 4  # placeholders, not read without PREPARE
+        prepare_flags = {"PREPARE": False, "Q_EPS": 0.0, "K_EPS": 0.0}
     else:
-        query_strides = (query.stride(0), head_dim, 1)
-        pointers = (inputs.key, inputs.value, inputs.q_norm_weight, inputs.k_norm_weight, inputs.cos, inputs.sin)
-        strides = (inputs.key.stride(0), inputs.value.stride(0), inputs.cos.stride(0), inputs.sin.stride(0))
-        flags = {"PREPARE": True, "Q_EPS": float(inputs.q_eps), "K_EPS": float(inputs.k_eps)}
-        prepare = (*pointers, inputs.length), strides, flags
-    prepare_pointers, prepare_strides, prepare_flags = prepare
+        query_strides = (query.stride(0), head_dim, 1)  # heads side by side in each row
+        prepare_pointers = (
+            inputs.key, inputs.value, inputs.q_norm_weight, inputs.k_norm_weight, inputs.cos, inputs.sin, inputs.length
+        )
+        prepare_strides = (inputs.key.stride(0), inputs.value.stride(0), inputs.cos.stride(0), inputs.sin.stride(0))
+        prepare_flags = {"PREPARE": True, "Q_EPS": float(inputs.q_eps), "K_EPS": float(inputs.k_eps)}
     _split_kernel[(batch * kv_heads, splits)](
         query, key, value, mask if has_mask else query, part_acc, part_max, part_sum, *prepare_pointers,
         kv_len, scaling,
