@@ -1028,8 +1028,9 @@ class FunAudioChatSpeechGenerationMixin:
                 of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a batch-1 CRQ decode
                 step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
                 residual adds folded in, `triton_linear_funaudiochat`, and over a static cache its q/k norms,
-                rotary embedding and cache write as one more, `triton_attention_inputs_funaudiochat` (batches keep
-                cuBLAS, faster there); "torch": cuBLAS GEMMs; same math, float rounding may differ slightly),
+                rotary embedding and cache write as one more, `triton_attention_inputs_funaudiochat`, or inside the
+                Triton attention's kernels when that is the attention (batches keep cuBLAS, faster there); "torch":
+                cuBLAS GEMMs; same math, float rounding may differ slightly),
                 `llm_linear` (the same
                 choice for the LLM: "auto" gives "triton" under the same conditions, minus the fused projections:
                 its batch-1 decode step runs the kernels over its own, unfused weights, 6 per layer; "torch": the

@@ -146,10 +146,10 @@ if triton is not None:
                     k_partner_weight, cos, sin, HEAD_DIM, K_EPS,
                 )  # fmt: skip
                 first = (row < 1)[:, None] & d_ok[None, :]
-                value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + row[:, None] * 0 + d[None, :], mask=first)
-                slot = position * stride_kn + row[:, None] * 0 + d[None, :] * stride_kd
-                tl.store(k_base + slot, key, mask=first)
-                tl.store(v_base + position * stride_vn + row[:, None] * 0 + d[None, :] * stride_vd, value, mask=first)
+                tile_d = row[:, None] * 0 + d[None, :]  # the feature index over the tile
+                value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + tile_d, mask=first)
+                tl.store(k_base + position * stride_kn + tile_d * stride_kd, key, mask=first)
+                tl.store(v_base + position * stride_vn + tile_d * stride_vd, value, mask=first)
                 tl.debug_barrier()  # the block's loads below, by all the program's threads, see the new position
         else:
             q = tl.load(
