@@ -3,6 +3,7 @@
 Fixture tolerances (MANIFEST.md section 5): 1e-4 for float32 tensors, 1e-3 allowed for the 10-step flow mel and waves.
 """
 
+import contextlib
 import importlib.util
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from funaudiochat_hf.modeling_cosyvoice3 import (
     CosyVoice3CausalConvPositionEmbedding,
     additive_attention_mask,
     causal_grouped_conv1d,
+    linear_gelu_tanh,
 )
 
 from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
@@ -616,6 +618,35 @@ def test_cuda_conv_position_embedding_is_fast_and_exact():
         per_call_ms = (time.perf_counter() - start) * 100
     _close(out.cpu(), expected, atol=1e-4)
     assert per_call_ms < 5, f"{per_call_ms:.1f} ms per call"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights, autocast", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_cuda_linear_gelu_is_one_kernel_and_matches_two(weights, autocast):
+    """The DiT feed-forward's first Linear + GELU(tanh) on CUDA: the GELU runs in the GEMM's epilogue (no GELU kernel),
+    equal to `F.gelu(linear(x), approximate="tanh")` up to one rounding of the compute dtype, also compiled."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512).cuda().to(getattr(torch, weights))
+    hidden = torch.randn(2, 136, 256, device="cuda", dtype=linear.weight.dtype)
+    context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    compute_dtype = torch.bfloat16 if autocast or weights == "bfloat16" else torch.float32
+    with torch.no_grad(), context:
+        expected = torch.nn.functional.gelu(linear(hidden), approximate="tanh")
+        fused = linear_gelu_tanh(hidden, linear)
+        compiled = torch.compile(linear_gelu_tanh, fullgraph=True)(hidden, linear)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            linear_gelu_tanh(hidden, linear)
+            torch.cuda.synchronize()
+    kernels = [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    # No element-wise GELU kernel (`GeluCUDAKernelImpl`). In bfloat16 the GEMM is one kernel; in float32 cuBLASLt
+    # may add a split-K reduction kernel that applies the epilogue (seen on an H200).
+    assert not any("Gelu" in name for name in kernels), kernels
+    casts = 3 if autocast else 0  # the operands' casts to bfloat16
+    assert len(kernels) <= (1 if compute_dtype == torch.bfloat16 else 2) + casts, kernels
+    atol = 2e-2 if compute_dtype == torch.bfloat16 else 1e-5
+    for out in (fused, compiled):
+        assert out.dtype == expected.dtype == compute_dtype and out.shape == (2, 136, 512)
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=atol)
 
 
 @pytest.mark.gpu

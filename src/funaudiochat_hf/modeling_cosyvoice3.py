@@ -253,7 +253,27 @@ class CosyVoice3FeedForward(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ff(hidden)
+        """(batch, frames, dim) -> (batch, frames, dim)."""
+        up, dropout, down = self.ff[0][0], self.ff[1], self.ff[2]
+        return down(dropout(linear_gelu_tanh(hidden, up)))
+
+
+def linear_gelu_tanh(hidden: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """`F.gelu(linear(hidden), approximate="tanh")`, (..., in_features) -> (..., out_features).
+
+    On CUDA this is one cuBLASLt GEMM with the bias and the GELU in its epilogue (`torch._addmm_activation`), not a
+    GEMM followed by an element-wise kernel: one kernel fewer per DiT block and Euler step (220 per flow call). The
+    epilogue rounds once, after the GELU, where the two-kernel form also rounds its input: equal up to one rounding
+    of the compute dtype. Under autocast the operands are cast as autocast would cast them for `linear`.
+    """
+    weight, bias = linear.weight, linear.bias
+    if not hidden.is_cuda or bias is None:
+        return F.gelu(linear(hidden), approximate="tanh")
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return torch._addmm_activation(bias, rows, weight.t(), use_gelu=True).view(*hidden.shape[:-1], -1)
 
 
 class CosyVoice3DiTBlock(nn.Module):
