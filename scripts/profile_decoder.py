@@ -2,10 +2,12 @@
 or with `--offline SECONDS` one offline call on that many seconds of tokens.
 
     python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--compile-vocoder]
-                                      [--stream-options '{...}'] [--offline 10]
+                                      [--stream-options '{...}'] [--offline 10] [--trace chunk.json]
 
-Prints where the time goes: the flow vs the vocoder (wall time, synchronised), the number of kernel and graph
-launches, and the kernels that take the most GPU time. `scripts/benchmark.py` gives the numbers to report.
+Prints where the time goes: the flow vs the vocoder (wall time, synchronised), how long a whole push keeps the host
+busy against when its GPU work ends (host-bound or GPU-bound), the number of kernel and graph launches, and the
+kernels that take the most GPU time; `--trace` also writes the profiled chunk's Chrome trace (kernel timeline).
+`scripts/benchmark.py` gives the numbers to report.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-chunks", type=int, default=20, help="chunks before the profiled one (fill windows)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--offline", type=float, default=None, help="profile an offline call on SECONDS of tokens")
+    parser.add_argument("--trace", default=None, help="write the profiled call's Chrome trace (JSON) to this path")
     args = parser.parse_args(argv)
 
     bench_args = benchmark.parse_args(
@@ -98,6 +101,22 @@ def main(argv: list[str] | None = None) -> None:
         if values:
             print(f"{name}: {1e3 * sum(values) / len(values):.2f} ms per chunk (mean of {len(values)} steady chunks)")
 
+    # Whole pushes without the synchronising wrappers: when the host returns against when the GPU is done.
+    for attribute in ("_flow", "_vocode"):
+        delattr(stream, attribute)
+    host_ms, done_ms = [], []
+    with torch.no_grad():
+        for _ in range(4):
+            benchmark.synchronize(args.device)
+            start = time.perf_counter()
+            stream.push(tokens[pushed : pushed + args.hop])
+            host_ms.append(1e3 * (time.perf_counter() - start))
+            benchmark.synchronize(args.device)
+            done_ms.append(1e3 * (time.perf_counter() - start))
+            pushed += args.hop
+    print(f"whole push, unsynchronised: host returns after {sum(host_ms) / 4:.2f} ms, GPU done after "
+          f"{sum(done_ms) / 4:.2f} ms (mean of 4 chunks)")
+
     print_profile(lambda: stream.push(tokens[pushed : pushed + args.hop]), "one chunk", args)
 
 
@@ -135,6 +154,9 @@ def print_profile(fn, label: str, args: argparse.Namespace) -> None:
     print(f"{label}: {sum(e.count for e in events if e.key.startswith('aten::'))} aten ops, launches {launches}")
     sort_by = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     print(events.table(sort_by=sort_by, row_limit=args.top, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"Chrome trace written to {args.trace}")
 
 
 if __name__ == "__main__":

@@ -149,15 +149,19 @@ def test_hard_stop_interrupts_a_measurement():
     assert after["status"].startswith("skipped")
 
 
-def test_profile_decoder_smoke():
+def test_profile_decoder_smoke(tmp_path):
     """scripts/profile_decoder.py (the GPU profiling helper for the streaming decoder) runs end to end on CPU."""
+    trace = tmp_path / "chunk.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "profile_decoder.py"), "--tiny", "--device", "cpu", "--warm-chunks",
-         "4", "--top", "3"],
+         "4", "--top", "3", "--trace", str(trace)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flow:" in proc.stdout and "vocode:" in proc.stdout and "aten ops" in proc.stdout
+    assert "host returns after" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("name", "").startswith("aten::") for event in events)
 
 
 def test_profile_decoder_offline_smoke():
