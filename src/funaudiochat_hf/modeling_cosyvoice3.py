@@ -245,7 +245,8 @@ class CosyVoice3FeedForward(nn.Module):
     def __init__(self, dim: int, mult: int, dropout: float = 0.0):
         super().__init__()
         inner_dim = dim * mult
-        # Nested Sequential reproduces the official keys `ff.ff.0.0` / `ff.ff.2`.
+        # Nested Sequential reproduces the official keys `ff.ff.0.0` / `ff.ff.2`. `forward` applies the GELU through
+        # `linear_gelu_tanh` (tanh approximation, as this module), not through the module.
         self.ff = nn.Sequential(
             nn.Sequential(nn.Linear(dim, inner_dim), nn.GELU(approximate="tanh")),
             nn.Dropout(dropout),
