@@ -19,6 +19,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .attention_cosyvoice3 import dit_attention
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
@@ -138,25 +139,6 @@ class CosyVoice3RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def _rotate_pairs(hidden: torch.Tensor) -> torch.Tensor:
-    """GPT-J style: (a, b) pairs -> (-b, a)."""
-    pairs = hidden.unflatten(-1, (-1, 2))
-    first, second = pairs.unbind(-1)
-    return torch.stack((-second, first), dim=-1).flatten(-2)
-
-
-def apply_partial_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` channels of the UN-split projection (batch, frames, heads*dim_head).
-
-    As in x-transformers (which the reference DiT uses), the table is applied before the head split, so only head 0
-    gets rotary positions; the other heads pass unchanged.
-    """
-    rot_dim = cos.shape[-1]
-    rotated, passthrough = hidden[..., :rot_dim], hidden[..., rot_dim:]
-    rotated = rotated * cos + _rotate_pairs(rotated) * sin
-    return torch.cat((rotated, passthrough), dim=-1)
-
-
 class CosyVoice3AdaLayerNormZero(nn.Module):
     """AdaLN-Zero: 6 modulation vectors (shift/scale/gate for attention and feed-forward) from the time embedding.
 
@@ -189,7 +171,8 @@ class CosyVoice3AdaLayerNormFinal(nn.Module):
 
 
 class CosyVoice3Attention(nn.Module):
-    """Multi-head self-attention with biased projections and partial (head-0) rotary positions.
+    """Multi-head self-attention with biased projections and partial (head-0) rotary positions
+    ([`attention_cosyvoice3.dit_attention`]: one Triton kernel on CUDA in 16-bit inference, else SDPA).
 
     `fuse_qkv_projections()` concatenates the q/k/v weights into one (3 * inner_dim, dim) matrix (non-persistent
     buffers: checkpoints keep `to_q` / `to_k` / `to_v`), one GEMM instead of three per block; equal up to float
@@ -223,21 +206,13 @@ class CosyVoice3Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        batch, frames, _ = hidden.shape
-        cos, sin = rotary
         if self.qkv_weight is None:
             query, key, value = self.to_q(hidden), self.to_k(hidden), self.to_v(hidden)
         else:
             query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).chunk(3, dim=-1)
-        query = apply_partial_rotary(query, cos, sin)
-        key = apply_partial_rotary(key, cos, sin)
-        query, key, value = (
-            tensor.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for tensor in (query, key, value)
-        )
-        # attention_mask (batch, 1, frames, frames): boolean, True = may attend, or additive (`solve` converts a
+        # attention_mask (batch, 1, frames or 1, frames): boolean, True = may attend, or additive (`solve` converts a
         # boolean mask once per call); None = full attention.
-        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
-        attended = attended.transpose(1, 2).reshape(batch, frames, self.heads * self.dim_head)
+        attended = dit_attention(query, key, value, *rotary, self.heads, attention_mask)
         return self.to_out[1](self.to_out[0](attended))
 
 
@@ -297,7 +272,8 @@ class CosyVoice3DiT(nn.Module):
     """Velocity estimator v(x, t | mu, spk, cond).
 
     Inputs channel-first: x, mu, cond (batch, mel_bins, frames); t (batch,); spks (batch, mel_bins);
-    attention_mask (batch, 1, frames, frames), boolean or additive, or None (full attention).
+    attention_mask (batch, 1, frames, frames), or (batch, 1, 1, frames) for key padding, boolean or additive, or
+    None (full attention).
     Output (batch, mel_bins, frames).
     `time_conditioning`: `self.time_conditioning(t)` computed beforehand (t is then not used): it depends on the
     timestep alone, so a caller that runs the same timesteps again (the streaming decoder) computes it once.
@@ -567,15 +543,17 @@ def additive_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 def build_attention_mask(
     lengths: Optional[torch.Tensor], frames: int, chunk_size: Optional[int], device: torch.device, batch: int
 ) -> Optional[torch.Tensor]:
-    """Boolean (batch, 1, frames, frames) mask, True = may attend, or None when every key is visible.
+    """Boolean mask, True = may attend, or None when every key is visible.
 
-    `lengths` (batch,) valid frames per row (keys past it are hidden); `chunk_size` enables the block-causal
-    streaming mask (query i sees keys j < (i // chunk + 1) * chunk, chunks counted from frame 0).
+    `lengths` (batch,) valid frames per row (keys past it are hidden): a key-padding mask `(batch, 1, 1, frames)`,
+    the same for every query (SDPA broadcasts it; the DiT's Triton attention reads one row); `chunk_size` enables
+    the block-causal streaming mask (query i sees keys j < (i // chunk + 1) * chunk, chunks counted from frame 0):
+    `(batch, 1, frames, frames)`.
     """
     if lengths is None and not chunk_size:
         return None
     positions = torch.arange(frames, device=device)
-    mask = torch.ones(batch, 1, frames, frames, dtype=torch.bool, device=device)
+    mask = torch.ones(batch, 1, 1, frames, dtype=torch.bool, device=device)
     if lengths is not None:
         mask = mask & (positions[None, None, None, :] < lengths.to(device)[:, None, None, None])
     if chunk_size:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .attention_cosyvoice3 import triton_dit_attention_enabled
 from .cuda_graph_cosyvoice3 import CUDAGraphRunner
 
 
@@ -231,10 +232,10 @@ class CosyVoice3StreamingDecoder:
         mu = hidden.repeat_interleave(self.ratio, dim=1).transpose(1, 2)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
         frames = mu.shape[2]  # ratio * padded: the look-ahead tokens' frames are computed too, then hidden
-        # Key-padding mask (1, 1, frames, frames), True = may attend (the layout `build_attention_mask` returns).
+        # Key-padding mask (1, 1, 1, frames), True = may attend (the layout `build_attention_mask` returns).
         mask = None
         if real_frames < frames:
-            mask = (torch.arange(frames, device=mu.device) < real_frames).expand(1, 1, frames, frames)
+            mask = (torch.arange(frames, device=mu.device) < real_frames).view(1, 1, 1, frames)
         if self._speaker_condition is None:  # the same for every chunk of the reply
             self._speaker_condition = flow.speaker_condition(
                 model.get_speaker_embedding(speaker_embedding=self.speaker_embedding)
@@ -247,7 +248,7 @@ class CosyVoice3StreamingDecoder:
             mel = flow.decoder.solve(noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
         else:  # the same, as one graph replay (always with a mask: one signature)
             if mask is None:
-                mask = torch.ones(1, 1, frames, frames, dtype=torch.bool, device=mu.device)
+                mask = torch.ones(1, 1, 1, frames, dtype=torch.bool, device=mu.device)
             mel = self._graphs["flow"](noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
         return mel[:, :, :real_frames]
 
@@ -346,6 +347,7 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                 fused = blocks[0].attn.qkv_weight if len(blocks) else None
                 return (
                     config.estimator_autocast_dtype,
+                    triton_dit_attention_enabled(),
                     torch.backends.cuda.matmul.allow_tf32,
                     torch.backends.cudnn.allow_tf32,
                     weight.data_ptr(),
