@@ -958,7 +958,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
 
         `channels_last_convolutions=True` first calls `hift.use_channels_last_convolutions()` (the filter's convs
         and the element-wise ops between them channels-last, so that cuDNN's NHWC kernels need no layout conversions;
-        meant for CUDA, not yet measured there).
+        convs with channel counts that are not multiples of 8, such as the 18-channel source_downs and conv_post, keep
+        the default layout; meant for CUDA).
         """
         if channels_last_convolutions:
             self.hift.use_channels_last_convolutions()

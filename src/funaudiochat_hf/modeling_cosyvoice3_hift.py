@@ -55,14 +55,33 @@ def _pad_one_side(
     return torch.cat([context, hidden] if causal_type == "left" else [hidden, context], dim=-1)
 
 
+# Channel counts (in and out) a conv needs to run channels-last under `use_channels_last_convolutions`.
+_CHANNELS_LAST_ALIGNMENT = 8
+
+
+def _channels_last_eligible(conv: nn.Conv1d) -> bool:
+    """Whether `use_channels_last_convolutions` runs `conv` channels-last: both channel counts multiples of 8.
+
+    cuDNN's NHWC tensor-core kernels need the channels in 16-byte vectors (C and K multiples of 4 in TF32 / float32:
+    `..._nhwc_align4`; of 8 in half precision). Otherwise it falls back to slow kernels: on an H200, HiFT's
+    18-channel convs (the source STFT into `source_downs`, `conv_post` out to n_fft + 2) ran as
+    `sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_..._nhwc` (one call ~218 us vs ~15 us for the default layout).
+    Multiples of 8 cover both precisions; every other conv of the released HiFT has 64 to 512 channels."""
+    return conv.in_channels % _CHANNELS_LAST_ALIGNMENT == 0 and conv.out_channels % _CHANNELS_LAST_ALIGNMENT == 0
+
+
 def _conv(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
     """`conv(hidden)` (no padding) for (batch, in, frames) or for the (batch, in, 1, frames) layout that
     `CosyVoice3HiFTGenerator.use_channels_last_convolutions` runs the filter in.
 
     The 4-D case calls conv2d with the weight viewed as (out, in, 1, kernel): ATen's conv1d makes every 3-D input
-    contiguous before viewing it as 4-D, so only a 4-D call lets a channels-last input reach cuDNN unconverted."""
+    contiguous before viewing it as 4-D, so only a 4-D call lets a channels-last input reach cuDNN unconverted.
+    A conv that is not `_channels_last_eligible` runs as a plain conv1d on the 3-D view (input made contiguous,
+    which Inductor writes in the element-wise kernel before it) and returns a contiguous (batch, out, 1, frames)."""
     if hidden.dim() == 3:
         return nn.Conv1d.forward(conv, hidden)
+    if not _channels_last_eligible(conv):
+        return nn.Conv1d.forward(conv, hidden.squeeze(2)).unsqueeze(2)
     return F.conv2d(
         hidden, conv.weight.unsqueeze(2), conv.bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups
     )
@@ -474,10 +493,12 @@ class CosyVoice3HiFTGenerator(nn.Module):
         sine_gen.rand_ini = rand_ini.to(device=device, dtype=torch.float32)
         sine_gen.sine_waves = sine_waves.to(device=device, dtype=torch.float32)
 
-    def filter_convolutions(self) -> list[nn.Conv1d]:
-        """The convolutions `filter_body` runs (all but conv_pre and the F0 predictor)."""
+    def filter_convolutions(self, channels_last_only: bool = False) -> list[nn.Conv1d]:
+        """The convolutions `filter_body` runs (all but conv_pre and the F0 predictor); with `channels_last_only`,
+        those that `use_channels_last_convolutions` runs channels-last (both channel counts multiples of 8)."""
         stack = [self.ups, self.source_downs, self.source_resblocks, self.resblocks, self.conv_post]
-        return [module for part in stack for module in part.modules() if isinstance(module, nn.Conv1d)]
+        convs = [module for part in stack for module in part.modules() if isinstance(module, nn.Conv1d)]
+        return [conv for conv in convs if _channels_last_eligible(conv)] if channels_last_only else convs
 
     @torch.no_grad()
     def use_channels_last_convolutions(self, enabled: bool = True) -> None:
@@ -494,10 +515,19 @@ class CosyVoice3HiFTGenerator(nn.Module):
         non-contiguous tensors: `save_pretrained` makes them contiguous, raw `safetensors.save_file` needs
         `.contiguous()`; loading into the model keeps its layout). conv_pre stays as it is: a 3-D conv1d, which
         ATen makes contiguous anyway. `enabled=False` restores the default layout. Recompiles a compiled
-        `filter_body`; re-records streaming CUDA graphs (the layout is part of their settings key)."""
+        `filter_body`; re-records streaming CUDA graphs (the layout is part of their settings key).
+
+        Exception: convs with an in- or out-channel count that is not a multiple of 8 keep the default layout
+        (contiguous weight, (batch, channels, frames) input and output), because cuDNN has no fast NHWC kernel for
+        them (see `_channels_last_eligible`). In the released HiFT these are the three `source_downs` (they read the
+        18-channel source STFT, which then stays contiguous) and `conv_post` (64 -> 18 channels, so `filter_body`
+        returns a contiguous output). Compiled, the layout switches are written by the element-wise kernels next to
+        them: the leaky ReLU before conv_post writes its input contiguous, the first Snake of each source resblock
+        reads the contiguous source_downs output and writes channels-last."""
         for conv in self.filter_convolutions():
             weight = conv.weight.data
-            conv.weight.data = _channels_last_1d(weight) if enabled else weight.contiguous()
+            restride = enabled and _channels_last_eligible(conv)
+            conv.weight.data = _channels_last_1d(weight) if restride else weight.contiguous()
         self.channels_last_convolutions = bool(enabled)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -611,14 +641,17 @@ class CosyVoice3HiFTGenerator(nn.Module):
 
         Convolutions, Snake residual blocks and element-wise ops only (no complex tensors), so it can be compiled on
         its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the ~6 element-wise kernels of each Snake.
-        With `use_channels_last_convolutions()`, runs on (batch, channels, 1, frames) views and returns the output
-        with strides (channels * frames, 1, channels).
+        With `use_channels_last_convolutions()`, runs on (batch, channels, 1, frames) views; the output is
+        contiguous unless conv_post runs channels-last (then strides (channels * frames, 1, channels)).
         """
         channels_last = self.channels_last_convolutions
         if channels_last:
             hidden = hidden.unsqueeze(2)
-            # The source is read by three convs, one of them 1x1 (whose weight has no layout of its own): one copy.
-            source_stft = source_stft.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            source_stft = source_stft.unsqueeze(2)
+            if all(_channels_last_eligible(conv) for conv in self.source_downs):
+                # Read by three convs, one of them 1x1 (whose weight has no layout of its own): one copy. Not with
+                # the released HiFT, whose 18-channel source stays contiguous (see `_channels_last_eligible`).
+                source_stft = source_stft.contiguous(memory_format=torch.channels_last)
         for i, upsample in enumerate(self.ups):
             hidden = F.leaky_relu(hidden, self.lrelu_slope)
             hidden = upsample(hidden)
