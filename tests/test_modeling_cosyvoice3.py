@@ -532,6 +532,29 @@ def test_vocoder_compiles_without_graph_breaks(flow_full):
     torch._dynamo.reset()
 
 
+def test_channels_last_vocoder_matches_mel_to_wav_and_saves_plain_weights(tmp_path):
+    """`compile_vocoder(channels_last_convolutions=True)` re-strides HiFT's filter weights (same values): the audio
+    equals the default layout's up to float rounding, and `save_pretrained` writes ordinary contiguous weights that
+    load back into the default layout."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    mel = load_file(COSYVOICE3_GOLDEN / "hift_full.safetensors")["mel"][..., :60]
+    with torch.no_grad():
+        expected = model.mel_to_wav(mel)
+        expected_stream = model.mel_to_wav(mel, finalize=False)
+        torch._dynamo.reset()
+        model.compile_vocoder(channels_last_convolutions=True, backend="eager")
+        assert model.hift.channels_last_convolutions
+        _close(model.mel_to_wav(mel), expected, atol=1e-5)
+        _close(model.mel_to_wav(mel, finalize=False), expected_stream, atol=1e-5)
+    torch._dynamo.reset()
+    model.save_pretrained(tmp_path)
+    reloaded = CosyVoice3Token2Wav.from_pretrained(tmp_path).eval()
+    assert not reloaded.hift.channels_last_convolutions
+    assert all(parameter.is_contiguous() for parameter in reloaded.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.mel_to_wav(mel), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("max_unfold_elements", [None, 1_500], ids=["matmul", "both_sides_of_the_limit"])
 @pytest.mark.parametrize("groups, bias", [(4, True), (1, False)])
 def test_causal_grouped_conv1d_equals_the_convolution(max_unfold_elements, groups, bias):

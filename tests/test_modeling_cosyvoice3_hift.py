@@ -276,3 +276,149 @@ def test_conv1d_as_matmul_equals_the_convolution(dtype):
     # a strided (transposed) input, as the previous conv's output arrives
     strided = hidden.transpose(1, 2).contiguous().transpose(1, 2)
     torch.testing.assert_close(conv1d_as_matmul(strided, weight, bias), out)
+
+
+def _filter_inputs(hift, frames, seed=0):
+    """Random (conv_pre output, source STFT) of `frames` mel frames for `filter_body`."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, hift.conv_pre.out_channels, frames, generator=generator)
+    source_stft = torch.randn(1, hift.n_fft + 2, hift.stft_frames_per_mel_frame * frames + 1, generator=generator)
+    return hidden, source_stft
+
+
+def _captured_filter_inputs(hift, mel, source):
+    """The (conv_pre output, source STFT) that `hift.decode(mel, source)` passes to `filter_body`."""
+    captured = []
+    hift.filter_body = lambda *args: captured.append(args) or type(hift).filter_body(hift, *args)
+    try:
+        hift.decode(mel, source)
+    finally:
+        del hift.filter_body
+    return captured[0]
+
+
+@torch.no_grad()
+def test_channels_last_convolutions_match_the_default_layout(golden):
+    hift = build_hift()
+    mel, source = golden["mel"][..., :60], golden["source"][..., : 60 * 480]
+    filter_inputs = _captured_filter_inputs(hift, mel, source)
+    default_filter = hift.filter_body(*filter_inputs)
+    default_decode = hift.decode(mel, source)
+    default_stream, _ = hift(mel, finalize=False)
+    state = {key: value.clone() for key, value in hift.state_dict().items()}
+
+    hift.use_channels_last_convolutions()
+    assert hift.channels_last_convolutions
+    convs = hift.filter_convolutions()
+    assert len(convs) == 79 and hift.conv_pre not in convs  # 3 ups + 3 source downs + 12 x 6 resblock convs + post
+    # Tiny HiFT: channels 32 -> 16, 8, 4 per stage; the last stage (4 channels), the 18-channel source_downs and
+    # conv_post keep the default layout: 2 ups + 2 x 6 source resblock convs + 2 x 18 resblock convs remain.
+    eligible = hift.filter_convolutions(channels_last_only=True)
+    assert len(eligible) == 50
+    assert not any(conv in eligible for conv in [*hift.source_downs, hift.conv_post, hift.ups[2]])
+    for conv in convs:
+        if conv not in eligible:
+            assert conv.weight.is_contiguous()
+        elif conv.kernel_size[0] > 1:  # a k=1 weight is both layouts at once
+            assert not conv.weight.is_contiguous()
+            assert conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+    assert hift.conv_pre.weight.is_contiguous()
+
+    filtered = hift.filter_body(*filter_inputs)
+    assert filtered.is_contiguous()  # conv_post (4 -> 18 channels) runs in the default layout
+    # Float rounding only (oneDNN sums NHWC in another order): ~3e-6 of the output's scale (log-magnitudes ~6).
+    assert (filtered - default_filter).abs().max() <= 1e-5 * default_filter.abs().max()
+    torch.testing.assert_close(hift.decode(mel, source), default_decode, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hift(mel, finalize=False)[0], default_stream, atol=1e-5, rtol=1e-5)
+    # Same state dict (keys, shapes, values); only the filter weights' strides differ.
+    restrided = hift.state_dict()
+    assert restrided.keys() == state.keys()
+    assert all(torch.equal(restrided[key], value) for key, value in state.items())
+
+    hift.use_channels_last_convolutions(False)
+    assert not hift.channels_last_convolutions and all(conv.weight.is_contiguous() for conv in convs)
+    torch.testing.assert_close(hift.filter_body(*filter_inputs), default_filter, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("base_channels", [None, 64], ids=["tiny", "aligned"])
+@torch.no_grad()
+def test_channels_last_convolutions_keep_every_eligible_conv_output_channels_last(base_channels):
+    """Checkable on the CPU: oneDNN picks its memory format by the same rule as cuDNN (channels-last if the input
+    or the weight is), so every filter conv sees a (batch, channels, 1, frames) input and returns it channels-last
+    (NHWC, H = 1), and the state dict still loads into the re-strided model without changing its layout.
+    Exception: convs with an in- or out-channel count that is not a multiple of 8 (always the 18-channel
+    source_downs and conv_post; in the tiny HiFT also its 4-channel last stage) return a contiguous output."""
+    if base_channels is None:
+        hift = build_hift()
+    else:  # channels 32, 16, 8 per stage: only the 18-channel convs are left out, as in the released HiFT
+        kwargs = hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")
+        hift = CosyVoice3HiFTGenerator(**dict(kwargs, base_channels=base_channels)).eval()
+    state = hift.state_dict()
+    hift.use_channels_last_convolutions()
+    hift.load_state_dict(state)
+    outputs = []
+    for conv in hift.filter_convolutions():
+        conv.register_forward_hook(lambda module, args, output: outputs.append((module, args[0], output)))
+    hift.filter_body(*_filter_inputs(hift, 12))
+    assert len(outputs) == 79
+    eligible = hift.filter_convolutions(channels_last_only=True)
+    default_layout = {module for module, _, _ in outputs if module not in eligible}
+    assert {*hift.source_downs, hift.conv_post} <= default_layout
+    assert len(default_layout) == (4 if base_channels else 29)
+    for module, hidden, output in outputs:
+        assert hidden.dim() == 4 and output.dim() == 4 and output.shape[2] == 1
+        if module in default_layout:
+            assert output.is_contiguous() and module.weight.is_contiguous(), module
+            continue
+        assert output.is_contiguous(memory_format=torch.channels_last), module
+        if module.kernel_size[0] > 1:
+            assert module.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+
+
+@torch.no_grad()
+def test_channels_last_filter_compiles_without_layout_copies():
+    """Inductor, dynamic shapes, layout optimisation off (as on CUDA, where Inductor turns it off for symbolic
+    shapes), channels 32/16/8 per stage (only the 18-channel convs keep the default layout, as in the released
+    HiFT): every 4-D buffer an eligible conv reads or writes is channels-last, the layout switches around the
+    18-channel convs are written by element-wise kernels that exist anyway (no extra copy kernel), and the weights
+    are passed as they are (no copy kernel)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    kwargs = hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")
+    kwargs.update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1]], source_resblock_dilation_sizes=[[1]] * 3)
+    kwargs.update(base_channels=64)
+    hift = CosyVoice3HiFTGenerator(**kwargs).eval()
+    inputs = _filter_inputs(hift, 12)
+    expected = hift.filter_body(*inputs)
+
+    def compile_and_run():
+        torch._dynamo.reset()
+        try:
+            with inductor_config.patch(layout_optimization=False):
+                compiled = torch.compile(hift.filter_body, dynamic=True, fullgraph=True)
+                out, codes = run_and_get_code(compiled, *inputs)
+        finally:
+            torch._dynamo.reset()
+        code = "\n".join(codes)
+        return out, code, len(re.findall(r"^\s+(?:cpp_fused_\w+|\w+\.run)\(", code, flags=re.M))  # kernel launches
+
+    _, _, default_kernels = compile_and_run()
+    hift.use_channels_last_convolutions()
+    out, code, kernels = compile_and_run()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert out.is_contiguous()  # conv_post (8 -> 18 channels) keeps the default layout
+    convs = re.findall(r"extern_kernels\.convolution\((.*)\)", code)
+    assert len(convs) == len(hift.filter_convolutions()) == 19
+    eligible = hift.filter_convolutions(channels_last_only=True)
+    assert len(eligible) == 15 and not any(conv in eligible for conv in [*hift.source_downs, hift.conv_post])
+    # No more element-wise kernels than with the default layout: the layout switches are fused.
+    assert kernels <= default_kernels, (kernels, default_kernels)
+    assert 0 < kernels and 0 < default_kernels
+    # 4-D buffers: (batch, channels, 1, frames) with the channel stride 1 (the 18-channel convs run as 3-D calls).
+    buffers = re.findall(r"empty_strided_\w+\(\(([^()]*)\), \(([^()]*)\)", code)
+    four_d = [(size, stride) for size, stride in buffers if size.count(",") == 3]
+    assert four_d and all(stride.split(", ")[1] == "1" for _, stride in four_d), four_d
+    assert sum(bool(re.search(r"stride=\(\d+,\)", call)) for call in convs) == 4  # 3-D: source_downs, conv_post
+    # Weights reach the conv as the parameters or views of them (arg*), never as freshly copied buffers.
+    assert all(re.match(r"\w+, (reinterpret_tensor\()?arg\d+_1\b", call) for call in convs), convs[:3]

@@ -925,7 +925,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         else:
             self.flow.decoder.estimator.compile(**compile_kwargs)
 
-    def compile_vocoder(self, **compile_kwargs) -> None:
+    def compile_vocoder(self, channels_last_convolutions: bool = False, **compile_kwargs) -> None:
         """`torch.compile` HiFT's upsampling stack (`hift.filter_body`: its convs and Snake residual blocks) in place.
 
         The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses each Snake activation (~6 element-wise
@@ -933,7 +933,14 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         inside their CUDA graph. `compile_kwargs` go to `torch.compile`; `dynamic` defaults to True (the vocoder
         windows of a stream and offline lengths vary). Measured on an H200 (BENCHMARKS.md): a streamed chunk's vocoder
         stage goes from 5.4 to 3.8 ms; no offline gain; the first call compiles ~55 s longer.
+
+        `channels_last_convolutions=True` first calls `hift.use_channels_last_convolutions()` (the filter's convs
+        and the element-wise ops between them channels-last, so that cuDNN's NHWC kernels need no layout conversions;
+        convs with channel counts that are not multiples of 8, such as the 18-channel source_downs and conv_post, keep
+        the default layout; meant for CUDA).
         """
+        if channels_last_convolutions:
+            self.hift.use_channels_last_convolutions()
         compile_kwargs.setdefault("dynamic", True)
         self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
 

@@ -55,6 +55,44 @@ def _pad_one_side(
     return torch.cat([context, hidden] if causal_type == "left" else [hidden, context], dim=-1)
 
 
+# Channel counts (in and out) a conv needs to run channels-last under `use_channels_last_convolutions`.
+_CHANNELS_LAST_ALIGNMENT = 8
+
+
+def _channels_last_eligible(conv: nn.Conv1d) -> bool:
+    """Whether `use_channels_last_convolutions` runs `conv` channels-last: both channel counts multiples of 8.
+
+    cuDNN's NHWC tensor-core kernels need the channels in 16-byte vectors (C and K multiples of 4 in TF32 / float32:
+    `..._nhwc_align4`; of 8 in half precision). Otherwise it falls back to slow kernels: on an H200, HiFT's
+    18-channel convs (the source STFT into `source_downs`, `conv_post` out to n_fft + 2) ran as
+    `sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_..._nhwc` (one call ~218 us vs ~15 us for the default layout).
+    Multiples of 8 cover both precisions; every other conv of the released HiFT has 64 to 512 channels."""
+    return conv.in_channels % _CHANNELS_LAST_ALIGNMENT == 0 and conv.out_channels % _CHANNELS_LAST_ALIGNMENT == 0
+
+
+def _conv(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
+    """`conv(hidden)` (no padding) for (batch, in, frames) or for the (batch, in, 1, frames) layout that
+    `CosyVoice3HiFTGenerator.use_channels_last_convolutions` runs the filter in.
+
+    The 4-D case calls conv2d with the weight viewed as (out, in, 1, kernel): ATen's conv1d makes every 3-D input
+    contiguous before viewing it as 4-D, so only a 4-D call lets a channels-last input reach cuDNN unconverted.
+    A conv that is not `_channels_last_eligible` runs as a plain conv1d on the 3-D view (input made contiguous,
+    which Inductor writes in the element-wise kernel before it) and returns a contiguous (batch, out, 1, frames)."""
+    if hidden.dim() == 3:
+        return nn.Conv1d.forward(conv, hidden)
+    if not _channels_last_eligible(conv):
+        return nn.Conv1d.forward(conv, hidden.squeeze(2)).unsqueeze(2)
+    return F.conv2d(
+        hidden, conv.weight.unsqueeze(2), conv.bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups
+    )
+
+
+def _channels_last_1d(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in, kernel) tensor with the same values stored as (out, kernel, in): strides (in * kernel, 1, in).
+    Its view as (out, in, 1, kernel) is channels-last contiguous (NHWC with H = 1)."""
+    return weight.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class CausalConv1d(nn.Conv1d):
     """Stride-1 Conv1d padded on one side only, so that the output has as many frames as the input.
 
@@ -73,8 +111,8 @@ class CausalConv1d(nn.Conv1d):
         self.causal_padding = (kernel_size - 1) * dilation
 
     def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(batch, in_channels, frames) -> (batch, out_channels, frames)."""
-        return super().forward(_pad_one_side(hidden, self.causal_padding, self.causal_type, context))
+        """(batch, in_channels, frames) -> (batch, out_channels, frames); also (batch, in_channels, 1, frames)."""
+        return _conv(self, _pad_one_side(hidden, self.causal_padding, self.causal_type, context))
 
 
 class WeightNormCausalConv1d(nn.Module):
@@ -138,7 +176,7 @@ class CausalConv1dUpsample(nn.Conv1d):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = _hold(hidden, self.upsample_factor)
-        return super().forward(F.pad(hidden, (self.kernel_size[0] - 1, 0)))
+        return _conv(self, F.pad(hidden, (self.kernel_size[0] - 1, 0)))
 
 
 class CausalConv1dDownsample(nn.Conv1d):
@@ -148,7 +186,7 @@ class CausalConv1dDownsample(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(hidden, (self.stride[0] - 1, 0)))
+        return _conv(self, F.pad(hidden, (self.stride[0] - 1, 0)))
 
 
 class Snake(nn.Module):
@@ -159,8 +197,8 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(batch, channels, frames) -> same shape."""
-        alpha = self.alpha.unsqueeze(0).unsqueeze(-1)
+        """(batch, channels, frames) -> same shape; also (batch, channels, 1, frames)."""
+        alpha = self.alpha.reshape((-1,) + (1,) * (hidden.dim() - 2))
         # Same expression and evaluation order as the reference (the 1e-9 guards alpha == 0).
         return hidden + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(hidden * alpha), 2)
 
@@ -357,6 +395,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
             for kernel, dilations in zip(resblock_kernel_sizes, resblock_dilation_sizes):
                 self.resblocks.append(CausalResBlock(channels, kernel, dilations))
         self.conv_post = CausalConv1d(channels, self.n_fft + 2, 7)
+        # See `use_channels_last_convolutions` (off: the plain (batch, channels, frames) layout).
+        self.channels_last_convolutions = False
 
     # ------------------------------------------------------------------------------------------------------------
     # loading and fixed tables
@@ -452,6 +492,43 @@ class CosyVoice3HiFTGenerator(nn.Module):
         # Kept in float32 whatever the module dtype: the source is computed in float32 like the reference.
         sine_gen.rand_ini = rand_ini.to(device=device, dtype=torch.float32)
         sine_gen.sine_waves = sine_waves.to(device=device, dtype=torch.float32)
+
+    def filter_convolutions(self, channels_last_only: bool = False) -> list[nn.Conv1d]:
+        """The convolutions `filter_body` runs (all but conv_pre and the F0 predictor); with `channels_last_only`,
+        those that `use_channels_last_convolutions` runs channels-last (both channel counts multiples of 8)."""
+        stack = [self.ups, self.source_downs, self.source_resblocks, self.resblocks, self.conv_post]
+        convs = [module for part in stack for module in part.modules() if isinstance(module, nn.Conv1d)]
+        return [conv for conv in convs if _channels_last_eligible(conv)] if channels_last_only else convs
+
+    @torch.no_grad()
+    def use_channels_last_convolutions(self, enabled: bool = True) -> None:
+        """Run `filter_body` channels-last: its activations as (batch, channels, 1, frames) tensors stored
+        frames-major (NHWC with H = 1) and its convolutions as conv2d over weights stored (out, kernel, in).
+
+        For cuDNN on CUDA: with the default layout it picks NHWC kernels for these convs and converts the input and
+        the weight on every call (`nchwToNhwcKernel`, ~2 per conv). With both operands channels-last, ATen passes
+        them as they are and allocates a channels-last output; compiled (`CosyVoice3Token2Wav.compile_vocoder`),
+        Inductor then writes the element-wise ops between convs (Snake, pads, residual sums) straight in that
+        layout. Equal to the default layout up to float rounding.
+
+        The filter's conv weights are re-strided in place (same shapes and values; `state_dict()` then holds
+        non-contiguous tensors: `save_pretrained` makes them contiguous, raw `safetensors.save_file` needs
+        `.contiguous()`; loading into the model keeps its layout). conv_pre stays as it is: a 3-D conv1d, which
+        ATen makes contiguous anyway. `enabled=False` restores the default layout. Recompiles a compiled
+        `filter_body`; re-records streaming CUDA graphs (the layout is part of their settings key).
+
+        Exception: convs with an in- or out-channel count that is not a multiple of 8 keep the default layout
+        (contiguous weight, (batch, channels, frames) input and output), because cuDNN has no fast NHWC kernel for
+        them (see `_channels_last_eligible`). In the released HiFT these are the three `source_downs` (they read the
+        18-channel source STFT, which then stays contiguous) and `conv_post` (64 -> 18 channels, so `filter_body`
+        returns a contiguous output). Compiled, the layout switches are written by the element-wise kernels next to
+        them: the leaky ReLU before conv_post writes its input contiguous, the first Snake of each source resblock
+        reads the contiguous source_downs output and writes channels-last."""
+        for conv in self.filter_convolutions():
+            weight = conv.weight.data
+            restride = enabled and _channels_last_eligible(conv)
+            conv.weight.data = _channels_last_1d(weight) if restride else weight.contiguous()
+        self.channels_last_convolutions = bool(enabled)
 
     # ------------------------------------------------------------------------------------------------------------
     # inference
@@ -564,13 +641,24 @@ class CosyVoice3HiFTGenerator(nn.Module):
 
         Convolutions, Snake residual blocks and element-wise ops only (no complex tensors), so it can be compiled on
         its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the ~6 element-wise kernels of each Snake.
+        With `use_channels_last_convolutions()`, runs on (batch, channels, 1, frames) views; the output is
+        contiguous unless conv_post runs channels-last (then strides (channels * frames, 1, channels)).
         """
+        channels_last = self.channels_last_convolutions
+        if channels_last:
+            hidden = hidden.unsqueeze(2)
+            source_stft = source_stft.unsqueeze(2)
+            if all(_channels_last_eligible(conv) for conv in self.source_downs):
+                # Read by three convs, one of them 1x1 (whose weight has no layout of its own): one copy. Not with
+                # the released HiFT, whose 18-channel source stays contiguous (see `_channels_last_eligible`).
+                source_stft = source_stft.contiguous(memory_format=torch.channels_last)
         for i, upsample in enumerate(self.ups):
             hidden = F.leaky_relu(hidden, self.lrelu_slope)
             hidden = upsample(hidden)
             if i == len(self.ups) - 1:
-                # One sample of reflection on the left makes the length match the STFT frame count (120 * Q + 1).
-                hidden = F.pad(hidden, (1, 0), mode="reflect")
+                # One sample of reflection on the left makes the length match the STFT frame count (120 * Q + 1):
+                # F.pad(mode="reflect") for 1 sample, written as a cat so that it works in 3-D and 4-D.
+                hidden = torch.cat([hidden[..., 1:2], hidden], dim=-1)
             hidden = hidden + self.source_resblocks[i](self.source_downs[i](source_stft))
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             summed = blocks[0](hidden)
@@ -579,7 +667,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
             hidden = summed / self.num_kernels
 
         hidden = F.leaky_relu(hidden)  # default slope 0.01, as in the reference
-        return self.conv_post(hidden)
+        hidden = self.conv_post(hidden)
+        return hidden.squeeze(2) if channels_last else hidden
 
     def forward(
         self, mel: torch.Tensor, finalize: bool = True, source: Optional[torch.Tensor] = None

@@ -340,7 +340,8 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
 
             def settings(module: torch.nn.Module):
                 # What the recorded kernels depend on besides the input shapes: precision switches, and where the
-                # weights live (a `.to()` re-allocates them; a graph holds their old addresses).
+                # weights live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv
+                # layout (`use_channels_last_convolutions` re-allocates the filter's weights).
                 weight = next(module.parameters())
                 # The fused DiT q/k/v copies (`fuse_qkv_projections`) are new tensors each time they are built.
                 blocks = decoder.estimator.transformer_blocks
@@ -353,6 +354,7 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                     weight.data_ptr(),
                     weight.dtype,
                     None if fused is None else fused.data_ptr(),
+                    getattr(module, "channels_last_convolutions", None),
                 )
 
             runners = {
