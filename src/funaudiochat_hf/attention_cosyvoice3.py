@@ -30,9 +30,12 @@ TRITON_DIT_ATTENTION = True
 # run faster through cuDNN's attention (measured on an H200, bfloat16, 2 x 16 heads: 8.4 against 13.2 µs at 136
 # frames, 26.9 against 22.4 µs at 500 frames, 182 against 102 µs at 1,500; BENCHMARKS.md).
 KERNEL_MAX_FRAMES = 256
-BLOCK_M = 64  # query frames per program
-BLOCK_N = 64  # key frames per inner step
+# Tiles and launch options: the best of a sweep at 136 frames on an H200 (`BLOCK_M` query frames per program,
+# `BLOCK_N` key frames per inner step).
+BLOCK_M = 64
+BLOCK_N = 64
 NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 def triton_dit_attention_enabled() -> bool:
@@ -154,8 +157,8 @@ if triton is not None:
         stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt, stride_cos, stride_sin,
         stride_mb, stride_mq, stride_mk, stride_ob, stride_ot,
         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, KEY_MASK: tl.constexpr, ROTARY: tl.constexpr,
-        PRECISION: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, KEY_MASK: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid `(cdiv(frames, BLOCK_M), batch * HEADS)`: BLOCK_M query frames of one head attend to all frames with an
         online softmax over blocks of BLOCK_N keys. q / k / v / out rows: `(batch, frames, HEADS * HEAD_DIM)` with
@@ -166,7 +169,7 @@ if triton is not None:
         batch_head = tl.program_id(1)
         b = batch_head // HEADS
         h = batch_head % HEADS
-        rotate = h == (0 if ROTARY else -1)  # head 0 only (x-transformers rotates before the head split)
+        rotate = h == 0  # head 0 only (x-transformers rotates before the head split)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < frames
         d = tl.arange(0, BLOCK_D)
@@ -231,11 +234,10 @@ def dit_attention_op(
 
 
 def launch_dit_attention(
-    query, key, value, cos, sin, attention_mask, heads, block_m=None, block_n=None, num_warps=None, num_stages=None,
-    rotary=True,
+    query, key, value, cos, sin, attention_mask, heads, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=NUM_WARPS,
+    num_stages=NUM_STAGES,
 ) -> torch.Tensor:  # fmt: skip
-    """The operator's launcher; the tile sizes and launch options default to `kernel_options(frames)` (the other
-    keywords are for benchmarks: `rotary=False` skips the rotary)."""
+    """The operator's launcher (the tile sizes and launch options are keywords for benchmarks)."""
     batch, frames, width = query.shape
     head_dim = width // heads
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
@@ -246,9 +248,6 @@ def launch_dit_attention(
     else:
         mask = attention_mask.expand(batch, 1, frames, frames)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
-    options = kernel_options(frames)
-    block_m = block_m or options["block_m"]
-    block_n = block_n or options["block_n"]
     pdl = programmatic_launch(query.device)
     grid = (triton.cdiv(frames, block_m), batch * heads)
     _dit_attention_kernel[grid](
@@ -256,17 +255,11 @@ def launch_dit_attention(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), sin.stride(0), *mask_strides, out.stride(0), out.stride(1),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-        BLOCK_N=block_n, HAS_MASK=attention_mask is not None, KEY_MASK=mask_strides[1] == 0, ROTARY=rotary,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=num_warps or options["num_warps"], num_stages=num_stages or options["num_stages"], launch_pdl=pdl,
+        BLOCK_N=block_n, HAS_MASK=attention_mask is not None, KEY_MASK=mask_strides[1] == 0,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-def kernel_options(frames: int) -> dict:
-    """Tile sizes and launch options for `frames` query / key frames (the best of a sweep at 136 frames on an
-    H200: 64 x 64 tiles, 4 warps, 2 stages)."""
-    return {"block_m": BLOCK_M, "block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": 2}
 
 
 @dit_attention_op.register_fake
