@@ -18,6 +18,19 @@ COSYVOICE3_GOLDEN = FIXTURES / "cosyvoice3_golden"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+# Run first in every interpreter script. Triton 3.6's interpreter turns a runtime int into a one-element array, which
+# numpy >= 2.4 no longer converts with int(): patch its `__index__` so that a loop bound taken from a kernel argument
+# works (compiled kernels are unaffected).
+_INTERPRETER_PATCH = """
+import triton.runtime.interpreter as interpreter
+_patch = interpreter._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = _patch_lang_tensor
+"""
+
+
 def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     """Run a Python `script` under Triton's CPU interpreter and return its last stdout line; skips without Triton.
 
@@ -26,11 +39,33 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     pytest.importorskip("triton")
     path = os.pathsep.join([str(SRC), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    source = _INTERPRETER_PATCH + textwrap.dedent(script)
+    result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
+
+
+def tiny_decoder_with_and_without(monkeypatch, module, switch: str) -> dict:
+    """The tiny CosyVoice3 decoder on CUDA with a bf16 estimator, with `module.<switch>` (a Triton kernel's switch) True
+    and False: `{True: (mel, streamed audio), False: (...)}` for the golden tokens, offline `tokens_to_mel` and a
+    stream of 15-token pushes (eager launches)."""
+    from safetensors.torch import load_file
+
+    from funaudiochat_hf import CosyVoice3Token2Wav
+
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).cuda().eval()
+    model.use_low_precision_estimator("bfloat16")
+    golden = load_file(COSYVOICE3_GOLDEN / "flow_full.safetensors")
+    tokens, speaker = golden["speech_token"].cuda(), golden["embedding"].cuda()
+    results = {}
+    for use_kernel in (True, False):
+        monkeypatch.setattr(module, switch, use_kernel)
+        with torch.no_grad():
+            mel = model.tokens_to_mel(tokens, speaker)
+            stream = model.streaming_decoder(speaker_embedding=speaker, token_hop_len=15, cuda_graphs=False)
+            pieces = [stream.push(tokens[0, i : i + 15]) for i in range(0, tokens.shape[1], 15)]
+            results[use_kernel] = mel, torch.cat(pieces + [stream.finalize()])
+    return results
 
 
 def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4) -> str:

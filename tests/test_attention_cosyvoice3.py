@@ -6,14 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY, run_in_triton_interpreter
+from conftest import run_in_triton_interpreter, tiny_decoder_with_and_without
 
 from funaudiochat_hf import attention_cosyvoice3
 from funaudiochat_hf.attention_cosyvoice3 import dit_attention, sdpa_dit_attention
 from funaudiochat_hf.modeling_cosyvoice3 import (
     CosyVoice3RotaryEmbedding,
-    CosyVoice3Token2Wav,
     additive_attention_mask,
     build_attention_mask,
 )
@@ -48,16 +46,6 @@ def make_inputs(batch, frames, heads, head_dim, kind, device="cpu", dtype=torch.
 _INTERPRETER_SCRIPT = """
 import json
 import torch
-import triton.runtime.interpreter as interpreter
-
-# Triton 3.6's interpreter turns a runtime int into a one-element array, which numpy >= 2.4 no longer converts with
-# int(): patch its `__index__` so a loop bound taken from a kernel argument works (the compiled kernel is unaffected).
-_patch = interpreter._patch_lang_tensor
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patch_lang_tensor
-
 from funaudiochat_hf.attention_cosyvoice3 import sdpa_dit_attention
 from test_attention_cosyvoice3 import CASES, make_inputs
 
@@ -167,18 +155,6 @@ def test_cuda_tiny_decoder_with_the_kernel_matches_sdpa(monkeypatch):
     """The tiny decoder, bf16 estimator, offline and streamed, with and without the kernel: the mel / audio agree to
     bf16 rounding."""
     pytest.importorskip("triton")
-    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).cuda().eval()
-    model.use_low_precision_estimator("bfloat16")
-    golden = load_file(COSYVOICE3_GOLDEN / "flow_full.safetensors")
-    tokens, speaker = golden["speech_token"].cuda(), golden["embedding"].cuda()
-    results = {}
-    for use_kernel in (True, False):
-        monkeypatch.setattr(attention_cosyvoice3, "TRITON_DIT_ATTENTION", use_kernel)
-        with torch.no_grad():
-            mel = model.tokens_to_mel(tokens, speaker)
-            stream = model.streaming_decoder(speaker_embedding=speaker, token_hop_len=15, cuda_graphs=False)
-            audio = torch.cat([stream.push(tokens[0, i : i + 5]) for i in range(0, tokens.shape[1], 15)])
-            audio = torch.cat([audio, stream.finalize()])
-        results[use_kernel] = mel, audio
+    results = tiny_decoder_with_and_without(monkeypatch, attention_cosyvoice3, "TRITON_DIT_ATTENTION")
     torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=5e-2)
     assert results[True][1].shape == results[False][1].shape

@@ -18,7 +18,6 @@ from funaudiochat_hf.conversion_cosyvoice3 import config_from_yaml, read_cosyvoi
 from funaudiochat_hf.modeling_cosyvoice3 import (
     CosyVoice3CausalConvPositionEmbedding,
     additive_attention_mask,
-    causal_grouped_conv1d,
     linear_gelu_tanh,
 )
 
@@ -26,12 +25,25 @@ from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
 
 
 ATOL = 1e-4
+# Waveforms decoded from this implementation's own flow mel: the tiny random HiFT (F0 weights x100) integrates F0 into
+# the sine source's phase, which turns the flow mel's float rounding (~1e-6 from the reference, depending on the CPU's
+# kernels) into up to ~7e-4 at a few hundred samples (seen on an AMD EPYC runner; 0 on another machine). The manifest
+# allows 1e-3 for waveforms after the 10-step flow; the mels themselves are held to ATOL, and HiFT alone on the golden
+# mels is too. Where F0 sits on the voiced/unvoiced threshold a single sample can differ more (1.6e-3 seen): all but
+# 0.1% of the samples within WAV_ATOL, and none off by 1e-2.
+WAV_ATOL = 1e-3
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "convert_cosyvoice3.py"
 
 
 def _close(actual, expected, atol=ATOL):
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def _close_wav(actual, expected):
+    """A waveform decoded from this implementation's own flow mel against the reference's (see WAV_ATOL)."""
+    _mostly_close(actual, expected, atol=WAV_ATOL)
+    _close(actual, expected, atol=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +240,8 @@ def test_additive_attention_mask_values_and_fully_hidden_rows():
     query = torch.randn(1, 2, 2, 4)
     value = torch.randn(1, 2, 3, 4)
     out = torch.nn.functional.scaled_dot_product_attention(query, value, value, attn_mask=additive.float())
-    expected = torch.nn.functional.scaled_dot_product_attention(query[:, :, :1], value, value, attn_mask=mask[..., :1, :])
+    first_query = query[:, :, :1]
+    expected = torch.nn.functional.scaled_dot_product_attention(first_query, value, value, attn_mask=mask[..., :1, :])
     torch.testing.assert_close(out[:, :, :1], expected)
     assert torch.isfinite(out).all()  # a row with no visible key averages the values instead of giving NaN
 
@@ -236,11 +249,12 @@ def test_additive_attention_mask_values_and_fully_hidden_rows():
 def test_whole_model_matches_token2wav(model, flow_full):
     expected = load_file(COSYVOICE3_GOLDEN / "token2wav_full.safetensors")["wav"]
     out = model(flow_full["speech_token"], speaker="中文女")
-    _close(out.waveform, expected)
+    _close_wav(out.waveform, expected)
     assert out.waveform_lengths.tolist() == [expected.shape[1]]
     # A raw (192,) embedding and the default speaker give the same audio.
-    _close(model(flow_full["speech_token"][0], speaker_embedding=flow_full["embedding"][0]).waveform, expected)
-    _close(model(flow_full["speech_token"]).waveform, expected)
+    raw_embedding = model(flow_full["speech_token"][0], speaker_embedding=flow_full["embedding"][0]).waveform
+    _close(raw_embedding, out.waveform, atol=0)
+    _close(model(flow_full["speech_token"]).waveform, out.waveform, atol=0)
 
 
 # -- batching and input checks ----------------------------------------------------------------------------------------
@@ -309,6 +323,9 @@ def test_streaming_chunks_match_reference(original_model, fixture):
     golden = load_file(COSYVOICE3_GOLDEN / f"{fixture}.safetensors")
     tokens = golden["speech_token"][0]
     decoder = original_model.streaming_decoder(speaker_embedding=golden["embedding"], token_hop_len=25)
+    flow_mels = []
+    flow = decoder._flow
+    decoder._flow = lambda *args, **kwargs: flow_mels.append(flow(*args, **kwargs)) or flow_mels[-1]
     pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)]
     pieces = [piece for piece in pieces if piece.numel()] + [decoder.finalize()]
     assert decoder.finalize().numel() == 0  # idempotent
@@ -317,9 +334,10 @@ def test_streaming_chunks_match_reference(original_model, fixture):
     # The reference's loop calls its final step twice for the 78-token input and then repeats 2880 samples
     # (chunk 3); this decoder stops after the real last chunk.
     num_chunks = 3 if fixture == "token2wav_stream_alt" else 4
-    assert len(pieces) == num_chunks
+    assert len(pieces) == len(flow_mels) == num_chunks
     for index, piece in enumerate(pieces):
-        _close(piece, golden[f"chunk{index}.wav"][0])
+        _close(flow_mels[index], golden[f"chunk{index}.flow_mel"])
+        _close_wav(piece, golden[f"chunk{index}.wav"][0])
 
 
 def test_streaming_single_push_equals_incremental_and_offline_for_one_chunk(original_model, flow_full):
@@ -377,7 +395,7 @@ def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full
     reference = torch.cat([golden[f"chunk{i}.wav"][0] for i in range(4)])
     short_flow = stream(token_hop_len=25, flow_left_context_tokens=25)
     # Chunks 0 and 1 (offsets 0 and 25) still start their flow window at token 0; audio up to frame 92 is identical.
-    _close(short_flow[: 92 * 480], reference[: 92 * 480])
+    _close_wav(short_flow[: 92 * 480], reference[: 92 * 480])
     later = (short_flow[100 * 480 :] - reference[100 * 480 :]).abs().max()
     assert later > 1e-3  # measurably different: less left context for the flow
     assert short_flow.abs().max() <= 0.99
@@ -526,6 +544,7 @@ def test_vocoder_compiles_without_graph_breaks(flow_full):
 
         torch._dynamo.reset()
         model.compile_vocoder(backend=counting_backend, fullgraph=True)
+        assert not model.hift.channels_last_convolutions  # the layout default follows the device: off on CPU
         for compiled, expected in zip(offline_and_streamed(), eager):
             _close(compiled, expected, atol=1e-5)
     assert graphs  # it ran compiled (how many graphs the conv size guards make depends on the device)
@@ -553,30 +572,6 @@ def test_channels_last_vocoder_matches_mel_to_wav_and_saves_plain_weights(tmp_pa
     assert all(parameter.is_contiguous() for parameter in reloaded.parameters())
     with torch.no_grad():
         torch.testing.assert_close(reloaded.mel_to_wav(mel), expected, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("max_unfold_elements", [None, 1_500], ids=["matmul", "both_sides_of_the_limit"])
-@pytest.mark.parametrize("groups, bias", [(4, True), (1, False)])
-def test_causal_grouped_conv1d_equals_the_convolution(max_unfold_elements, groups, bias):
-    """The unfold + matmul conv the DiT uses on CUDA (cuDNN's float32 FFT choice took ~49 ms per call on an H200)
-    computes the left-padded convolution (the convolution itself past the size limit), and compiles without
-    breaks with dynamic shapes on either side of the limit."""
-    torch.manual_seed(0)
-    conv = torch.nn.Conv1d(8, 12, 5, groups=groups, bias=bias)
-    hidden = torch.randn(2, 23, 8)  # (batch, frames, channels)
-    expected = conv(torch.nn.functional.pad(hidden.transpose(1, 2), (4, 0))).transpose(1, 2)
-    kwargs = {} if max_unfold_elements is None else {"max_unfold_elements": max_unfold_elements}
-    convolution_calls = []
-    conv.register_forward_hook(lambda *_: convolution_calls.append(1))
-    with torch.no_grad():
-        _close(causal_grouped_conv1d(hidden, conv, **kwargs), expected, atol=1e-5)  # 2 * 23 * 8 * 5 = 1840
-        _close(causal_grouped_conv1d(hidden[:, :17], conv, **kwargs), expected[:, :17], atol=1e-5)  # 1360
-        assert len(convolution_calls) == (0 if max_unfold_elements is None else 1)
-        torch._dynamo.reset()
-        compiled = torch.compile(causal_grouped_conv1d, fullgraph=True, backend="aot_eager", dynamic=True)
-        _close(compiled(hidden, conv, **kwargs), expected, atol=1e-5)
-        _close(compiled(hidden[:, :17], conv, **kwargs), expected[:, :17], atol=1e-5)  # causal: a prefix
-    torch._dynamo.reset()
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------------
@@ -618,6 +613,21 @@ def test_cuda_matches_reference_compiled_and_streaming(flow_full):
     finally:
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_cuda_compile_vocoder_runs_channels_last_by_default():
+    """On CUDA `compile_vocoder()` turns on the channels-last filter (a streamed chunk 12.91 against 13.25 ms on an
+    H200); the audio is the default layout's up to float rounding."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).cuda().eval()
+    mel = load_file(COSYVOICE3_GOLDEN / "hift_full.safetensors")["mel"][..., :60].cuda()
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # true float32 convs
+        expected = model.mel_to_wav(mel)
+        torch._dynamo.reset()
+        model.compile_vocoder(backend="eager")
+        assert model.hift.channels_last_convolutions
+        _close(model.mel_to_wav(mel), expected, atol=1e-4)
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

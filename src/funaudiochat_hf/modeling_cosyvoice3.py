@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput
 from .attention_cosyvoice3 import dit_attention
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
+from .position_conv_cosyvoice3 import MAX_UNFOLD_ELEMENTS, causal_conv_mish, tap_major_weight
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
 
@@ -47,47 +48,14 @@ class CosyVoice3TimestepEmbedding(nn.Module):
         return self.time_mlp(sinusoid)
 
 
-# Largest unfolded conv input (elements) built for the matmul path: 128 MB in float32, about 10 s of CFG-batched
-# frames; longer inputs use cuDNN, whose algorithms are fine at those lengths. The choice is a shape guard in a
-# compiled estimator: the first input past it compiles once more (~90 s at full size on an H200, BENCHMARKS.md).
-MAX_UNFOLD_ELEMENTS = 2**25
-
-
-def causal_grouped_conv1d(
-    hidden: torch.Tensor, conv: nn.Conv1d, max_unfold_elements: int = MAX_UNFOLD_ELEMENTS
-) -> torch.Tensor:
-    """`conv` over time, left-padded by kernel_size - 1: (batch, frames, channels) -> (batch, frames, out_channels).
-
-    Up to `max_unfold_elements` unfolded input elements (batch * frames * channels * kernel_size), computed as
-    unfold + one batched matmul per group instead of the convolution: for the DiT's kernel-31, 16-group conv,
-    cuDNN's float32 heuristics pick an FFT algorithm at some short lengths that takes ~49 ms per call on an H200
-    (136 frames, the window of a 50-token streaming flow call: ~1 s per chunk), and its good algorithms take
-    ~0.42 ms at short lengths where the matmul takes 0.08-0.22 ms (float32 and bfloat16). Equal to the convolution
-    up to float rounding (a different summation order). Longer inputs run the convolution itself (0.43 ms at 1500
-    frames), so memory stays bounded; the size test is a shape guard, so `torch.compile(dynamic=True)` keeps one
-    graph per side of the threshold.
-    """
-    batch, frames, channels = hidden.shape
-    kernel = conv.kernel_size[0]
-    if batch * frames * channels * kernel > max_unfold_elements:
-        return conv(F.pad(hidden.transpose(1, 2), (kernel - 1, 0))).transpose(1, 2)
-    groups, out_channels = conv.groups, conv.out_channels
-    in_per_group = channels // groups
-    # Columns in (tap, input channel) order: the copy that materialises them moves runs of in/g contiguous channels
-    # (coalesced). The (channel, tap) order of `unfold(1, ...)` on (batch, frames, channels) made it read with a
-    # stride of `channels`: on an H200 that copy took ~0.11 ms per conv, more than the matmul (streaming profile).
-    padded = F.pad(hidden, (0, 0, kernel - 1, 0)).view(batch, frames + kernel - 1, groups, in_per_group)
-    columns = padded.transpose(1, 2).unfold(2, kernel, 1).transpose(-1, -2)  # (batch, groups, frames, kernel, in/g)
-    columns = columns.reshape(batch, groups, frames, kernel * in_per_group)
-    # (out, in / groups, kernel) -> (groups, kernel * in / groups, out / groups), rows in the columns' order.
-    weight = conv.weight.reshape(groups, out_channels // groups, in_per_group, kernel).permute(0, 3, 2, 1)
-    out = torch.matmul(columns, weight.reshape(groups, kernel * in_per_group, -1))  # (batch, groups, frames, out/g)
-    out = out.transpose(1, 2).reshape(batch, frames, out_channels)
-    return out if conv.bias is None else out + conv.bias.to(out.dtype)
-
-
 class CosyVoice3CausalConvPositionEmbedding(nn.Module):
-    """Two left-padded grouped convs with Mish; (batch, frames, dim) -> (batch, frames, dim). Looks only left."""
+    """Two left-padded grouped convs with Mish; (batch, frames, dim) -> (batch, frames, dim). Looks only left.
+
+    On CUDA in 16-bit inference each conv + Mish is one Triton kernel ([`position_conv_cosyvoice3.causal_conv_mish`]),
+    which reads the weights tap-major: `store_tap_major_weights()` keeps that copy (non-persistent buffers,
+    checkpoints unchanged; taken at call time: call it again after changing the weights), otherwise each call
+    transposes them. `CosyVoice3Token2Wav.compile_estimator()` stores them.
+    """
 
     def __init__(self, dim: int, kernel_size: int = 31, groups: int = 16):
         super().__init__()
@@ -95,14 +63,24 @@ class CosyVoice3CausalConvPositionEmbedding(nn.Module):
         # nn.Sequential(conv, Mish) keeps the official state-dict keys (`conv1.0.weight`).
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel_size, groups=groups), nn.Mish())
+        self.register_buffer("conv1_tap_major", None, persistent=False)
+        self.register_buffer("conv2_tap_major", None, persistent=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The matmul path on CUDA only (cuDNN's algorithm choice is the problem there); elsewhere the convolution,
-        # the reference's exact arithmetic (the 1e-4 waveform parity on CPU).
+    @torch.no_grad()
+    def store_tap_major_weights(self) -> None:
+        for name, conv in (("conv1_tap_major", self.conv1[0]), ("conv2_tap_major", self.conv2[0])):
+            setattr(self, name, tap_major_weight(conv.weight, conv.groups).contiguous())
+
+    def drop_tap_major_weights(self) -> None:
+        self.conv1_tap_major = self.conv2_tap_major = None
+
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden (batch, frames, dim) -> the position embedding (batch, frames, dim), plus `residual` if given."""
+        # The unfold + matmul path on CUDA only (cuDNN's algorithm choice is the problem there); elsewhere the
+        # convolution, the reference's exact arithmetic (the 1e-4 waveform parity on CPU).
         max_unfold_elements = MAX_UNFOLD_ELEMENTS if hidden.device.type == "cuda" else 0
-        for conv, activation in (self.conv1, self.conv2):
-            hidden = activation(causal_grouped_conv1d(hidden, conv, max_unfold_elements))
-        return hidden
+        hidden = causal_conv_mish(hidden, self.conv1[0], None, self.conv1_tap_major, max_unfold_elements)
+        return causal_conv_mish(hidden, self.conv2[0], residual, self.conv2_tap_major, max_unfold_elements)
 
 
 class CosyVoice3InputEmbedding(nn.Module):
@@ -117,7 +95,7 @@ class CosyVoice3InputEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
         spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
         hidden = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
-        return self.conv_pos_embed(hidden) + hidden
+        return self.conv_pos_embed(hidden, residual=hidden)
 
 
 class CosyVoice3RotaryEmbedding(nn.Module):
@@ -913,10 +891,12 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs. Offline calls of a few seconds are bound by
         kernel launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first
         call), which halved a 10 s call on an H200 (BENCHMARKS.md). `fuse_qkv_projections` (default True): first
-        run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]).
+        run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]). The position embedding's conv
+        weights are stored tap-major for its Triton kernel (`store_tap_major_weights`).
         """
         if fuse_qkv_projections:
             self.fuse_qkv_projections()
+        self.flow.decoder.estimator.input_embed.conv_pos_embed.store_tap_major_weights()
         compile_kwargs.setdefault("dynamic", True)
         self._flow_compile_kwargs = dict(compile_kwargs)
         if whole_solver:
@@ -925,7 +905,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         else:
             self.flow.decoder.estimator.compile(**compile_kwargs)
 
-    def compile_vocoder(self, channels_last_convolutions: bool = False, **compile_kwargs) -> None:
+    def compile_vocoder(self, channels_last_convolutions: Optional[bool] = None, **compile_kwargs) -> None:
         """`torch.compile` HiFT's upsampling stack (`hift.filter_body`: its convs and Snake residual blocks) in place.
 
         The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses each Snake activation (~6 element-wise
@@ -934,11 +914,14 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         windows of a stream and offline lengths vary). Measured on an H200 (BENCHMARKS.md): a streamed chunk's vocoder
         stage goes from 5.4 to 3.8 ms; no offline gain; the first call compiles ~55 s longer.
 
-        `channels_last_convolutions=True` first calls `hift.use_channels_last_convolutions()` (the filter's convs
-        and the element-wise ops between them channels-last, so that cuDNN's NHWC kernels need no layout conversions;
-        convs with channel counts that are not multiples of 8, such as the 18-channel source_downs and conv_post, keep
-        the default layout; meant for CUDA).
+        `channels_last_convolutions` (None = True when the model is on a CUDA device) first calls
+        `hift.use_channels_last_convolutions()`: the filter's convs and the element-wise ops between them run
+        channels-last, so that cuDNN's NHWC kernels need no layout conversions (convs with channel counts that are
+        not multiples of 8, such as the 18-channel source_downs and conv_post, keep the default layout). Side by side
+        on an H200, a streamed chunk took 12.91 against 13.25 ms (BENCHMARKS.md).
         """
+        if channels_last_convolutions is None:
+            channels_last_convolutions = self.device.type == "cuda"
         if channels_last_convolutions:
             self.hift.use_channels_last_convolutions()
         compile_kwargs.setdefault("dynamic", True)
@@ -960,8 +943,11 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.config.estimator_autocast_dtype = dtype
         for parameter in self.flow.decoder.estimator.parameters():
             parameter.data = parameter.data.to(getattr(torch, dtype))
-        if self.qkv_projections_fused:  # the fused copies follow the weights' new dtype
+        if self.qkv_projections_fused:  # the fused and transposed copies follow the weights' new dtype
             self.fuse_qkv_projections()
+        position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
+        if position_embedding.conv1_tap_major is not None:
+            position_embedding.store_tap_major_weights()
 
     def fuse_qkv_projections(self) -> None:
         """Run each DiT block's q/k/v projections as one GEMM: 22 x 10 fewer GEMMs per flow call at full size, which

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .attention_cosyvoice3 import triton_dit_attention_enabled
 from .cuda_graph_cosyvoice3 import CUDAGraphRunner
+from .position_conv_cosyvoice3 import triton_position_conv_enabled
 
 
 if TYPE_CHECKING:
@@ -343,12 +344,16 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                 # weights live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv
                 # layout (`use_channels_last_convolutions` re-allocates the filter's weights).
                 weight = next(module.parameters())
-                # The fused DiT q/k/v copies (`fuse_qkv_projections`) are new tensors each time they are built.
+                # The fused DiT q/k/v copies (`fuse_qkv_projections`) and the position convs' tap-major weights
+                # (`store_tap_major_weights`) are new tensors each time they are built.
                 blocks = decoder.estimator.transformer_blocks
                 fused = blocks[0].attn.qkv_weight if len(blocks) else None
+                tap_major = decoder.estimator.input_embed.conv_pos_embed.conv1_tap_major
                 return (
                     config.estimator_autocast_dtype,
                     triton_dit_attention_enabled(),
+                    triton_position_conv_enabled(),
+                    None if tap_major is None else tap_major.data_ptr(),
                     torch.backends.cuda.matmul.allow_tf32,
                     torch.backends.cudnn.allow_tf32,
                     weight.data_ptr(),
