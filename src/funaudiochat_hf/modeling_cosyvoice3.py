@@ -887,8 +887,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
 
         whole_solver=True compiles the whole Euler loop (`flow.decoder.solve`: 10 steps x CFG batch) as one graph
         instead, which with `mode="reduce-overhead"` replays as one CUDA graph per input length. `compile_kwargs`
-        go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary). On CUDA, inputs on either
-        side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs. Offline calls of a few seconds are bound by
+        go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary). On CUDA in float32, inputs
+        on either side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs (a 16-bit estimator runs its
+        position convs as a Triton kernel at every length). Offline calls of a few seconds are bound by
         kernel launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first
         call), which halved a 10 s call on an H200 (BENCHMARKS.md). `fuse_qkv_projections` (default True): first
         run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]). The position embedding's conv
