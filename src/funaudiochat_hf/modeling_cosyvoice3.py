@@ -22,7 +22,7 @@ from transformers.utils import ModelOutput
 from .attention_cosyvoice3 import dit_attention
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
-from .position_conv_cosyvoice3 import MAX_UNFOLD_ELEMENTS, causal_conv_mish, tap_major_weight
+from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
 
@@ -76,11 +76,8 @@ class CosyVoice3CausalConvPositionEmbedding(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden (batch, frames, dim) -> the position embedding (batch, frames, dim), plus `residual` if given."""
-        # The unfold + matmul path on CUDA only (cuDNN's algorithm choice is the problem there); elsewhere the
-        # convolution, the reference's exact arithmetic (the 1e-4 waveform parity on CPU).
-        max_unfold_elements = MAX_UNFOLD_ELEMENTS if hidden.device.type == "cuda" else 0
-        hidden = causal_conv_mish(hidden, self.conv1[0], None, self.conv1_tap_major, max_unfold_elements)
-        return causal_conv_mish(hidden, self.conv2[0], residual, self.conv2_tap_major, max_unfold_elements)
+        hidden = causal_conv_mish(hidden, self.conv1[0], None, self.conv1_tap_major)
+        return causal_conv_mish(hidden, self.conv2[0], residual, self.conv2_tap_major)
 
 
 class CosyVoice3InputEmbedding(nn.Module):
@@ -944,7 +941,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.config.estimator_autocast_dtype = dtype
         for parameter in self.flow.decoder.estimator.parameters():
             parameter.data = parameter.data.to(getattr(torch, dtype))
-        if self.qkv_projections_fused:  # the fused and transposed copies follow the weights' new dtype
+        # The derived weight copies (fused q/k/v, tap-major position convs) follow the weights' new dtype.
+        if self.qkv_projections_fused:
             self.fuse_qkv_projections()
         position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
         if position_embedding.conv1_tap_major is not None:

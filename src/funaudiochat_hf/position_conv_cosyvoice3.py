@@ -90,7 +90,7 @@ def causal_conv_mish(
     conv: nn.Conv1d,
     residual: Optional[torch.Tensor] = None,
     tap_major: Optional[torch.Tensor] = None,
-    max_unfold_elements: int = MAX_UNFOLD_ELEMENTS,
+    max_unfold_elements: Optional[int] = None,
 ) -> torch.Tensor:
     """`mish(conv(hidden))` over time, left-padded (causal), plus `residual` if given.
 
@@ -101,6 +101,8 @@ def causal_conv_mish(
         tap_major: None, or `tap_major_weight(conv.weight, conv.groups).contiguous()` kept by the caller (used when
             its dtype is the kernel's compute dtype; saves the kernel path a transposing copy per call).
         max_unfold_elements: the torch path's unfold limit (`causal_grouped_conv1d`); 0 runs the convolution.
+            None: `MAX_UNFOLD_ELEMENTS` on CUDA (cuDNN's algorithm choice is the problem there), 0 elsewhere (the
+            convolution, the reference's exact arithmetic: the 1e-4 waveform parity on CPU).
     Returns:
         `(batch, frames, out_channels)`.
     """
@@ -109,6 +111,8 @@ def causal_conv_mish(
             tap_major = tap_major_weight(conv.weight.to(hidden.dtype), conv.groups).contiguous()
         bias = None if conv.bias is None else conv.bias.to(hidden.dtype)
         return torch.ops.funaudiochat.causal_conv_mish(hidden, tap_major, bias, residual)
+    if max_unfold_elements is None:
+        max_unfold_elements = MAX_UNFOLD_ELEMENTS if hidden.is_cuda else 0
     out = F.mish(causal_grouped_conv1d(hidden, conv, max_unfold_elements))
     return out if residual is None else out + residual
 
