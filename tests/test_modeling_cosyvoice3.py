@@ -231,6 +231,22 @@ def test_solve_converts_a_boolean_mask_once_into_an_aligned_additive_mask(model,
     assert set(mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
 
 
+def test_solve_computes_the_rotary_table_once(model, flow_full):
+    """The rotary table depends on the frame count only: `solve` computes it once and passes it to every Euler step's
+    estimator call (the compiled estimator recomputed it in ~5 kernels per step); same mel as the golden one."""
+    tables, seen = [], []
+    estimator = model.flow.decoder.estimator
+    table_hook = estimator.rotary_embed.register_forward_hook(lambda module, args, out: tables.append(out))
+    call_hook = estimator.register_forward_pre_hook(lambda module, args: seen.append(args[7]))
+    try:
+        mel = model.tokens_to_mel(flow_full["speech_token"], flow_full["embedding"])
+    finally:
+        table_hook.remove()
+        call_hook.remove()
+    _close(mel, flow_full["mel"])
+    assert len(tables) == 1 and len(seen) == model.config.n_timesteps and all(rotary is tables[0] for rotary in seen)
+
+
 def test_additive_attention_mask_values_and_fully_hidden_rows():
     mask = torch.tensor([[True, False, True], [False, False, False]]).reshape(1, 1, 2, 3)
     additive = additive_attention_mask(mask, torch.bfloat16)

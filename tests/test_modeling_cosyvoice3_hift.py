@@ -10,7 +10,12 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
-from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, conv1d_as_matmul
+from funaudiochat_hf.modeling_cosyvoice3_hift import (
+    CausalConv1d,
+    CausalConv1dUpsample,
+    CosyVoice3HiFTGenerator,
+    conv1d_as_matmul,
+)
 
 
 # Longest source any golden needs (180 mel frames * 480); a prefix of the reference's 300 s table.
@@ -379,14 +384,15 @@ def test_channels_last_convolutions_keep_every_eligible_conv_output_channels_las
 def test_channels_last_filter_compiles_without_layout_copies():
     """Inductor, dynamic shapes, layout optimisation off (as on CUDA, where Inductor turns it off for symbolic
     shapes), channels 32/16/8 per stage (only the 18-channel convs keep the default layout, as in the released
-    HiFT): every 4-D buffer an eligible conv reads or writes is channels-last, the layout switches around the
-    18-channel convs are written by element-wise kernels that exist anyway (no extra copy kernel), and the weights
-    are passed as they are (no copy kernel)."""
+    HiFT), resblock convs with dilation 3: every 4-D buffer an eligible conv reads or writes is channels-last, the
+    layout switches around the 18-channel convs are written by element-wise kernels that exist anyway (no extra
+    copy kernel), the dilated convs run undilated over the (frames / 3, 3) view of their input and the upsampling
+    convs at the input rate (polyphase) without a copy, and the weights are passed as they are (no copy kernel)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     kwargs = hift_kwargs_from_yaml(COSYVOICE3_TINY / "cosyvoice3.yaml")
-    kwargs.update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1]], source_resblock_dilation_sizes=[[1]] * 3)
+    kwargs.update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[3]], source_resblock_dilation_sizes=[[1]] * 3)
     kwargs.update(base_channels=64)
     hift = CosyVoice3HiFTGenerator(**kwargs).eval()
     inputs = _filter_inputs(hift, 12)
@@ -403,7 +409,7 @@ def test_channels_last_filter_compiles_without_layout_copies():
         code = "\n".join(codes)
         return out, code, len(re.findall(r"^\s+(?:cpp_fused_\w+|\w+\.run)\(", code, flags=re.M))  # kernel launches
 
-    _, _, default_kernels = compile_and_run()
+    _, default_code, default_kernels = compile_and_run()
     hift.use_channels_last_convolutions()
     out, code, kernels = compile_and_run()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
@@ -420,5 +426,64 @@ def test_channels_last_filter_compiles_without_layout_copies():
     four_d = [(size, stride) for size, stride in buffers if size.count(",") == 3]
     assert four_d and all(stride.split(", ")[1] == "1" for _, stride in four_d), four_d
     assert sum(bool(re.search(r"stride=\(\d+,\)", call)) for call in convs) == 4  # 3-D: source_downs, conv_post
+    default_convs = re.findall(r"extern_kernels\.convolution\((.*)\)", default_code)
+    assert sum("dilation=(3," in call for call in default_convs) == 3  # one resblock conv per stage
+    assert not any("dilation=(1, 3)" in call or "dilation=(3," in call for call in convs)
     # Weights reach the conv as the parameters or views of them (arg*), never as freshly copied buffers.
     assert all(re.match(r"\w+, (reinterpret_tensor\()?arg\d+_1\b", call) for call in convs), convs[:3]
+
+
+@pytest.mark.parametrize(("kernel", "rate"), [(16, 8), (11, 5), (7, 3), (4, 4), (3, 5)])
+@torch.no_grad()
+def test_channels_last_upsampling_runs_polyphase_at_the_input_rate(kernel, rate):
+    """The channels-last path of `CausalConv1dUpsample` (one conv with `rate` x the output channels over the
+    un-held input, its output memory read as the interleaved signal) equals hold + causal conv (float64: exact up to
+    the order of the sums), for kernels longer and shorter than the rate; `load_state_dict` refreshes the polyphase
+    copy; without one the path refuses to run rather than use stale weights."""
+    upsample = CausalConv1dUpsample(16, 8, kernel, rate).double()
+    hidden = torch.randn(2, 16, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = upsample(hidden)
+    channels_last = hidden.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="store_polyphase_weight"):
+        upsample(channels_last)
+    upsample.store_polyphase_weight()
+    taps = -(-(kernel - 1) // rate) + 1
+    assert upsample.polyphase.shape == (rate * 8, 16, taps)
+    got = upsample(channels_last)
+    assert got.shape == (2, 8, 1, 13 * rate) and got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got.squeeze(2), expected, atol=1e-12, rtol=1e-12)
+    other = CausalConv1dUpsample(16, 8, kernel, rate).double()
+    upsample.load_state_dict(other.state_dict())  # new weights: a new polyphase copy
+    torch.testing.assert_close(upsample(channels_last).squeeze(2), other(hidden), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("dilation", "kernel", "frames"), [(3, 3, 20), (5, 3, 21), (2, 5, 9), (3, 7, 30), (5, 3, 5)])
+@torch.no_grad()
+def test_channels_last_dilated_convs_run_undilated_over_a_frame_grid(dilation, kernel, frames):
+    """A dilated channels-last conv runs as a (kernel, 1) conv without dilation over the (frames / d, d) view of its
+    input (right-padded to a whole row): the same values (float64), a channels-last output."""
+    conv = CausalConv1d(8, 16, kernel, dilation=dilation).double()
+    hidden = torch.randn(2, 8, frames, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = conv(hidden)
+    conv.weight.data = conv.weight.data.transpose(1, 2).contiguous().transpose(1, 2)  # as the filter stores it
+    calls = []
+    original_conv2d = torch.nn.functional.conv2d
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "conv2d", lambda *args: calls.append(args) or original_conv2d(*args))
+        got = conv(hidden.unsqueeze(2).contiguous(memory_format=torch.channels_last))
+    assert len(calls) == 1 and calls[0][1].shape == (16, 8, kernel, 1) and len(calls[0]) == 3  # no dilation argument
+    assert got.shape == (2, 16, 1, frames)
+    torch.testing.assert_close(got.squeeze(2), expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_channels_last_filter_matches_the_default_layout_at_full_size():
+    """Released channel counts (512 -> 256 / 128 / 64) on CUDA: the channels-last filter (polyphase upsampling,
+    undilated grid convs, cuDNN NHWC kernels) against the default layout, both in float32 with TF32 convs."""
+    hift = CosyVoice3HiFTGenerator().cuda().eval()
+    inputs = [tensor.cuda() for tensor in _filter_inputs(hift, 23)]
+    expected = hift.filter_body(*inputs)
+    hift.use_channels_last_convolutions()
+    got = hift.filter_body(*inputs)
+    assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()

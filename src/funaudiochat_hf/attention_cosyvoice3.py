@@ -28,7 +28,8 @@ from .triton_attention_funaudiochat import programmatic_launch, triton
 TRITON_DIT_ATTENTION = True
 # The kernel for windows up to this many frames (streamed chunks: 136 frames with a 50-token look-back). Longer ones
 # run faster through cuDNN's attention (measured on an H200, bfloat16, 2 x 16 heads: 8.4 against 13.2 µs at 136
-# frames, 26.9 against 22.4 µs at 500 frames, 182 against 102 µs at 1,500; BENCHMARKS.md).
+# frames, 26.9 against 22.4 µs at 500 frames, 182 against 102 µs at 1,500; BENCHMARKS.md). Since the key-padding
+# mask is read one key block ahead: 6.75 µs at 136 frames (130 unmasked), 8.7 against 11.3 µs at 200.
 KERNEL_MAX_FRAMES = 256
 # Tiles and launch options: the best of a sweep at 136 frames on an H200 (`BLOCK_M` query frames per program,
 # `BLOCK_N` key frames per inner step).
@@ -163,7 +164,9 @@ if triton is not None:
         """Grid `(cdiv(frames, BLOCK_M), batch * HEADS)`: BLOCK_M query frames of one head attend to all frames with an
         online softmax over blocks of BLOCK_N keys. q / k / v / out rows: `(batch, frames, HEADS * HEAD_DIM)` with
         the given batch and frame strides, the last dimension contiguous; mask: additive `(batch, frames, frames)`
-        (strides given; 0 for a broadcast dimension; KEY_MASK: the query stride is 0, one row is read)."""
+        (strides given; 0 for a broadcast dimension; KEY_MASK: the query stride is 0, one row is read, each key
+        block's part loaded during the previous block: loaded in the block that uses it, its latency stalled every
+        block, 8.4 against 6.75 µs per call at 136 frames on an H200)."""
         if PDL:  # a programmatic dependent launch: q, k and v are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         batch_head = tl.program_id(1)
@@ -182,9 +185,17 @@ if triton is not None:
         row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        key_mask_row = mask_ptr + b * stride_mb
+        if HAS_MASK and KEY_MASK:  # one block ahead: the bias load's latency hides behind a block's dots
+            n = tl.arange(0, BLOCK_N)
+            next_bias = tl.load(key_mask_row + n * stride_mk, mask=n < frames, other=0.0)
         for start in range(0, frames, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < frames
+            if HAS_MASK and KEY_MASK:
+                bias = next_bias
+                after = n + BLOCK_N
+                next_bias = tl.load(key_mask_row + after * stride_mk, mask=after < frames, other=0.0)
             k = _load_rotated(
                 k_ptr + b * stride_kb + n[:, None] * stride_kt + head, n, n_ok, d, d_ok, cos_ptr, sin_ptr,
                 stride_cos, stride_sin, rotate, BLOCK_N, BLOCK_D,
@@ -195,7 +206,6 @@ if triton is not None:
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if HAS_MASK and KEY_MASK:  # one row for every query: a key-padding mask
-                bias = tl.load(mask_ptr + b * stride_mb + n * stride_mk, mask=n_ok, other=0.0)
                 scores += bias.to(tl.float32)[None, :]
             elif HAS_MASK:
                 bias = tl.load(

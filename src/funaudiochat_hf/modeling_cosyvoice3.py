@@ -252,6 +252,8 @@ class CosyVoice3DiT(nn.Module):
     Output (batch, mel_bins, frames).
     `time_conditioning`: `self.time_conditioning(t)` computed beforehand (t is then not used): it depends on the
     timestep alone, so a caller that runs the same timesteps again (the streaming decoder) computes it once.
+    `rotary`: `self.rotary_embed(frames, device)` computed beforehand (the Euler solver computes it once per call,
+    not once per step: the compiled estimator otherwise recomputed the table in ~5 small kernels per step).
     """
 
     def __init__(self, config: CosyVoice3Config):
@@ -287,12 +289,14 @@ class CosyVoice3DiT(nn.Module):
         cond: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         time_conditioning: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         block_modulations, final_modulation = (
             self.time_conditioning(t) if time_conditioning is None else time_conditioning
         )
         hidden = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        rotary = self.rotary_embed(hidden.shape[1], hidden.device)
+        if rotary is None:
+            rotary = self.rotary_embed(hidden.shape[1], hidden.device)
         for block, modulation in zip(self.transformer_blocks, block_modulations):
             hidden = block(hidden, modulation, rotary, attention_mask)
         return self.proj_out(self.norm_out(hidden, final_modulation)).transpose(1, 2)
@@ -491,14 +495,19 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
             # SDPA would turn a boolean mask into an additive one in each of the n_steps x n_blocks attention calls.
             autocast_dtype = self.config.estimator_autocast_dtype
             mask_in = additive_attention_mask(mask_in, getattr(torch, autocast_dtype) if autocast_dtype else mu.dtype)
+        rotary = self.estimator.rotary_embed(mu.shape[2], mu.device)  # the same for every step
         for step in range(self.config.n_timesteps):
             conditioning = (block_modulations[step], final_modulations[step])
             with self._estimator_autocast(mu.device):
                 # t is not used when the conditioning is given
-                velocity = self.estimator(torch.cat([x, x]), mu_in, None, spks_in, cond_in, mask_in, conditioning)
+                velocity = self.estimator(
+                    torch.cat([x, x]), mu_in, None, spks_in, cond_in, mask_in, conditioning, rotary
+                )
             velocity = velocity.to(x.dtype)
             v_cond, v_uncond = velocity[:batch], velocity[batch:]
-            x = x + deltas[step] * ((1.0 + cfg) * v_cond - cfg * v_uncond)
+            # x + dt * ((1 + cfg) * v_cond - cfg * v_uncond), in two kernels instead of five (the guided velocity
+            # as lerp(v_uncond, v_cond, 1 + cfg); equal up to float rounding)
+            x = torch.addcmul(x, torch.lerp(v_uncond, v_cond, 1.0 + cfg), deltas[step])
         return x.float()
 
 

@@ -82,9 +82,42 @@ def _conv(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
         return nn.Conv1d.forward(conv, hidden)
     if not _channels_last_eligible(conv):
         return nn.Conv1d.forward(conv, hidden.squeeze(2)).unsqueeze(2)
+    if conv.dilation[0] > 1 and conv.stride[0] == 1 and conv.groups == 1:
+        return _dilated_conv_channels_last(conv, hidden)
     return F.conv2d(
         hidden, conv.weight.unsqueeze(2), conv.bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups
     )
+
+
+def _frames_major(hidden: torch.Tensor, columns: int) -> torch.Tensor:
+    """A channels-last (batch, channels, 1, frames) tensor viewed as the channels-last (batch, channels,
+    frames / columns, columns) tensor with the same memory: frame `h * columns + w` at row h, column w."""
+    batch, channels, _, frames = hidden.shape
+    return hidden.permute(0, 2, 3, 1).reshape(batch, frames // columns, columns, channels).permute(0, 3, 1, 2)
+
+
+def _frames_flat(hidden: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_frames_major`: (batch, channels, rows, columns) -> (batch, channels, 1, rows * columns)."""
+    batch, channels, rows, columns = hidden.shape
+    return hidden.permute(0, 2, 3, 1).reshape(batch, 1, rows * columns, channels).permute(0, 3, 1, 2)
+
+
+def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
+    """A stride-1 conv with dilation d on a channels-last (batch, in, 1, frames) input, as an undilated conv.
+
+    Frame t = h * d + w of the input viewed as a (frames / d, d) grid (the same memory, see `_frames_major`): the
+    taps t, t + d, ..., t + (k - 1) d of a dilated conv are the rows h .. h + k - 1 of column w, so the conv is a
+    (k, 1) conv over the grid without dilation. cuDNN has no NHWC kernel for dilated convs: it converts the input and
+    the weight on every call and runs an NCHW kernel (on an H200, ~8 us of conversions on top of a 12-21 us conv for
+    each of the released HiFT's 18 dilated convs). Equal up to float rounding."""
+    dilation, kernel = conv.dilation[0], conv.kernel_size[0]
+    frames = hidden.shape[-1]
+    out_frames = frames - (kernel - 1) * dilation
+    extra = -frames % dilation  # zero frames on the right (their outputs are dropped) to fill the last grid row
+    if extra:
+        hidden = F.pad(hidden, (0, extra))
+    out = F.conv2d(_frames_major(hidden, dilation), conv.weight.unsqueeze(3), conv.bias)
+    return _frames_flat(out)[..., :out_frames]
 
 
 def _channels_last_1d(weight: torch.Tensor) -> torch.Tensor:
@@ -173,10 +206,63 @@ class CausalConv1dUpsample(nn.Conv1d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
         super().__init__(in_channels, out_channels, kernel_size)
         self.upsample_factor = stride
+        # `polyphase_weight()` and the bias repeated per phase, kept by `store_polyphase_weight` (non-persistent).
+        self.register_buffer("polyphase", None, persistent=False)
+        self.register_buffer("polyphase_bias", None, persistent=False)
+        self.register_load_state_dict_post_hook(_refresh_polyphase_weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() == 4 and _channels_last_eligible(self):
+            return self._polyphase_forward(hidden)
         hidden = _hold(hidden, self.upsample_factor)
         return _conv(self, F.pad(hidden, (self.kernel_size[0] - 1, 0)))
+
+    @torch.no_grad()
+    def store_polyphase_weight(self) -> None:
+        """Keep `polyphase_weight()` (stored channels-last) and the bias repeated per phase for the channels-last
+        path (`use_channels_last_convolutions` calls it, `load_state_dict` refreshes it). Taken now: call it again
+        after changing the weight in place."""
+        self.polyphase = _channels_last_1d(self.polyphase_weight())
+        self.polyphase_bias = None if self.bias is None else self.bias.repeat(self.upsample_factor)
+
+    def drop_polyphase_weight(self) -> None:
+        self.polyphase = self.polyphase_bias = None
+
+    @torch.no_grad()
+    def polyphase_weight(self) -> torch.Tensor:
+        """The conv of the held (nearest-neighbour upsampled) signal as `stride` convs of the input signal, one per
+        output phase: `(stride * out, in, taps)`, rows phase-major, taps = ceil((kernel - 1) / stride) + 1.
+
+        Output frame n = t * stride + p reads the held frames n - (kernel - 1) + j, j < kernel, i.e. the input frames
+        t + floor((p - (kernel - 1) + j) / stride): the taps that read the same input frame are summed."""
+        weight, rate = self.weight, self.upsample_factor
+        out_channels, in_channels, kernel = weight.shape
+        taps = -(-(kernel - 1) // rate) + 1
+        phases = weight.new_zeros(rate, out_channels, in_channels, taps)
+        for phase in range(rate):
+            for j in range(kernel):
+                phases[phase, :, :, (phase - (kernel - 1) + j) // rate + taps - 1] += weight[:, :, j]
+        return phases.flatten(0, 1)
+
+    def _polyphase_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Channels-last (batch, in, 1, frames) -> (batch, out, 1, frames * stride) without materialising the held
+        signal: one conv with `stride` times the output channels at the input rate (stride times fewer
+        multiply-adds; on an H200 cuDNN ran the first upsampling conv of the released HiFT, 512 -> 256 channels with
+        k=16 over the held frames, as a 216 us kernel). Its output (batch, stride * out, 1, frames) holds, frames
+        major, each frame's phases in order: the same memory as the interleaved (batch, out, 1, frames * stride).
+        Equal up to float rounding (taps summed in the weight)."""
+        if self.polyphase is None:
+            raise RuntimeError("call store_polyphase_weight() first (use_channels_last_convolutions does)")
+        taps = self.polyphase.shape[-1]
+        out = F.conv2d(F.pad(hidden, (taps - 1, 0)), self.polyphase.unsqueeze(2), self.polyphase_bias)
+        batch, _, _, frames = out.shape
+        return out.permute(0, 2, 3, 1).reshape(batch, 1, frames * self.upsample_factor, -1).permute(0, 3, 1, 2)
+
+
+def _refresh_polyphase_weight(module: "CausalConv1dUpsample", incompatible_keys) -> None:
+    """`load_state_dict` post-hook: new weights, new polyphase copy (when one is kept)."""
+    if module.polyphase is not None:
+        module.store_polyphase_weight()
 
 
 class CausalConv1dDownsample(nn.Conv1d):
@@ -517,6 +603,12 @@ class CosyVoice3HiFTGenerator(nn.Module):
         ATen makes contiguous anyway. `enabled=False` restores the default layout. Recompiles a compiled
         `filter_body`; re-records streaming CUDA graphs (the layout is part of their settings key).
 
+        Two kinds of conv are rewritten for it (cuDNN has no fast NHWC kernel for them as they are; on an H200 the
+        released HiFT's took a streamed chunk's vocoder from 1.90 to 1.56 ms of GPU time, BENCHMARKS.md): the
+        upsampling convs run at the input rate (`CausalConv1dUpsample.store_polyphase_weight`: one conv per output
+        phase, stride x fewer multiply-adds, no held signal), and the dilated resblock convs run undilated over a
+        (frames / dilation, dilation) view of their input (`_dilated_conv_channels_last`).
+
         Exception: convs with an in- or out-channel count that is not a multiple of 8 keep the default layout
         (contiguous weight, (batch, channels, frames) input and output), because cuDNN has no fast NHWC kernel for
         them (see `_channels_last_eligible`). In the released HiFT these are the three `source_downs` (they read the
@@ -528,6 +620,11 @@ class CosyVoice3HiFTGenerator(nn.Module):
             weight = conv.weight.data
             restride = enabled and _channels_last_eligible(conv)
             conv.weight.data = _channels_last_1d(weight) if restride else weight.contiguous()
+        for upsample in self.ups:
+            if enabled and _channels_last_eligible(upsample):
+                upsample.store_polyphase_weight()
+            else:
+                upsample.drop_polyphase_weight()
         self.channels_last_convolutions = bool(enabled)
 
     # ------------------------------------------------------------------------------------------------------------
