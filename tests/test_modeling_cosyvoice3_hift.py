@@ -439,14 +439,22 @@ def test_channels_last_upsampling_runs_polyphase_at_the_input_rate(kernel, rate)
     """The channels-last path of `CausalConv1dUpsample` (one conv with `rate` x the output channels over the
     un-held input, its output memory read as the interleaved signal) equals hold + causal conv (float64: exact up to
     the order of the sums), for kernels longer and shorter than the rate; `load_state_dict` refreshes the polyphase
-    copy; without one the path refuses to run rather than use stale weights."""
+    copy; without one, or when a gradient is needed, the held signal is convolved as before."""
     upsample = CausalConv1dUpsample(16, 8, kernel, rate).double()
     hidden = torch.randn(2, 16, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     expected = upsample(hidden)
     channels_last = hidden.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-    with pytest.raises(RuntimeError, match="store_polyphase_weight"):
+    weights = []
+    conv2d = torch.nn.functional.conv2d
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "conv2d", lambda *args: weights.append(args[1].shape) or conv2d(*args))
+        torch.testing.assert_close(upsample(channels_last).squeeze(2), expected)  # no copy stored: the held signal
+        upsample.store_polyphase_weight()
+        with torch.enable_grad():  # training: the path through `weight`
+            assert upsample(channels_last).requires_grad
+        assert weights == [(8, 16, 1, kernel)] * 2
         upsample(channels_last)
-    upsample.store_polyphase_weight()
+    assert weights[-1][0] == rate * 8
     taps = -(-(kernel - 1) // rate) + 1
     assert upsample.polyphase.shape == (rate * 8, 16, taps)
     got = upsample(channels_last)

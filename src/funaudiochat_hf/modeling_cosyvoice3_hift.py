@@ -212,15 +212,17 @@ class CausalConv1dUpsample(nn.Conv1d):
         self.register_load_state_dict_post_hook(_refresh_polyphase_weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dim() == 4 and _channels_last_eligible(self):
+        needs_gradient = torch.is_grad_enabled() and self.weight.requires_grad  # none reaches `weight` via the copy
+        if hidden.dim() == 4 and self.polyphase is not None and not needs_gradient:
             return self._polyphase_forward(hidden)
         hidden = _hold(hidden, self.upsample_factor)
         return _conv(self, F.pad(hidden, (self.kernel_size[0] - 1, 0)))
 
     @torch.no_grad()
     def store_polyphase_weight(self) -> None:
-        """Keep `polyphase_weight()` (stored channels-last) and the bias repeated per phase for the channels-last
-        path (`use_channels_last_convolutions` calls it, `load_state_dict` refreshes it). Taken now: call it again
+        """Keep `polyphase_weight()` (stored channels-last) and the bias repeated per phase: from then on a
+        channels-last (batch, in, 1, frames) input runs polyphase when no gradient is needed
+        (`use_channels_last_convolutions` calls it, `load_state_dict` refreshes it). Taken now: call it again
         after changing the weight in place."""
         self.polyphase = _channels_last_1d(self.polyphase_weight())
         self.polyphase_bias = None if self.bias is None else self.bias.repeat(self.upsample_factor)
@@ -251,8 +253,6 @@ class CausalConv1dUpsample(nn.Conv1d):
         k=16 over the held frames, as a 216 us kernel). Its output (batch, stride * out, 1, frames) holds, frames
         major, each frame's phases in order: the same memory as the interleaved (batch, out, 1, frames * stride).
         Equal up to float rounding (taps summed in the weight)."""
-        if self.polyphase is None:
-            raise RuntimeError("call store_polyphase_weight() first (use_channels_last_convolutions does)")
         taps = self.polyphase.shape[-1]
         out = F.conv2d(F.pad(hidden, (taps - 1, 0)), self.polyphase.unsqueeze(2), self.polyphase_bias)
         batch, _, _, frames = out.shape
