@@ -495,3 +495,30 @@ def test_cuda_channels_last_filter_matches_the_default_layout_at_full_size():
     hift.use_channels_last_convolutions()
     got = hift.filter_body(*inputs)
     assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+def test_f0_predictor_keeps_its_float64_weights_between_inference_calls(golden):
+    """The F0 predictor's float64 weights (cast + weight norm, ~22 kernels per call) are computed once while the
+    parameters are unchanged and no gradient is needed; an in-place update or a gradient-enabled call recomputes
+    them, and the f0 is the same either way."""
+    hift = build_hift()
+    mel = golden["mel"][..., :40]
+    norms = []
+    weight_norm = torch._weight_norm
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "_weight_norm", lambda *args: norms.append(1) or weight_norm(*args))
+        with torch.no_grad():
+            first = hift.predict_f0(mel)
+            assert len(norms) == 5
+            torch.testing.assert_close(hift.predict_f0(mel), first, atol=0, rtol=0)
+            assert len(norms) == 5  # cached
+            conv = hift.f0_predictor.condnet[2]
+            conv.weight_g.mul_(2)  # in place: seen
+            changed = hift.predict_f0(mel)
+            assert len(norms) == 6 and not torch.equal(changed, first)
+            conv.weight_g.div_(2)
+            torch.testing.assert_close(hift.predict_f0(mel), first)
+        trained = hift.predict_f0(mel)  # gradients enabled: computed in the graph, never cached
+        assert trained.requires_grad and len(norms) == 7 + 5
+        trained.sum().backward()
+        assert conv.weight_v.grad is not None
