@@ -96,10 +96,11 @@ def _frames_major(hidden: torch.Tensor, columns: int) -> torch.Tensor:
     return hidden.permute(0, 2, 3, 1).reshape(batch, frames // columns, columns, channels).permute(0, 3, 1, 2)
 
 
-def _frames_flat(hidden: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_frames_major`: (batch, channels, rows, columns) -> (batch, channels, 1, rows * columns)."""
-    batch, channels, rows, columns = hidden.shape
-    return hidden.permute(0, 2, 3, 1).reshape(batch, 1, rows * columns, channels).permute(0, 3, 1, 2)
+def _as_frames(hidden: torch.Tensor, channels: int) -> torch.Tensor:
+    """A channels-last (batch, c, h, w) tensor as the channels-last (batch, channels, 1, h * w * c / channels)
+    tensor with the same memory. With `channels` = c, the inverse of `_frames_major`; with c = phases * channels
+    (h = 1), each frame's phases in order become consecutive frames (polyphase upsampling)."""
+    return hidden.permute(0, 2, 3, 1).reshape(hidden.shape[0], 1, -1, channels).permute(0, 3, 1, 2)
 
 
 def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
@@ -117,7 +118,7 @@ def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.
     if extra:
         hidden = F.pad(hidden, (0, extra))
     out = F.conv2d(_frames_major(hidden, dilation), conv.weight.unsqueeze(3), conv.bias)
-    return _frames_flat(out)[..., :out_frames]
+    return _as_frames(out, out.shape[1])[..., :out_frames]
 
 
 def _channels_last_1d(weight: torch.Tensor) -> torch.Tensor:
@@ -277,8 +278,7 @@ class CausalConv1dUpsample(nn.Conv1d):
         Equal up to float rounding (taps summed in the weight)."""
         taps = self.polyphase.shape[-1]
         out = F.conv2d(F.pad(hidden, (taps - 1, 0)), self.polyphase.unsqueeze(2), self.polyphase_bias)
-        batch, _, _, frames = out.shape
-        return out.permute(0, 2, 3, 1).reshape(batch, 1, frames * self.upsample_factor, -1).permute(0, 3, 1, 2)
+        return _as_frames(out, self.out_channels)
 
 
 def _refresh_polyphase_weight(module: "CausalConv1dUpsample", incompatible_keys) -> None:
