@@ -151,14 +151,20 @@ result = {}
 # The last run compiles the loop whole (fullgraph: the kernels' operators, the cache writes among them, no breaks),
 # with the Triton attention, which takes the attention inputs' work into its kernels.
 compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "triton"}
+# 8 of the golden run's 16 steps (6 of them with speech): greedy decoding's first steps are a prefix of the golden
+# sequences and speech ids (each interpreted step is slow: the whole run took ~5 minutes of the CI's test time).
+steps = 8
+kwargs = dict(GOLDEN_KWARGS, max_new_tokens=steps)
 for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {}), ("compiled", "triton", compiled)):
     calls.clear()
     out = model.generate_speech(
-        **inputs, **GOLDEN_KWARGS, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear, **options
+        **inputs, **kwargs, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear, **options
     )
+    length, speech = out.sequences.shape[1], out.speech_ids.shape[1]
     result[name] = {
-        "sequences": torch.equal(out.sequences, golden["sequences"]),
-        "speech_ids": torch.equal(out.speech_ids, golden["speech_ids"]),
+        "sequences": length == inputs["input_ids"].shape[1] + steps
+        and torch.equal(out.sequences, golden["sequences"][:, :length]),
+        "speech_ids": speech >= 5 * (steps - 2) and torch.equal(out.speech_ids, golden["speech_ids"][:, :speech]),
         **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs", "attention")},
     }
 print(json.dumps(result))
@@ -168,8 +174,8 @@ print(json.dumps(result))
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
     """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step,
     and the attention inputs' kernel); `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v
-    apart, the gate and up weights unfused; and the attention inputs). The greedy tokens equal the official
-    implementation's either way, also with the loop compiled whole."""
+    apart, the gate and up weights unfused; and the attention inputs). The greedy tokens of the first 8 steps equal
+    the official implementation's either way, also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     for run in result.values():
         assert run["sequences"] and run["speech_ids"], result
