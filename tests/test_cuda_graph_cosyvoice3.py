@@ -37,6 +37,30 @@ def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():
         model.streaming_decoder(speaker="中文女", cuda_graphs="always")
 
 
+def test_flow_graph_records_the_whole_window_from_token_ids_to_mel():
+    """The flow graph starts at the token ids: its function embeds them and runs the look-ahead conv before the
+    solver (eagerly those ~20 small launches made the GPU wait before each chunk's solver graph: 27.04 against
+    27.68 ms per chunk on an H200, BENCHMARKS.md), and its signature follows those layers' weights. Run here on CPU
+    tensors (what the graph records), it gives `tokens_to_mel`'s mel, also for a right-padded, key-masked window."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    runner = _graph_runners(model)["flow"]
+    flow, ratio = model.flow, model.config.token_mel_ratio
+    tokens = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    speaker = model.get_speaker_embedding(speaker="中文女")
+    with torch.no_grad():
+        expected = model.tokens_to_mel(tokens, speaker)
+        padded = torch.nn.functional.pad(tokens, (0, 4))
+        frames = ratio * padded.shape[1]
+        mask = (torch.arange(frames) < ratio * 20).view(1, 1, 1, frames)
+        noise = flow.decoder.start_noise(1, frames)
+        conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, noise.dtype)
+        mel = runner.function(padded, torch.tensor([20]), noise, flow.speaker_condition(speaker), mask, *conditioning)
+    torch.testing.assert_close(mel[..., : ratio * 20], expected, atol=1e-5, rtol=1e-5)
+    before = runner.settings()
+    flow.input_embedding.weight.data = flow.input_embedding.weight.data.clone()  # re-allocated: record again
+    assert runner.settings() != before
+
+
 @pytest.mark.gpu
 def test_runner_records_per_signature_and_returns_fresh_tensors():
     calls = []

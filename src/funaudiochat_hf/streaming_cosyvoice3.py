@@ -68,10 +68,11 @@ class CosyVoice3StreamingDecoder:
     CPU: the short first windows are cheaper unpadded).
 
     `cuda_graphs` ("auto" = on when the model is on a CUDA device, unless its flow was compiled with its own CUDA
-    graphs, `mode="reduce-overhead"`): replay the flow's Euler solver and the non-final HiFT filter calls as CUDA
-    graphs ([`CUDAGraphRunner`], recorded once per shape and precision setting per model, shared by later
-    streams). A chunk is then a few graph launches instead of thousands of kernel launches, with the same
-    arithmetic (same kernels) as the eager calls. The first chunk of each new shape pays for the recording.
+    graphs, `mode="reduce-overhead"`): replay the flow (token embedding, look-ahead conv and Euler solver) and the
+    non-final HiFT filter calls as CUDA graphs ([`CUDAGraphRunner`], recorded once per shape and precision setting
+    per model, shared by later streams). A chunk is then a few graph launches instead of thousands of kernel
+    launches, with the same arithmetic (same kernels) as the eager calls. The first chunk of each new shape pays for
+    the recording.
 
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
@@ -225,32 +226,29 @@ class CosyVoice3StreamingDecoder:
         padded = max(num_tokens, min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, self.max_flow_window))
         flow = model.flow
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
-        # Embeddings past `num_tokens` are zeroed: the pre-lookahead conv of the last real tokens sees the real
-        # look-ahead tokens (non-final) or zeros (final), exactly as the unpadded call.
         # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy before the flow's launch.
         lengths = torch.full((1,), num_tokens, device=tokens.device)
-        hidden = flow.encode_tokens(tokens, lengths, finalize=True)
-        mu = hidden.repeat_interleave(self.ratio, dim=1).transpose(1, 2)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
-        frames = mu.shape[2]  # ratio * padded: the look-ahead tokens' frames are computed too, then hidden
+        frames = self.ratio * padded  # the look-ahead tokens' frames are computed too, then hidden
         # Key-padding mask (1, 1, 1, frames), True = may attend (the layout `build_attention_mask` returns).
         mask = None
         if real_frames < frames:
-            mask = (torch.arange(frames, device=mu.device) < real_frames).view(1, 1, 1, frames)
+            mask = (torch.arange(frames, device=tokens.device) < real_frames).view(1, 1, 1, frames)
         if self._speaker_condition is None:  # the same for every chunk of the reply
             self._speaker_condition = flow.speaker_condition(
                 model.get_speaker_embedding(speaker_embedding=self.speaker_embedding)
             )
-        spks = self._speaker_condition
-        noise = flow.decoder.start_noise(1, frames, noise_offset).to(mu.dtype)
+        dtype = flow.input_embedding.weight.dtype  # of the token embeddings, hence of mu
+        noise = flow.decoder.start_noise(1, frames, noise_offset).to(dtype)
         # The same for every chunk of every reply: computed once per model (again if the weights or precision change).
-        conditioning = flow.decoder.cached_time_conditioning(1, mu.device, mu.dtype)
+        conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
+        inputs = (tokens, lengths, noise, self._speaker_condition)
         if self._graphs is None:
-            mel = flow.decoder.solve(noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
+            mel = flow_window_to_mel(flow, self.ratio, *inputs, mask, *conditioning)
         else:  # the same, as one graph replay (always with a mask: one signature)
             if mask is None:
-                mask = torch.ones(1, 1, 1, frames, dtype=torch.bool, device=mu.device)
-            mel = self._graphs["flow"](noise, mu, spks, torch.zeros_like(mu), mask, *conditioning)
+                mask = torch.ones(1, 1, 1, frames, dtype=torch.bool, device=tokens.device)
+            mel = self._graphs["flow"](*inputs, mask, *conditioning)
         return mel[:, :, :real_frames]
 
     def _vocode(self, finalize: bool) -> torch.Tensor:
@@ -327,28 +325,54 @@ class CosyVoice3StreamingDecoder:
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
 
 
+def flow_window_to_mel(
+    flow: torch.nn.Module,
+    ratio: int,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor,
+    speaker_condition: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    *conditioning: torch.Tensor,
+) -> torch.Tensor:
+    """Mel (1, mel_bins, ratio * padded) of a right-padded token window, from the tokens to the Euler solver's output:
+    the part of a streamed chunk that the decoder replays as one CUDA graph (the token embedding and look-ahead conv
+    included, so that the GPU does not wait for their eager launches before the solver's graph starts).
+
+    tokens (1, padded) with `lengths` (1,) real tokens (embeddings past them are zeroed, so the look-ahead conv of
+    the last real tokens sees the real look-ahead tokens or, for a final call, zeros, exactly as an unpadded call);
+    noise (1, mel_bins, ratio * padded) start point, in the token embeddings' dtype; speaker_condition
+    (1, mel_bins); mask (1, 1, 1, frames) key mask or None; conditioning: `flow.decoder.cached_time_conditioning`.
+    """
+    hidden = flow.encode_tokens(tokens, lengths, finalize=True)
+    mu = hidden.repeat_interleave(ratio, dim=1).transpose(1, 2)
+    return flow.decoder.solve(noise, mu, speaker_condition, torch.zeros_like(mu), mask, *conditioning)
+
+
 # CUDA-graph runners per model (weak keys: they die with the model; the runners hold its submodules, not the model).
 _GRAPH_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _GRAPH_RUNNERS_LOCK = threading.Lock()
 
 
 def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
-    """The model's {"flow": solver, "hift": non-final filter} graph runners, created on first use."""
+    """The model's {"flow": token window to mel (`flow_window_to_mel`), "hift": non-final filter} graph runners, created
+    on first use."""
     with _GRAPH_RUNNERS_LOCK:
         runners = _GRAPH_RUNNERS.get(model)
         if runners is None:
-            config, decoder, hift = model.config, model.flow.decoder, model.hift
+            config, flow, hift = model.config, model.flow, model.hift
+            estimator = flow.decoder.estimator
 
-            def settings(module: torch.nn.Module):
+            def settings(*modules: torch.nn.Module):
                 # What the recorded kernels depend on besides the input shapes: precision switches, and where the
                 # weights live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv
                 # layout (`use_channels_last_convolutions` re-allocates the filter's weights).
-                weight = next(module.parameters())
+                weights = [next(module.parameters()) for module in modules]
                 # The fused DiT q/k/v copies (`fuse_qkv_projections`) and the position convs' tap-major weights
                 # (`store_tap_major_weights`) are new tensors each time they are built.
-                blocks = decoder.estimator.transformer_blocks
+                blocks = estimator.transformer_blocks
                 fused = blocks[0].attn.qkv_weight if len(blocks) else None
-                tap_major = decoder.estimator.input_embed.conv_pos_embed.conv1_tap_major
+                tap_major = estimator.input_embed.conv_pos_embed.conv1_tap_major
                 return (
                     config.estimator_autocast_dtype,
                     triton_dit_attention_enabled(),
@@ -356,14 +380,16 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                     None if tap_major is None else tap_major.data_ptr(),
                     torch.backends.cuda.matmul.allow_tf32,
                     torch.backends.cudnn.allow_tf32,
-                    weight.data_ptr(),
-                    weight.dtype,
+                    tuple((weight.data_ptr(), weight.dtype) for weight in weights),
                     None if fused is None else fused.data_ptr(),
-                    getattr(module, "channels_last_convolutions", None),
+                    getattr(modules[-1], "channels_last_convolutions", None),
                 )
 
             runners = {
-                "flow": CUDAGraphRunner(decoder.solve, functools.partial(settings, decoder)),
+                "flow": CUDAGraphRunner(
+                    functools.partial(flow_window_to_mel, flow, config.token_mel_ratio),
+                    functools.partial(settings, flow.input_embedding, flow.pre_lookahead_layer, estimator),
+                ),
                 "hift": CUDAGraphRunner(
                     functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)
                 ),
