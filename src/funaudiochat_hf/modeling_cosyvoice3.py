@@ -582,6 +582,14 @@ class CosyVoice3Flow(nn.Module):
         lookahead = self.config.pre_lookahead_len
         return self.pre_lookahead_layer(embedded[:, :-lookahead], context=embedded[:, -lookahead:])
 
+    def frame_condition(
+        self, tokens: torch.Tensor, token_lengths: Optional[torch.Tensor] = None, finalize: bool = True
+    ) -> torch.Tensor:
+        """(batch, tokens) ids -> the solver's condition mu (batch, token_embedding_dim, token_mel_ratio * tokens'):
+        `encode_tokens` with each token repeated over its mel frames, channels first."""
+        hidden = self.encode_tokens(tokens, token_lengths, finalize)
+        return hidden.repeat_interleave(self.config.token_mel_ratio, dim=1).transpose(1, 2)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The model
@@ -765,8 +773,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
                 f"finalize=False needs more than pre_lookahead_len={config.pre_lookahead_len} tokens, "
                 f"got {tokens.shape[1]}"
             )
-        hidden = self.flow.encode_tokens(tokens, lengths, finalize)
-        mu = hidden.repeat_interleave(config.token_mel_ratio, dim=1).transpose(1, 2)
+        mu = self.flow.frame_condition(tokens, lengths, finalize)
         frames = mu.shape[2]
         prompt_frames = config.token_mel_ratio * num_prompt
         cond = torch.zeros_like(mu)

@@ -244,7 +244,7 @@ class CosyVoice3StreamingDecoder:
         conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
         inputs = (tokens, lengths, noise, self._speaker_condition)
         if self._graphs is None:
-            mel = flow_window_to_mel(flow, self.ratio, *inputs, mask, *conditioning)
+            mel = flow_window_to_mel(flow, *inputs, mask, *conditioning)
         else:  # the same, as one graph replay (always with a mask: one signature)
             if mask is None:
                 mask = torch.ones(1, 1, 1, frames, dtype=torch.bool, device=tokens.device)
@@ -327,7 +327,6 @@ class CosyVoice3StreamingDecoder:
 
 def flow_window_to_mel(
     flow: torch.nn.Module,
-    ratio: int,
     tokens: torch.Tensor,
     lengths: torch.Tensor,
     noise: torch.Tensor,
@@ -335,17 +334,16 @@ def flow_window_to_mel(
     mask: Optional[torch.Tensor],
     *conditioning: torch.Tensor,
 ) -> torch.Tensor:
-    """Mel (1, mel_bins, ratio * padded) of a right-padded token window, from the tokens to the Euler solver's output:
-    the part of a streamed chunk that the decoder replays as one CUDA graph (the token embedding and look-ahead conv
-    included, so that the GPU does not wait for their eager launches before the solver's graph starts).
+    """Mel (1, mel_bins, token_mel_ratio * padded) of a right-padded token window, from the tokens to the Euler
+    solver's output: the part of a streamed chunk that the decoder replays as one CUDA graph (the token embedding and
+    look-ahead conv included, so that the GPU does not wait for their eager launches before the solver's graph).
 
     tokens (1, padded) with `lengths` (1,) real tokens (embeddings past them are zeroed, so the look-ahead conv of
     the last real tokens sees the real look-ahead tokens or, for a final call, zeros, exactly as an unpadded call);
-    noise (1, mel_bins, ratio * padded) start point, in the token embeddings' dtype; speaker_condition
+    noise (1, mel_bins, token_mel_ratio * padded) start point, in the token embeddings' dtype; speaker_condition
     (1, mel_bins); mask (1, 1, 1, frames) key mask or None; conditioning: `flow.decoder.cached_time_conditioning`.
     """
-    hidden = flow.encode_tokens(tokens, lengths, finalize=True)
-    mu = hidden.repeat_interleave(ratio, dim=1).transpose(1, 2)
+    mu = flow.frame_condition(tokens, lengths, finalize=True)
     return flow.decoder.solve(noise, mu, speaker_condition, torch.zeros_like(mu), mask, *conditioning)
 
 
@@ -387,7 +385,7 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
 
             runners = {
                 "flow": CUDAGraphRunner(
-                    functools.partial(flow_window_to_mel, flow, config.token_mel_ratio),
+                    functools.partial(flow_window_to_mel, flow),
                     functools.partial(settings, flow.input_embedding, flow.pre_lookahead_layer, estimator),
                 ),
                 "hift": CUDAGraphRunner(
