@@ -61,6 +61,78 @@ def test_flow_graph_records_the_whole_window_from_token_ids_to_mel():
     assert runner.settings() != before
 
 
+def test_steady_chunks_pass_the_flow_graph_the_same_constant_tensors():
+    """Once the flow windows are full, every chunk hands the flow graph the very same token-count, key-mask, speaker
+    and time-conditioning tensors (built once per window shape and per reply), so the runner copies only the token
+    ids and the start noise before each replay: the GPU waits for the host's launches at the start of every chunk
+    (1.29 ms of a 12.1 ms chunk on an H200 before this, BENCHMARKS.md). Run on CPU with a runner stand-in that
+    records what it gets and computes it eagerly; the audio is the eager stream's."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(5))
+    bucket = 30 + 15 + model.config.pre_lookahead_len
+    expected, _ = _stream(model, tokens, flow_window_bucket_tokens=bucket)
+    calls = []
+
+    def flow_runner(*tensors):
+        calls.append(tensors)
+        return _graph_runners(model)["flow"].function(*tensors)
+
+    decoder = model.streaming_decoder(speaker="中文女", token_hop_len=15, flow_left_context_tokens=30,
+                                      flow_window_bucket_tokens=bucket)
+    decoder._graphs = {"flow": flow_runner, "hift": lambda mel, source: model.hift.decode(mel, source, False)}
+    decoder.cuda_graphs = True  # what the decoder does on CUDA: always a mask, graph-runner calls
+    solver, fetched = model.flow.decoder, []
+    cached = solver.cached_time_conditioning
+    solver.cached_time_conditioning = lambda *args: fetched.append(args) or cached(*args)
+    try:
+        pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)]
+    finally:
+        del solver.cached_time_conditioning
+    assert len(fetched) == 1  # once per reply: validating the model's cache costs the host ~0.2 ms per chunk
+    torch.testing.assert_close(torch.cat(pieces + [decoder.finalize()]), expected, atol=1e-5, rtol=1e-5)
+    assert all(call[4] is not None for call in calls)  # graph calls always take a mask (one signature)
+    steady = [call for call in calls[:-1] if int(call[1]) == bucket]  # full windows, not the final call
+    assert len(steady) >= 3
+    for call in steady[1:]:  # (tokens, lengths, noise, speaker, mask, *conditioning): all but tokens and noise
+        assert all(now is first for index, (now, first) in enumerate(zip(call, steady[0])) if index not in (0, 2))
+        assert not torch.equal(call[2], steady[0][2])  # the start noise moves with the window
+
+
+@pytest.mark.gpu
+def test_runner_copies_an_input_again_only_when_it_is_another_tensor_or_was_modified():
+    runner = CUDAGraphRunner(lambda x, y: x * 2 + y)
+    x, y = torch.ones(4, device="cuda"), torch.zeros(4, device="cuda")
+    torch.testing.assert_close(runner(x, y), torch.full((4,), 2.0, device="cuda"))
+    recording = next(iter(runner._recordings.values()))
+    recording.inputs[1].fill_(100.0)  # stands for a copy that would have been needed
+    # the same y, unmodified: not copied again (the recorded buffer is used as it is)
+    torch.testing.assert_close(runner(x, y), torch.full((4,), 102.0, device="cuda"))
+    y.add_(1.0)  # modified in place (its version changes): copied again
+    torch.testing.assert_close(runner(x, y), torch.full((4,), 3.0, device="cuda"))
+    torch.testing.assert_close(runner(x, y.clone()), torch.full((4,), 3.0, device="cuda"))  # another tensor
+    x[0] = 5.0  # an in-place write through indexing also counts
+    torch.testing.assert_close(runner(x, y)[0], torch.tensor(11.0, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_streaming_checks_device_tokens_when_a_chunk_needs_them():
+    """Tokens pushed on the GPU are range-checked by the push that decodes them (pushes that decode nothing do not
+    synchronise); a bad id raises there, the tokens pushed since the last chunk are discarded, and the stream goes on
+    exactly as if they had never been pushed."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).cuda()
+    tokens = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(3)).cuda()
+    expected, _ = _stream(model, tokens)
+    decoder = model.streaming_decoder(speaker="中文女", token_hop_len=15, flow_left_context_tokens=30)
+    vocab = model.config.vocab_size
+    assert decoder.push(tokens[:5]).numel() == 0
+    assert decoder.push(torch.tensor([3, vocab], device="cuda")).numel() == 0  # not checked yet
+    decoder.push(tokens[5:15])
+    with pytest.raises(ValueError, match=rf"outside .*\[{vocab}\] .*; the 22 tokens pushed since the last decoded"):
+        decoder.push(tokens[15:20])  # 22 tokens > the first chunk's 15 + 3 look-ahead: decoded, hence checked
+    pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)]  # all 22 were discarded
+    torch.testing.assert_close(torch.cat(pieces + [decoder.finalize()]), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 def test_runner_records_per_signature_and_returns_fresh_tensors():
     calls = []

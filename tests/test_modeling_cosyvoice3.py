@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 from funaudiochat_hf import CosyVoice3Config, CosyVoice3Token2Wav
+from funaudiochat_hf import streaming_cosyvoice3
 from funaudiochat_hf.conversion_cosyvoice3 import config_from_yaml, read_cosyvoice3_yaml
 from funaudiochat_hf.modeling_cosyvoice3 import (
     CosyVoice3CausalConvPositionEmbedding,
@@ -370,6 +371,53 @@ def test_streaming_single_push_equals_incremental_and_offline_for_one_chunk(orig
     _close(streamed, original_model(tokens, speaker="中文女").waveform[0], atol=1e-5)
     empty = original_model.streaming_decoder(speaker="中文女")
     assert empty.finalize().shape == (0,)
+
+
+def test_streaming_rejects_bad_cpu_tokens_at_their_push_and_goes_on(original_model, flow_full):
+    """Tokens on the CPU are range-checked by the push that brings them (no device synchronisation needed); a bad
+    push changes nothing, so the stream's audio is that of the good pushes alone. (Tokens on a GPU are checked when
+    a chunk needs them: tests/test_cuda_graph_cosyvoice3.py.)"""
+    tokens = flow_full["speech_token"][0, :40]
+    vocab = original_model.config.vocab_size
+    decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+    pieces = [decoder.push(tokens[:10])]
+    for bad in (torch.tensor([1, vocab]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match=rf"outside \[0, {vocab}\)"):
+            decoder.push(bad)
+    with pytest.raises(ValueError, match="integer"):
+        decoder.push(torch.tensor([1.0]))
+    pieces += [decoder.push(tokens[10:]), decoder.finalize()]
+    clean = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+    assert torch.equal(torch.cat(pieces), torch.cat([clean.push(tokens), clean.finalize()]))
+
+
+def test_streaming_checks_deferred_tokens_when_a_chunk_needs_them(original_model, flow_full, monkeypatch):
+    """Tokens on an accelerator are range-checked only when a chunk needs them (pushes that decode nothing do not
+    synchronise with the device; on an H200 such a push took ~0.4 ms, 34 of them per 10 s reply): here on CPU with
+    that deferral switched on. A bad id raises at the push that decodes it, naming how many tokens were discarded
+    (all pushed since the last chunk), and the stream goes on as if they had never been pushed."""
+    monkeypatch.setattr(streaming_cosyvoice3, "_checked_when_pushed", lambda tokens: False)
+    tokens = flow_full["speech_token"][0, :60]
+    vocab = original_model.config.vocab_size
+    decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+    checks = []  # the stream's checks (tokens_to_mel, which the eager CPU stream calls, checks with a name)
+    check = original_model._check_token_range
+
+    def counted_check(tokens, *name):
+        if not name:
+            checks.append(tokens.numel())
+        return check(tokens, *name)
+
+    monkeypatch.setattr(original_model, "_check_token_range", counted_check)
+    pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, 25, 5)]  # the first chunk: 20 tokens > 15 + 3
+    assert checks == [20] and decoder._num_tokens() == 25  # one check for four pushes; the 5th waits unchecked
+    assert decoder.push(torch.tensor([3, vocab])).numel() == 0  # not checked yet
+    with pytest.raises(ValueError, match=rf"outside .*\[{vocab}\] .*; the 17 tokens pushed since the last decoded"):
+        decoder.push(tokens[25:35])  # 5 + 2 + 10 = 17 unchecked tokens; 37 > 15 + 15 + 3: a chunk needs them
+    assert decoder._num_tokens() == 20
+    pieces += [decoder.push(tokens[i : i + 5]) for i in range(20, 60, 5)] + [decoder.finalize()]
+    clean = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+    assert torch.equal(torch.cat(pieces), torch.cat([clean.push(tokens), clean.finalize()]))
 
 
 def test_streaming_short_first_chunk(original_model, flow_full):

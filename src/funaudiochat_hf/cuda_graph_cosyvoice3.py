@@ -7,7 +7,10 @@ dtypes, the precision settings it depends on) and replays it: one launch per cal
 it works with the eager model (and with an estimator compiled without CUDA graphs of its own).
 
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
-semantics; a lock serialises replays of one runner (the static buffers are shared).
+semantics; a lock serialises replays of one runner (the static buffers are shared). An input passed again as the very
+same tensor, unmodified since (same version counter; a raw kernel that writes it without a PyTorch in-place op is not
+seen), is not copied again: a streamed chunk's constant inputs (time conditioning, speaker condition, key mask) then
+cost no launches before the replay, while the GPU waits for it.
 """
 
 import threading
@@ -21,14 +24,25 @@ import torch
 class _Recording:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: torch.Tensor):
         self.graph, self.inputs, self.output = graph, inputs, output
+        # (tensor, its version) last copied into each static input; None = copy on the next call.
+        self.sources: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(inputs)
+
+    def load_inputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        for index, (static, value) in enumerate(zip(self.inputs, tensors)):
+            source = self.sources[index]
+            if source is not None and source[0] is value and source[1] == value._version:
+                continue  # already there: the graph never writes to its inputs
+            static.copy_(value)
+            self.sources[index] = (value, value._version)
 
 
 class CUDAGraphRunner:
     """Replay `function(*tensors)` as CUDA graphs, one recorded per input signature (LRU, at most `max_graphs`).
 
     `function` must be capturable: fixed shapes for fixed input shapes, no host synchronisation, no CPU tensors
-    created inside, and its result must depend only on the tensors passed and on what `settings()` returns (for
-    example an autocast dtype read from a config: it is part of the signature, so a change records a new graph).
+    created inside, no in-place writes to its inputs, and its result must depend only on the tensors passed and on
+    what `settings()` returns (for example an autocast dtype read from a config: it is part of the signature, so a
+    change records a new graph).
     """
 
     def __init__(
@@ -65,8 +79,7 @@ class CUDAGraphRunner:
                     self._recordings.popitem(last=False)
             else:
                 self._recordings.move_to_end(key)
-            for static, value in zip(recording.inputs, tensors):
-                static.copy_(value)
+            recording.load_inputs(tensors)
             recording.graph.replay()
             return recording.output.clone()
 

@@ -1171,7 +1171,7 @@ class FunAudioChatSpeechGenerationMixin:
                 if stream is not None:
                     valid = _valid_speech_tokens(new_speech, run.cfg.speech_bos_id)
                     if len(valid):
-                        audio = stream.push(valid.to(_decoder_device(decoder))).reshape(-1).float().cpu()
+                        audio = stream.push(valid).reshape(-1).float().cpu()  # CPU ids: checked without a sync
                 finished = run.all_done() or run.steps >= run.max_new_tokens
                 if not finished:
                     yield SpeechStreamEvent(text_delta(False), new_text, new_speech, audio, sampling_rate, False)

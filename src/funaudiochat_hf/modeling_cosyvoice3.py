@@ -696,20 +696,33 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         return speaker_embedding.to(self.device, torch.float32)
 
     def _check_tokens(self, tokens: torch.Tensor, name: str = "speech_tokens") -> torch.Tensor:
+        """(batch, tokens) or (tokens,) integer ids, all in the codebook -> (batch, tokens) int64 on the model's
+        device."""
+        tokens = self._check_token_layout(tokens, name)
+        self._check_token_range(tokens, name)
+        return tokens.to(self.device, torch.long)
+
+    @staticmethod
+    def _check_token_layout(tokens: torch.Tensor, name: str = "speech_tokens") -> torch.Tensor:
+        """An integer tensor of shape (batch, tokens) ((tokens,) becomes (1, tokens)); the ids are not read."""
         tokens = torch.as_tensor(tokens)
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor, got {tokens.dtype}")
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
         if tokens.dim() != 2:
             raise ValueError(f"{name} must have shape (batch, tokens), got {tuple(tokens.shape)}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+        return tokens
+
+    def _check_token_range(self, tokens: torch.Tensor, name: str = "speech_tokens") -> None:
+        """Raise if an id is outside [0, vocab_size). One host synchronisation for a CUDA tensor."""
+        low, high = torch.stack(torch.aminmax(tokens)).tolist() if tokens.numel() else (0, 0)
+        if low < 0 or high >= self.config.vocab_size:
             bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)].unique().tolist()[:10]
             raise ValueError(
                 f"{name} contains ids outside [0, {self.config.vocab_size}): {bad} (filter special/stop tokens "
                 "before decoding)"
             )
-        return tokens.to(self.device, torch.long)
 
     # -- flow -----------------------------------------------------------------------------------------------------
 

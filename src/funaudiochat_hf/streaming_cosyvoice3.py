@@ -129,6 +129,8 @@ class CosyVoice3StreamingDecoder:
         self.model = model
         self.speaker_embedding = speaker_embedding
         self._speaker_condition = None  # flow.speaker_condition of it, on first use
+        self._conditioning = None  # flow.decoder.cached_time_conditioning, on first use
+        self._window_inputs: dict = {}  # (token count, mask) of each flow window shape, see `_flow`
         self.hop = token_hop_len
         self.first_hop = first_token_hop_len
         self.lookahead = pre_lookahead_len
@@ -144,6 +146,8 @@ class CosyVoice3StreamingDecoder:
         device = model.device
         # Tokens [token_start, token_start + len(tokens)); mel frames of tokens [0, token_offset) are done.
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self._unchecked: list[torch.Tensor] = []  # pushed on the device, not yet range-checked (see `push`)
+        self._num_unchecked = 0
         self.token_start = 0
         self.token_offset = 0
         # Mel history frames [mel_start, mel_start + mel.shape[-1]); audio of frames [0, emitted_frames) returned.
@@ -161,13 +165,24 @@ class CosyVoice3StreamingDecoder:
 
     @torch.no_grad()
     def push(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Add speech tokens (n,) and return the audio (samples,) that became final (possibly empty)."""
+        """Add speech tokens (n,) and return the audio (samples,) that became final (possibly empty).
+
+        Ids outside the codebook raise a ValueError. Tokens on the CPU are checked here; tokens on an accelerator
+        are checked when a chunk first needs them (by the push that decodes it, or `finalize`), so that pushes
+        which decode nothing do not wait for the device. A failed check discards every token pushed since the last
+        decoded chunk (the message says how many), and the stream can go on.
+        """
         if self.finished:
             raise ValueError("push() after finalize(); start a new streaming_decoder for the next reply")
-        tokens = self.model._check_tokens(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
-        self.tokens = torch.cat([self.tokens, tokens])
+        tokens = self.model._check_token_layout(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
+        if _checked_when_pushed(tokens):
+            self.model._check_token_range(tokens)
+        if tokens.numel():
+            self._unchecked.append(tokens.to(self.model.device, torch.long))
+            self._num_unchecked += tokens.numel()
         pieces = []
-        while self.token_start + self.tokens.shape[0] > self.token_offset + self._next_hop() + self.lookahead:
+        while self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead:
+            self._accept_unchecked()
             pieces.append(self._decode_chunk(finalize=False))
         return self._concat(pieces)
 
@@ -176,8 +191,9 @@ class CosyVoice3StreamingDecoder:
         """Decode every remaining token and return the rest of the audio (samples,). Idempotent."""
         if self.finished:
             return self._concat([])
+        self._accept_unchecked()
         self.finished = True
-        if self.token_start + self.tokens.shape[0] == 0:
+        if self._num_tokens() == 0:
             return self._concat([])
         return self._decode_chunk(finalize=True)
 
@@ -188,12 +204,30 @@ class CosyVoice3StreamingDecoder:
             return torch.zeros(0, device=self.model.device)
         return torch.cat(pieces)
 
+    def _num_tokens(self) -> int:
+        """Tokens pushed so far (checked or not)."""
+        return self.token_start + self.tokens.shape[0] + self._num_unchecked
+
+    def _accept_unchecked(self) -> None:
+        """Check the tokens pushed since the last chunk (one host synchronisation) and append them to `tokens`."""
+        if not self._unchecked:
+            return
+        new = torch.cat(self._unchecked) if len(self._unchecked) > 1 else self._unchecked[0]
+        count = self._num_unchecked
+        self._unchecked, self._num_unchecked = [], 0
+        try:
+            self.model._check_token_range(new)
+        except ValueError as error:
+            message = f"{error}; the {count} tokens pushed since the last decoded chunk were discarded"
+            raise ValueError(message) from None
+        self.tokens = torch.cat([self.tokens, new])
+
     def _next_hop(self) -> int:
         """Tokens the next chunk covers: `first_token_hop_len` for the first chunk, `token_hop_len` after."""
         return self.first_hop if self.token_offset == 0 else self.hop
 
     def _decode_chunk(self, finalize: bool) -> torch.Tensor:
-        total = self.token_start + self.tokens.shape[0]
+        total = self._num_tokens()
         hop = self._next_hop()
         end = total if finalize else self.token_offset + hop + self.lookahead
         if end > self.token_offset + (0 if finalize else self.lookahead):
@@ -226,28 +260,36 @@ class CosyVoice3StreamingDecoder:
         padded = max(num_tokens, min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, self.max_flow_window))
         flow = model.flow
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
-        # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy before the flow's launch.
-        lengths = torch.full((1,), num_tokens, device=tokens.device)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
         frames = self.ratio * padded  # the look-ahead tokens' frames are computed too, then hidden
-        # Key-padding mask (1, 1, 1, frames), True = may attend (the layout `build_attention_mask` returns).
-        mask = None
-        if real_frames < frames:
-            mask = (torch.arange(frames, device=tokens.device) < real_frames).view(1, 1, 1, frames)
+        # The token count and the key-padding mask (1, 1, 1, frames), True = may attend (the layout
+        # `build_attention_mask` returns), or None. Kept per shape: once the windows are full, every chunk passes the
+        # same tensors, which the graph runner does not copy again (no launches while the GPU waits for the flow).
+        key = (num_tokens, real_frames, frames, self.cuda_graphs)
+        if key not in self._window_inputs:
+            # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy.
+            lengths = torch.full((1,), num_tokens, device=tokens.device)
+            mask = None
+            if real_frames < frames or self.cuda_graphs:  # graph replays always take a mask: one signature
+                mask = (torch.arange(frames, device=tokens.device) < real_frames).view(1, 1, 1, frames)
+            self._window_inputs[key] = (lengths, mask)
+        lengths, mask = self._window_inputs[key]
         if self._speaker_condition is None:  # the same for every chunk of the reply
             self._speaker_condition = flow.speaker_condition(
                 model.get_speaker_embedding(speaker_embedding=self.speaker_embedding)
             )
         dtype = flow.input_embedding.weight.dtype  # of the token embeddings, hence of mu
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(dtype)
-        # The same for every chunk of every reply: computed once per model (again if the weights or precision change).
-        conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
+        # The same for every chunk of every reply: computed once per model (again if the weights or precision change),
+        # and fetched once per reply: checking that model cache's ~50 weight versions takes the host ~0.2 ms, during
+        # which the GPU waits for this chunk (the weights do not change within a reply, as for the speaker condition).
+        if self._conditioning is None:
+            self._conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
+        conditioning = self._conditioning
         inputs = (tokens, lengths, noise, self._speaker_condition)
         if self._graphs is None:
             mel = flow_window_to_mel(flow, *inputs, mask, *conditioning)
-        else:  # the same, as one graph replay (always with a mask: one signature)
-            if mask is None:
-                mask = torch.ones(1, 1, 1, frames, dtype=torch.bool, device=tokens.device)
+        else:  # the same, as one graph replay
             mel = self._graphs["flow"](*inputs, mask, *conditioning)
         return mel[:, :, :real_frames]
 
@@ -323,6 +365,11 @@ class CosyVoice3StreamingDecoder:
             index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
             noise = table.index_select(1, index)
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
+
+
+def _checked_when_pushed(tokens: torch.Tensor) -> bool:
+    """Whether `push` range-checks these tokens at once: on the CPU that needs no device synchronisation."""
+    return tokens.device.type == "cpu"
 
 
 def flow_window_to_mel(
