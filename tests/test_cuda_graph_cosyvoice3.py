@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from funaudiochat_hf import CosyVoice3Token2Wav
-from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner
+from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner, _Recording
 from funaudiochat_hf.streaming_cosyvoice3 import _graph_runners
 
 from conftest import COSYVOICE3_TINY
@@ -25,6 +25,31 @@ def test_runner_rejects_non_cuda_tensors_and_bad_sizes():
         runner(torch.ones(3))
     with pytest.raises(ValueError, match="max_graphs"):
         CUDAGraphRunner(lambda x: x, max_graphs=0)
+
+
+def test_recording_copies_an_input_only_when_it_is_another_tensor_or_was_modified():
+    """What `CUDAGraphRunner` does before each replay (its static buffers here on CPU; the replay itself is tested on
+    the GPU below): the same tensor, unmodified, is not copied again; a modified one (in place, through a view or an
+    index) or another tensor is; inference-mode tensors, which have no version counter, always are."""
+    static = torch.zeros(4)
+    recording = _Recording(graph=None, inputs=[static], output=None)
+    value = torch.ones(4)
+    recording.load_inputs((value,))
+    assert torch.equal(static, value)
+    static.fill_(7.0)  # stands for a copy that would have been needed
+    recording.load_inputs((value,))
+    assert torch.equal(static, torch.full((4,), 7.0))  # not copied again
+    value[1:].add_(1.0)  # modified through a view: copied
+    recording.load_inputs((value,))
+    assert torch.equal(static, torch.tensor([1.0, 2.0, 2.0, 2.0]))
+    recording.load_inputs((torch.full((4,), 3.0),))  # another tensor: copied
+    assert torch.equal(static, torch.full((4,), 3.0))
+    with torch.inference_mode():
+        frozen = torch.full((4,), 5.0)
+        recording.load_inputs((frozen,))
+        static.fill_(0.0)
+        recording.load_inputs((frozen,))
+    assert torch.equal(static, frozen)
 
 
 def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():

@@ -29,11 +29,13 @@ class _Recording:
 
     def load_inputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
         for index, (static, value) in enumerate(zip(self.inputs, tensors)):
+            # Inference-mode tensors have no version counter: copied every time.
+            version = None if value.is_inference() else value._version
             source = self.sources[index]
-            if source is not None and source[0] is value and source[1] == value._version:
+            if version is not None and source is not None and source[0] is value and source[1] == version:
                 continue  # already there: the graph never writes to its inputs
             static.copy_(value)
-            self.sources[index] = (value, value._version)
+            self.sources[index] = None if version is None else (value, version)
 
 
 class CUDAGraphRunner:
