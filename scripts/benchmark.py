@@ -922,7 +922,7 @@ def stream_once(
     """Pushes tokens `arrival` at a time (the chat loop emits 5 per LLM step); times every push that returns audio."""
     with torch.no_grad():
         stream = decoder.streaming_decoder(speaker_embedding=emb, token_hop_len=hop, **stream_options)
-        chunk_ms, total, samples = [], 0.0, 0
+        chunk_ms, idle_ms, total, samples = [], [], 0.0, 0
         flat = tokens.reshape(-1)
         for i in range(0, flat.numel(), arrival):
             seconds, audio = timed(lambda: stream.push(flat[i : i + arrival]), device)
@@ -930,12 +930,15 @@ def stream_once(
             if audio is not None and audio.numel() > 0:
                 chunk_ms.append(seconds * 1e3)
                 samples += audio.numel()
+            else:
+                idle_ms.append(seconds * 1e3)
         seconds, audio = timed(stream.finalize, device)
         total += seconds
         samples += audio.numel() if audio is not None else 0
     return {
         "total_s": total,
         "chunk_ms": chunk_ms,
+        "idle_ms": idle_ms,
         "finalize_ms": seconds * 1e3,
         "samples": samples,
         "cuda_graphs": bool(getattr(stream, "cuda_graphs", False)),
@@ -967,6 +970,9 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
         notes.append(f"flow window padded to {run['flow_bucket']} tokens")
     if warm["chunk_ms"]:
         notes.append(f"after a warm-up reply (its first chunk {warm['chunk_ms'][0]:.0f} ms)")
+    if run["idle_ms"]:  # the rest of the wall time besides the chunks: pushes that return no audio, the final flush
+        notes.append(f"{len(run['idle_ms'])} pushes without audio: {sum(run['idle_ms']):.1f} ms in all; "
+                     f"finalize {run['finalize_ms']:.1f} ms")
     name = f"stream {seconds:g} s"
     row = {
         "mode": mode,

@@ -63,6 +63,9 @@ def test_tiny_run_measures(tiny_run):
     stream = decoder[("eager", "stream 2 s")]
     assert "status" not in stream, stream
     assert stream["chunks"] >= 2 and stream["max_chunk_ms"] >= stream["first_chunk_ms"] > 0
+    # the rest of the reply's wall time: the pushes (of 5 of the 50 tokens) that return no audio, and the flush
+    idle = f"{10 - stream['chunks']} pushes without audio: "
+    assert any(note.startswith(idle) and "finalize" in note for note in stream["notes"]), stream["notes"]
     assert (out_dir / "benchmark.md").read_text().startswith("## ")
 
 
