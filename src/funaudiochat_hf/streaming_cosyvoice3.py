@@ -147,7 +147,6 @@ class CosyVoice3StreamingDecoder:
         # Tokens [token_start, token_start + len(tokens)); mel frames of tokens [0, token_offset) are done.
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
         self._unchecked: list[torch.Tensor] = []  # pushed on the device, not yet range-checked (see `push`)
-        self._num_unchecked = 0
         self.token_start = 0
         self.token_offset = 0
         # Mel history frames [mel_start, mel_start + mel.shape[-1]); audio of frames [0, emitted_frames) returned.
@@ -179,7 +178,6 @@ class CosyVoice3StreamingDecoder:
             self.model._check_token_range(tokens)
         if tokens.numel():
             self._unchecked.append(tokens.to(self.model.device, torch.long))
-            self._num_unchecked += tokens.numel()
         pieces = []
         while self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead:
             self._accept_unchecked()
@@ -206,19 +204,18 @@ class CosyVoice3StreamingDecoder:
 
     def _num_tokens(self) -> int:
         """Tokens pushed so far (checked or not)."""
-        return self.token_start + self.tokens.shape[0] + self._num_unchecked
+        return self.token_start + self.tokens.shape[0] + sum(piece.shape[0] for piece in self._unchecked)
 
     def _accept_unchecked(self) -> None:
         """Check the tokens pushed since the last chunk (one host synchronisation) and append them to `tokens`."""
         if not self._unchecked:
             return
         new = torch.cat(self._unchecked) if len(self._unchecked) > 1 else self._unchecked[0]
-        count = self._num_unchecked
-        self._unchecked, self._num_unchecked = [], 0
+        self._unchecked = []
         try:
             self.model._check_token_range(new)
         except ValueError as error:
-            message = f"{error}; the {count} tokens pushed since the last decoded chunk were discarded"
+            message = f"{error}; the {new.shape[0]} tokens pushed since the last decoded chunk were discarded"
             raise ValueError(message) from None
         self.tokens = torch.cat([self.tokens, new])
 
@@ -265,7 +262,7 @@ class CosyVoice3StreamingDecoder:
         # The token count and the key-padding mask (1, 1, 1, frames), True = may attend (the layout
         # `build_attention_mask` returns), or None. Kept per shape: once the windows are full, every chunk passes the
         # same tensors, which the graph runner does not copy again (no launches while the GPU waits for the flow).
-        key = (num_tokens, real_frames, frames, self.cuda_graphs)
+        key = (num_tokens, real_frames, frames)
         if key not in self._window_inputs:
             # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy.
             lengths = torch.full((1,), num_tokens, device=tokens.device)
