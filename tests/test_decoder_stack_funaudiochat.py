@@ -1,6 +1,8 @@
 """Tests of `decoder_stack_forward` (a transformers Qwen3 stack run layer by layer in two halves per layer), eager and
 with the halves compiled (`generate_speech(compile_prefill=True)`)."""
 
+import json
+
 import pytest
 import torch
 from transformers import Qwen3Config, StaticCache
@@ -71,3 +73,76 @@ def test_projection_layer_count_mismatch_raises():
 
     with pytest.raises(ValueError, match="1 layers but the stack has 2"):
         decoder_stack_forward(stack, Projections(), torch.zeros(1, 3, 32), None, torch.arange(3)[None])
+
+
+_FOLDED_BATCH_SCRIPT = """
+import json, torch
+from transformers import StaticCache
+from funaudiochat_hf import decoder_stack_funaudiochat as stack_module
+from funaudiochat_hf.compat import cache_kwargs
+from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+from test_decoder_stack_funaudiochat import _stack
+
+# The interpreter runs on CPU: let CPU decode steps take the path of CUDA ones.
+stack_module._one_position_on_gpu = lambda hidden_states: hidden_states.shape[1] == 1
+reference_stack = _stack(hidden=64)
+ours_stack = _stack(hidden=64)
+ours_stack.config._attn_implementation = register_triton_decode_attention()
+batch, prompt, steps, max_len = 3, 6, 3, 16
+generator = torch.Generator().manual_seed(1)
+embeds = torch.randn(batch, prompt + steps, 64, generator=generator)
+padding = torch.tensor([0, 3, 1])
+mask = torch.ones(batch, max_len, dtype=torch.bool)
+for row, pad in enumerate(padding.tolist()):
+    mask[row, :pad] = False
+positions = (torch.arange(prompt + steps)[None] - padding[:, None]).clamp(min=0)
+caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
+updates = []
+original_update = caches[1].update
+caches[1].update = lambda *args, **kwargs: updates.append(1) or original_update(*args, **kwargs)
+errors = []
+with torch.no_grad():
+    for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
+        reference = reference_stack(
+            inputs_embeds=embeds[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
+            use_cache=True, **cache_kwargs(caches[0]),
+        ).last_hidden_state
+        updates.clear()
+        ours = stack_module.decoder_stack_forward(
+            ours_stack, None, embeds[:, start:end], mask, positions[:, start:end], caches[1]
+        )
+        errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
+keys = max((a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers))
+
+# The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
+# was computed from, and without `stored_masks` Inductor recomputed the mask for the later layers after that.
+compiled_step = torch.compile(stack_module.decoder_stack_forward, fullgraph=True)
+caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
+compiled_errors = []
+with torch.no_grad():
+    for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
+        reference = reference_stack(
+            inputs_embeds=embeds[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
+            use_cache=True, **cache_kwargs(caches[0]),
+        ).last_hidden_state
+        step = stack_module.decoder_stack_forward if start == 0 else compiled_step
+        ours = step(ours_stack, None, embeds[:, start:end].clone(), mask, positions[:, start:end].clone(), caches[1])
+        compiled_errors.append((ours - reference).abs().max().item())
+print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors}))
+"""
+
+
+def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attention():
+    """A decode step of several left-padded rows over a static cache with the Triton attention: the q/k norms, rotary
+    and cache write run inside its kernels (the cache's `update` is not called), with the stack's own outputs, eager
+    and compiled by Inductor."""
+    from conftest import run_in_triton_interpreter
+
+    result = json.loads(run_in_triton_interpreter(_FOLDED_BATCH_SCRIPT))
+    prefill, *decode_steps = result["steps"]
+    assert prefill["cache_updates"] == 3 and prefill["error"] < 1e-5  # a prompt (3 layers): cache.update
+    for step in decode_steps:
+        assert step["cache_updates"] == 0, result
+        assert step["error"] < 1e-5, result
+    assert result["keys"] < 1e-5
+    assert max(result["compiled"]) < 1e-5, result  # compiled: the mask is computed once, before the first layer

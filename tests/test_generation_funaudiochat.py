@@ -91,7 +91,9 @@ def test_speech_to_text_mode_matches_generate(model, inputs):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_left_padded_batch_rows_equal_single_runs(model, inputs):
+def _left_padded_batch(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Two rows: the spoken fixture prompt and a 40-token text prompt left-padded to its length; returns the batch's
+    ids and mask, the short prompt, and the audio inputs."""
     long_ids = inputs["input_ids"]
     short_ids = _text_prompt(inputs, 40)
     batch_ids = torch.full((2, long_ids.shape[1]), PAD)
@@ -100,6 +102,12 @@ def test_left_padded_batch_rows_equal_single_runs(model, inputs):
     mask = torch.ones_like(batch_ids)
     mask[1, : -short_ids.shape[1]] = 0
     audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    return batch_ids, mask, short_ids, audio
+
+
+def test_left_padded_batch_rows_equal_single_runs(model, inputs):
+    long_ids = inputs["input_ids"]
+    batch_ids, mask, short_ids, audio = _left_padded_batch(inputs)
     # eos 152 stops the audio row early (its 3rd token), so per-row stopping and padding are exercised too.
     kwargs = dict(GOLDEN_KWARGS, eos_token_id=[IM_END, 152], repetition_penalty=1.2, output_logits=True)
 
@@ -377,6 +385,23 @@ def test_cuda_graph_step_matches_eager_on_gpu(inputs, compile_scope):
         for c in (False, True)
     ]
     assert torch.equal(sampled[0], sampled[1])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_batch_matches_eager_batch_on_gpu(inputs):
+    """A left-padded batch through the compiled loop on CUDA (cuBLAS projections, the Triton attention with the q/k
+    norms, rotary and cache write in its kernels) gives the eager batch's tokens."""
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    batch_ids, mask, _, audio = _left_padded_batch(inputs)
+    batch = {"input_ids": batch_ids.cuda(), "attention_mask": mask.cuda(), **{k: v.cuda() for k, v in audio.items()}}
+    kwargs = dict(GOLDEN_KWARGS, output_logits=True)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
+    eager = model.generate_speech(**batch, **kwargs)
+    for _ in range(2):  # the second call replays the captured CUDA graphs
+        graphed = model.generate_speech(**batch, **kwargs, compile=True)
+        torch.testing.assert_close(graphed.text_logits, eager.text_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(graphed.speech_logits, eager.speech_logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(graphed.sequences, eager.sequences)
+        assert torch.equal(graphed.speech_ids, eager.speech_ids)
 
 
 def test_real_cosyvoice3_decoder_offline_and_streaming(model, inputs):

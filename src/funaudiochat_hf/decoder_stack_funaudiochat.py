@@ -11,7 +11,10 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the
   same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM); over a static
   cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the Triton
-  attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`);
+  attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
+  takes that work in every decode step on CUDA, also at batch sizes where the projections stay on cuBLAS (batch 16:
+  16.87 -> 15.29 ms per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before
+  the first layer (`stored_masks`), as the kernels advance the cache length they are computed from;
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -32,6 +35,7 @@ from .compat import attention_passes_kwargs_to_cache
 from .triton_attention_inputs_funaudiochat import (
     decode_attention_inputs,
     decode_attention_with_inputs,
+    stored_masks,
     writable_static_layer,
 )
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
@@ -53,9 +57,17 @@ def attention_inputs(
     Returns:
         query `(batch, heads, n, head_dim)`, key and value `(batch, kv_heads, n, head_dim)`.
     """
-    attention = layer.self_attn
-    hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
     query, key, value = _project_qkv(layer, projections, hidden_states)
+    return _rotated_heads(layer.self_attn, query, key, value, cos, sin)
+
+
+def _rotated_heads(
+    attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k norms and rotary embedding of `Qwen3Attention`: `(batch, n, heads * head_dim)` projections -> query
+    `(batch, heads, n, head_dim)`, key and value `(batch, kv_heads, n, head_dim)`."""
+    hidden_shape = (*query.shape[:-1], -1, attention.head_dim)
     query_states = attention.q_norm(query.view(hidden_shape)).transpose(1, 2)
     key_states = attention.k_norm(key.view(hidden_shape)).transpose(1, 2)
     value_states = value.view(hidden_shape).transpose(1, 2)
@@ -117,6 +129,12 @@ def _takes_kernels(projections, hidden_states: torch.Tensor) -> bool:
     return projections is not None and projections.decode_kernels and use_decode_kernels(hidden_states)
 
 
+def _one_position_on_gpu(hidden_states: torch.Tensor) -> bool:
+    """Whether a `(batch, n, hidden)` layer input is a decode step on CUDA (one position per row), where the Triton
+    attention takes its kernels at any batch size."""
+    return hidden_states.shape[1] == 1 and hidden_states.is_cuda
+
+
 class DecoderLayerHalves(NamedTuple):
     """The two halves of a decoder layer (eager functions, or their compiled versions)."""
 
@@ -145,24 +163,30 @@ def _decoder_layer(
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
     kwargs = {"position_ids": position_ids, "use_cache": True}
     kernel_step = _takes_kernels(projections, hidden_states)
-    static_layer = writable_static_layer(cache, attention.layer_idx) if kernel_step else None
-    if static_layer is not None:  # a kernel decode step: the norms, rotary and cache write as kernels too
+    decode_step = kernel_step or _one_position_on_gpu(hidden_states)
+    static_layer = writable_static_layer(cache, attention.layer_idx) if decode_step else None
+    if static_layer is not None:  # a decode step over a static cache on CUDA
         query, key, value = _project_qkv(layer, projections, hidden_states)
-        # With the Triton attention, inside its kernels; else one kernel before the attention function.
+        # With the Triton attention, the q/k norms, rotary and cache write run inside its kernels (at any batch size:
+        # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
+        # attention function.
         attn_output = decode_attention_with_inputs(
             attention, query, key, value, cos, sin, static_layer, attention_mask
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
             return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states)
-        query_states, key_states, value_states = decode_attention_inputs(
-            attention, query, key, value, cos, sin, static_layer
-        )
+        if kernel_step:
+            query_states, key_states, value_states = decode_attention_inputs(
+                attention, query, key, value, cos, sin, static_layer
+            )
+        else:
+            query_states, key_states, value_states = _rotated_heads(attention, query, key, value, cos, sin)
     else:
         query_states, key_states, value_states = halves.attention_inputs(layer, projections, hidden_states, cos, sin)
-        if cache is not None:
-            update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
-            key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
+    if cache is not None and not (kernel_step and static_layer is not None):  # else the kernel wrote the cache
+        update_kwargs = {"kwargs": kwargs} if _CACHE_UPDATE_GETS_KWARGS else {}
+        key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
 
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
         attention.config._attn_implementation, eager_attention_forward
@@ -215,6 +239,9 @@ def decoder_stack_forward(
         causal_mask_mapping = {"full_attention": create_causal_mask(*mask_args)}
         if stack.has_sliding_layers:
             causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
+    if cache is not None and _one_position_on_gpu(inputs_embeds):
+        # The layers' kernels advance the cache length the masks were computed from: store them first.
+        causal_mask_mapping = stored_masks(causal_mask_mapping)
 
     hidden_states = inputs_embeds
     position_embeddings = stack.rotary_emb(hidden_states, position_ids)

@@ -13,12 +13,14 @@ per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache
   (max, sum, weighted values) per head and split.
 - `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head.
 
-A kernel decode step over a static cache (`triton_attention_inputs_funaudiochat.decode_attention_with_inputs`) also
-hands the kernels the work between the q/k/v projections and the attention (`AttentionInputs`): each split program
-norms and rotates its heads' queries, the split that reads the new position's block first writes the new key and
-value there, and the merge advances the cache length. That saves the attention-inputs kernel of every layer: the
-batch-1 step 9.02 -> 8.69 ms side by side. Letting the last split of each head merge the others (an atomic counter
-per head, no merge kernel) was measured slower (9.89 against 9.10 ms): the merge is then one program's serial work.
+A decode step over a static cache on CUDA (`triton_attention_inputs_funaudiochat.decode_attention_with_inputs`, at
+any batch size) also hands the kernels the work between the q/k/v projections and the attention (`AttentionInputs`):
+each split program norms and rotates its heads' queries, the split that reads the new position's block first writes
+the new key and value there, and the merge advances the cache length. That saves the attention-inputs kernel of
+every layer: the batch-1 step 9.02 -> 8.69 ms side by side; at batch 16 (cuBLAS projections) it replaces two
+compiled kernels per layer: 16.87 -> 15.29 ms. Letting the last split of each head merge the others (an atomic
+counter per head, no merge kernel) was measured slower (9.89 against 9.10 ms): the merge is then one program's
+serial work.
 
 Splitting the cache gives enough programs to fill the GPU at batch 1 (8 KV heads alone would use 8 of 132 SMs).
 The scores are accumulated in float32 from the cache's dtype, softmax in float32 and the probabilities are cast to
@@ -55,6 +57,10 @@ except ImportError:  # CPU-only installs: the matmul attention is used instead.
 TRITON_DECODE_ATTENTION = "funaudiochat_triton_decode"
 BLOCK_N = 64  # cache positions per block (and per skip decision)
 MAX_SPLITS = 64
+# Split programs aimed for per multiprocessor (`_num_splits`). Swept on an H200 (BENCHMARKS.md, 2026-12-01: 2, 4, 8,
+# 16, 64 with 32-, 64- and 128-position blocks, the CRQ and the LLM at batch 1, 4 and 16): 2 with 64-position blocks
+# was the fastest or within 1.1 µs of it in every case; more splits mostly add merge work.
+PROGRAMS_PER_MULTIPROCESSOR = 2
 # Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
 # have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
 # what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
@@ -243,9 +249,10 @@ def programmatic_launch(device: torch.device) -> bool:
 
 
 def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
-    """`(splits, blocks per split)`: about two programs per multiprocessor, at least one block per split."""
+    """`(splits, blocks per split)`: about `PROGRAMS_PER_MULTIPROCESSOR` programs per multiprocessor, at least one
+    block per split."""
     blocks = max(1, triton.cdiv(kv_len, BLOCK_N))
-    programs = 2 * (_multiprocessors(device.index or 0) if device.type == "cuda" else 132)
+    programs = PROGRAMS_PER_MULTIPROCESSOR * (_multiprocessors(device.index or 0) if device.type == "cuda" else 132)
     splits = min(blocks, MAX_SPLITS, max(1, triton.cdiv(programs, batch_heads)))
     split_blocks = triton.cdiv(blocks, splits)
     return triton.cdiv(blocks, split_blocks), split_blocks

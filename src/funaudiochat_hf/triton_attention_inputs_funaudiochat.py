@@ -16,7 +16,8 @@ against 10.19 ms with the four compiled kernels (side by side).
 
 With the Triton attention (`compile_attention="triton"`, the compiled default on CUDA), the same work runs inside
 the attention's two kernels instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel
-fewer per layer, the batch-1 step 9.02 -> 8.69 ms side by side. This kernel stays for the other attentions.
+fewer per layer, the batch-1 step 9.02 -> 8.69 ms side by side. That also holds in decode steps whose projections
+stay on cuBLAS (several rows): batch 16, 16.87 -> 15.29 ms per step. This kernel stays for the other attentions.
 """
 
 import torch
@@ -170,6 +171,28 @@ def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, k
     return query.new_empty(keys.shape[0], 1, query.shape[-1] // head_dim, head_dim)
 
 
+# The decode step's attention masks, computed once before its layers run. A static cache's mask is computed from the
+# cache's `cumulative_length`, which these operators advance (their `length`): compiled, Inductor may recompute a
+# mask that was not stored in a buffer at each later use, after a layer advanced the length, and the layers after the
+# first then see one position too many (measured: a two-row decode step off by up to 0.09). An opaque copy stores it.
+@torch.library.custom_op("funaudiochat::stored_mask", mutates_args=())
+def stored_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A copy of `mask` that torch.compile cannot recompute later (an opaque operator's output)."""
+    return mask.clone()
+
+
+@stored_mask.register_fake
+def _(mask):
+    return torch.empty_like(mask)
+
+
+def stored_masks(masks):
+    """`masks` (a tensor, None or a `{layer type: mask}` mapping) with every tensor passed through `stored_mask`."""
+    if isinstance(masks, dict):
+        return {name: stored_masks(mask) for name, mask in masks.items()}
+    return torch.ops.funaudiochat.stored_mask(masks) if isinstance(masks, torch.Tensor) else masks
+
+
 def writable_static_layer(cache, layer_idx: int):
     """The `StaticLayer` of `cache` for layer `layer_idx` when the kernel can update it (allocated: `StaticLayer`
     allocates contiguous keys and values), else None (dynamic and sliding-window layers update themselves)."""
@@ -255,6 +278,7 @@ def decode_attention_with_inputs(
 
 
 __all__ = [
+    "stored_masks",
     "decode_attention_inputs",
     "decode_attention_inputs_op",
     "decode_attention_with_inputs",
