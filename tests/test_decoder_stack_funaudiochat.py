@@ -96,38 +96,36 @@ mask = torch.ones(batch, max_len, dtype=torch.bool)
 for row, pad in enumerate(padding.tolist()):
     mask[row, :pad] = False
 positions = (torch.arange(prompt + steps)[None] - padding[:, None]).clamp(min=0)
-caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
 updates = []
-original_update = caches[1].update
-caches[1].update = lambda *args, **kwargs: updates.append(1) or original_update(*args, **kwargs)
-errors = []
-with torch.no_grad():
-    for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
-        reference = reference_stack(
-            inputs_embeds=embeds[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
-            use_cache=True, **cache_kwargs(caches[0]),
-        ).last_hidden_state
-        updates.clear()
-        ours = stack_module.decoder_stack_forward(
-            ours_stack, None, embeds[:, start:end], mask, positions[:, start:end], caches[1]
-        )
-        errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
-keys = max((a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers))
 
+
+def run(decode_step):
+    # Prefill then `steps` decode steps, ours (decode steps through `decode_step`) against the stack's own forward:
+    # per call its largest error and the number of `cache.update` calls; the largest key error.
+    caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
+    original_update = caches[1].update
+    caches[1].update = lambda *args, **kwargs: updates.append(1) or original_update(*args, **kwargs)
+    errors = []
+    with torch.no_grad():
+        for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
+            reference = reference_stack(
+                inputs_embeds=embeds[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
+                use_cache=True, **cache_kwargs(caches[0]),
+            ).last_hidden_state
+            updates.clear()
+            step = stack_module.decoder_stack_forward if start == 0 else decode_step
+            inputs = embeds[:, start:end].clone(), mask, positions[:, start:end].clone()
+            ours = step(ours_stack, None, *inputs, caches[1])
+            errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
+    keys = max((a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers))
+    return errors, keys
+
+
+errors, keys = run(stack_module.decoder_stack_forward)
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
 # was computed from, and without `stored_masks` Inductor recomputed the mask for the later layers after that.
-compiled_step = torch.compile(stack_module.decoder_stack_forward, fullgraph=True)
-caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
-compiled_errors = []
-with torch.no_grad():
-    for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
-        reference = reference_stack(
-            inputs_embeds=embeds[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
-            use_cache=True, **cache_kwargs(caches[0]),
-        ).last_hidden_state
-        step = stack_module.decoder_stack_forward if start == 0 else compiled_step
-        ours = step(ours_stack, None, embeds[:, start:end].clone(), mask, positions[:, start:end].clone(), caches[1])
-        compiled_errors.append((ours - reference).abs().max().item())
+compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
+compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors}))
 """
 
