@@ -420,6 +420,24 @@ def test_streaming_checks_deferred_tokens_when_a_chunk_needs_them(original_model
     assert torch.equal(torch.cat(pieces), torch.cat([clean.push(tokens), clean.finalize()]))
 
 
+def test_streaming_checks_cpu_tokens_once(original_model, flow_full, monkeypatch):
+    """CPU tokens are range-checked by their push only, not again by the chunk that decodes them (on a GPU stream
+    that second check would be a host synchronisation per chunk)."""
+    tokens = flow_full["speech_token"][0, :40]
+    decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15)
+    checks = []
+    check = original_model._check_token_range
+
+    def counted_check(tokens, *name):
+        if not name:  # the stream's checks (tokens_to_mel, which the eager CPU stream calls, checks with a name)
+            checks.append(tokens.numel())
+        return check(tokens, *name)
+
+    monkeypatch.setattr(original_model, "_check_token_range", counted_check)
+    audio = [decoder.push(tokens[i : i + 5]) for i in range(0, 40, 5)] + [decoder.finalize()]
+    assert checks == [5] * 8 and sum(piece.numel() for piece in audio) > 0
+
+
 def test_streaming_short_first_chunk(original_model, flow_full):
     """first_token_hop_len: the first audio needs first hop + look-ahead + 1 tokens instead of hop + look-ahead + 1;
     later chunks keep the hop, the total length is unchanged, and first hop == hop is the default chunking."""

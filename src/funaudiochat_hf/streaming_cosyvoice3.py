@@ -146,7 +146,8 @@ class CosyVoice3StreamingDecoder:
         device = model.device
         # Tokens [token_start, token_start + len(tokens)); mel frames of tokens [0, token_offset) are done.
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
-        self._unchecked: list[torch.Tensor] = []  # pushed on the device, not yet range-checked (see `push`)
+        # Pushed since the last chunk, on the model's device, with whether `push` range-checked them (see `push`).
+        self._pending: list[tuple[torch.Tensor, bool]] = []
         self.token_start = 0
         self.token_offset = 0
         # Mel history frames [mel_start, mel_start + mel.shape[-1]); audio of frames [0, emitted_frames) returned.
@@ -174,13 +175,14 @@ class CosyVoice3StreamingDecoder:
         if self.finished:
             raise ValueError("push() after finalize(); start a new streaming_decoder for the next reply")
         tokens = self.model._check_token_layout(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
-        if _checked_when_pushed(tokens):
+        checked = _checked_when_pushed(tokens)
+        if checked:
             self.model._check_token_range(tokens)
         if tokens.numel():
-            self._unchecked.append(tokens.to(self.model.device, torch.long))
+            self._pending.append((tokens.to(self.model.device, torch.long), checked))
         pieces = []
         while self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead:
-            self._accept_unchecked()
+            self._accept_pending()
             pieces.append(self._decode_chunk(finalize=False))
         return self._concat(pieces)
 
@@ -189,7 +191,7 @@ class CosyVoice3StreamingDecoder:
         """Decode every remaining token and return the rest of the audio (samples,). Idempotent."""
         if self.finished:
             return self._concat([])
-        self._accept_unchecked()
+        self._accept_pending()
         self.finished = True
         if self._num_tokens() == 0:
             return self._concat([])
@@ -204,20 +206,24 @@ class CosyVoice3StreamingDecoder:
 
     def _num_tokens(self) -> int:
         """Tokens pushed so far (checked or not)."""
-        return self.token_start + self.tokens.shape[0] + sum(piece.shape[0] for piece in self._unchecked)
+        return self.token_start + self.tokens.shape[0] + sum(piece.shape[0] for piece, _ in self._pending)
 
-    def _accept_unchecked(self) -> None:
-        """Check the tokens pushed since the last chunk (one host synchronisation) and append them to `tokens`."""
-        if not self._unchecked:
+    def _accept_pending(self) -> None:
+        """Range-check the tokens pushed since the last chunk that `push` did not check (one host synchronisation,
+        none if it checked them all) and append all of them to `tokens`."""
+        if not self._pending:
             return
-        new = torch.cat(self._unchecked) if len(self._unchecked) > 1 else self._unchecked[0]
-        self._unchecked = []
-        try:
-            self.model._check_token_range(new)
-        except ValueError as error:
-            message = f"{error}; the {new.shape[0]} tokens pushed since the last decoded chunk were discarded"
-            raise ValueError(message) from None
-        self.tokens = torch.cat([self.tokens, new])
+        pending, self._pending = self._pending, []
+        pieces = [piece for piece, _ in pending]
+        unchecked = [piece for piece, checked in pending if not checked]
+        if unchecked:
+            try:
+                self.model._check_token_range(torch.cat(unchecked))
+            except ValueError as error:
+                count = sum(piece.shape[0] for piece in pieces)
+                message = f"{error}; the {count} tokens pushed since the last decoded chunk were discarded"
+                raise ValueError(message) from None
+        self.tokens = torch.cat([self.tokens, *pieces])
 
     def _next_hop(self) -> int:
         """Tokens the next chunk covers: `first_token_hop_len` for the first chunk, `token_hop_len` after."""
