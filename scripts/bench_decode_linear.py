@@ -1,12 +1,16 @@
 """Micro-benchmark of the decode step's projections on one GPU: compiled torch (cuBLAS) vs the Triton GEMV kernels.
 
-    python scripts/bench_decode_linear.py [--rows 1,2] [--substep]
+    python scripts/bench_decode_linear.py [--rows 1,2] [--substep | --sweep-tiles]
 
 For every projection of a CRQ layer (fused q/k/v and gate/up) and of an LLM layer (its own weights), bfloat16, at
 full size: µs per call of the compiled torch composition the kernel replaces (RMSNorm, `F.linear`, SiLU · up,
 residual add; cuBLAS GEMMs) and of `triton_linear_funaudiochat.decode_linear`, each timed as one CUDA graph of one call
 per layer (`triton.testing.do_bench_cudagraph`), every layer with its own weights so they are read from HBM as in a
 decode step, not from L2; the weight bytes / time and the largest difference.
+
+`--sweep-tiles`: instead, each projection's µs per call for 11 kernel tiles (columns per program, warps, reduction
+chunk: `triton_linear_funaudiochat.kernel_tile`) and the fastest, then a whole compiled CRQ sub-step and the LLM's 36
+layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds.
 
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
@@ -113,6 +117,125 @@ def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -
         )
 
 
+# (columns per program, warps, reduction chunk as a multiple of the default one) tried by `--sweep-tiles`
+SWEPT_TILES = [(8, 8, 1), (8, 4, 1), (8, 4, 0.5), (4, 4, 1), (4, 8, 1), (16, 8, 0.5), (16, 8, 1), (16, 4, 0.25),
+               (32, 8, 0.25), (4, 2, 1), (2, 4, 1)]  # fmt: skip
+
+
+def sweep_tiles() -> None:
+    """Per projection (one row, a chain of distinct weights per CUDA graph): µs per call of every `SWEPT_TILES` tile."""
+    import triton
+
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+
+    options = dict(device="cuda", dtype=torch.bfloat16)
+    tiles = " | ".join(f"{n} col, {w} warps, k x{k}" for n, w, k in SWEPT_TILES)
+    print(f"| stack | projection | {tiles} | fastest (columns, chunk, warps) |")
+    print("|---|---|" + "---|" * (len(SWEPT_TILES) + 1))
+    for stack, name, out_features, in_features, norm, gated, residual, separate_up, layers in PROJECTIONS:
+        weight_rows = out_features * (2 if gated and not separate_up else 1)
+        weights = [torch.randn(weight_rows, in_features, **options) / 32 for _ in range(layers)]
+        ups = [torch.randn(out_features, in_features, **options) / 32 if separate_up else None for _ in weights]
+        x = torch.randn(1, in_features, **options)
+        norm_weight = torch.rand(in_features, **options) + 0.5 if norm else None
+        residual_t = torch.randn(1, out_features, **options) if residual else None
+        arguments = [(x, w, None, norm_weight, 1e-6, residual_t, gated, up) for w, up in zip(weights, ups)]
+        tuned = triton_linear.TUNED_TILES
+        triton_linear.TUNED_TILES = {}
+        default_block_k = triton_linear.kernel_tile(out_features, in_features, gated)[1]
+        expected = triton_linear.launch_decode_linear(*arguments[0]).float()
+        times = {}
+        for block_n, warps, k_scale in SWEPT_TILES:
+            tile = (block_n, max(16, int(default_block_k * k_scale)), warps)
+            triton_linear.TUNED_TILES = {(out_features, in_features, gated): tile}
+            error = (triton_linear.launch_decode_linear(*arguments[0]).float() - expected).abs().max().item()
+            if error > 0.05:
+                raise RuntimeError(f"{stack} {name}: tile {tile} is {error} off the default tile")
+
+            def run(arguments=arguments):
+                for args in arguments:
+                    triton_linear.launch_decode_linear(*args)
+
+            run()
+            torch.cuda.synchronize()
+            times[tile] = triton.testing.do_bench_cudagraph(run, rep=60) * 1e3 / layers
+        triton_linear.TUNED_TILES = tuned
+        cells = " | ".join(f"{t:.2f}" for t in times.values())
+        print(f"| {stack} | {name} | {cells} | {min(times, key=times.get)} |", flush=True)
+        del weights, ups
+
+
+def tuned_tiles_ab(rounds: int = 5) -> None:
+    """A compiled one-row decode step of the CRQ (28 layers, fused projections) and of the LLM (36 layers, own
+    weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
+    import copy
+    import statistics
+
+    import triton
+    from transformers import StaticCache
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+    from funaudiochat_hf import FunAudioChatConfig
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.compat import cache_kwargs
+    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
+    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+
+    attention = register_triton_decode_attention()
+    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
+    config = FunAudioChatConfig()
+    tuned = triton_linear.TUNED_TILES
+    print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
+    for stack, stack_config, cache_length, written in (
+        ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
+        ("LLM", config.text_config, 640, 350),
+    ):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = Qwen3Model(copy.deepcopy(stack_config)).eval().requires_grad_(False)
+        torch.set_default_dtype(default_dtype)
+        for parameter in model.parameters():
+            if parameter.ndim == 1:  # norm weights: around 1, as trained ones are
+                parameter.data.uniform_(0.5, 1.5)
+        if stack == "LLM":
+            projections = triton_linear.own_weight_kernels(model)
+        else:
+            projections = with_decode_kernels(fused_crq_projections(model))
+        cache = StaticCache(config=model.config, max_cache_len=cache_length)
+        mask = torch.ones(1, cache_length, dtype=torch.bool, device="cuda")
+        hidden = model.config.hidden_size
+        with torch.no_grad():
+            model(
+                inputs_embeds=torch.randn(1, written, hidden, device="cuda", dtype=torch.bfloat16),
+                attention_mask=mask,
+                position_ids=torch.arange(written, device="cuda")[None],
+                use_cache=True,
+                **cache_kwargs(cache),
+            )
+        x = torch.randn(1, 1, hidden, device="cuda", dtype=torch.bfloat16)
+        positions = torch.full((1, 1), written, device="cuda")
+        model.config._attn_implementation = attention
+
+        def call():
+            for layer in cache.layers:  # every replay writes the same position
+                layer.cumulative_length.fill_(written)
+            return step(model, projections, x, mask, positions, cache)
+
+        times = {"tuned": [], "default": []}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for name, tiles in (("tuned", tuned), ("default", {})):
+                    triton_linear.TUNED_TILES = tiles
+                    call()
+                    torch.cuda.synchronize()
+                    times[name].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
+        triton_linear.TUNED_TILES = tuned
+        cells = " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
+        print(f"| {stack} | {cells} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     import triton
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -122,7 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1", help="comma-separated input rows (batch size of a decode step)")
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
+    parser.add_argument("--sweep-tiles", action="store_true", help="sweep the kernel's tiles (one row) instead")
     args = parser.parse_args(argv)
+    if args.sweep_tiles:
+        sweep_tiles()
+        tuned_tiles_ab()
+        return
     rows = [int(r) for r in args.rows.split(",")]
     # One graph per projection shape and row count: more than dynamo's default 8 recompilations of one function.
     torch._dynamo.config.recompile_limit = 8 * len(PROJECTIONS) * len(rows)

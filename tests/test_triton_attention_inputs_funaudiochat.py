@@ -134,16 +134,22 @@ def _assert_folded_results(results: list[dict], tolerance: float) -> None:
 
 _FOLDED_SCRIPT = """
 import json
+from funaudiochat_hf import triton_attention_funaudiochat
 from test_triton_attention_inputs_funaudiochat import folded_case_results
-print(json.dumps(folded_case_results()))
+results = [folded_case_results()]
+triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
+results.append(folded_case_results())
+print(json.dumps(results))
 """
 
 
 def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_the_triton_interpreter():
     """`decode_attention_with_inputs`: the attention's split kernel norms and rotates the queries itself, the split
     that reads the new position's block writes the new key and value first, the merge kernel advances the length.
-    Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention."""
-    _assert_folded_results(json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)), tolerance=1e-6)
+    Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
+    with one block per split and with several (the new position then in a split's later block)."""
+    for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
+        _assert_folded_results(results, tolerance=1e-6)
 
 
 def test_only_allocated_static_layers_are_written_by_the_kernel():

@@ -114,6 +114,39 @@ def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     assert max(errors) < 1e-5, errors
 
 
+_TUNED_TILES_SCRIPT = """
+import json
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from test_triton_linear_funaudiochat import CASES, case_tensors
+errors = {}
+for tile in sorted(set(triton_linear.TUNED_TILES.values())):
+    # Every case's shape takes this tile (its BLOCK_K capped at the case's input width, as for any shape).
+    triton_linear.TUNED_TILES = {(case[1], case[2], case[6]): tile for case in CASES}
+    for case in CASES:
+        kwargs, expected = case_tensors(*case)
+        assert triton_linear.kernel_tile(case[1], case[2], case[6])[0] == tile[0]
+        error = (triton_linear.launch_decode_linear(**kwargs) - expected).abs().max().item()
+        errors[str(tile)] = max(errors.get(str(tile), 0.0), error)
+print(json.dumps(errors))
+"""
+
+
+def test_tuned_tiles_match_eager_composition_in_the_triton_interpreter():
+    """Each tile of `TUNED_TILES` (2-8 columns per program, other reduction chunks) on every case: same results."""
+    errors = json.loads(run_in_triton_interpreter(_TUNED_TILES_SCRIPT))
+    assert len(errors) == len(set(triton_linear.TUNED_TILES.values())) >= 5, errors
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_kernel_tile_takes_the_tuned_tile_of_a_full_size_projection():
+    assert triton_linear.kernel_tile(4096, 1024, False) == triton_linear.TUNED_TILES[(4096, 1024, False)]
+    assert triton_linear.kernel_tile(12288, 4096, True) == (4, 256, 2)  # the LLM's gate/up
+    defaults = (triton_linear.BLOCK_N, triton_linear.NUM_WARPS)
+    for shape, block_k in [((40, 64, False), 64), ((24, 3000, True), triton_linear.MAX_BLOCK_K_GATED_WIDE)]:
+        block_n, got_block_k, num_warps = triton_linear.kernel_tile(*shape)
+        assert (block_n, num_warps) == defaults and got_block_k == block_k, shape
+
+
 _GENERATE_SCRIPT = """
 import json, sys, torch
 from safetensors.torch import load_file

@@ -50,6 +50,19 @@ NUM_WARPS = 8
 MAX_BLOCK_K = 2048
 MAX_BLOCK_K_GATED = 512
 MAX_BLOCK_K_GATED_WIDE = 256
+# `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
+# shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python scripts/bench_decode_linear.py
+# --sweep-tiles`, BENCHMARKS.md 2026-12-01 14:00): narrower programs (4 columns, 2-4 warps) for most shapes; with them
+# a CRQ sub-step took 709 against 728 µs and the LLM's 36 layers 4,232 against 4,335 µs (interleaved rounds).
+TUNED_TILES = {
+    (4096, 1024, False): (4, 1024, 4),  # CRQ q/k/v (fused)
+    (1024, 2048, False): (4, 2048, 4),  # CRQ o_proj
+    (3072, 1024, True): (4, 512, 2),  # CRQ gate/up (fused)
+    (4096, 4096, False): (4, 2048, 8),  # LLM q_proj and o_proj
+    (1024, 4096, False): (2, 2048, 4),  # LLM k_proj and v_proj
+    (12288, 4096, True): (4, 256, 2),  # LLM gate/up
+    (4096, 12288, False): (8, 2048, 4),  # LLM down_proj (the CRQ's down_proj keeps the defaults)
+}
 
 
 if triton is not None:
@@ -137,6 +150,16 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(1) * stride_out + col, out.to(dtype), mask=col_ok)
 
 
+def kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, int, int]:
+    """`(BLOCK_N, BLOCK_K, num_warps)` of the kernel for a projection of this shape: `TUNED_TILES`, or the defaults."""
+    if gated:
+        block_k = MAX_BLOCK_K_GATED if in_features <= 1024 else MAX_BLOCK_K_GATED_WIDE
+    else:
+        block_k = MAX_BLOCK_K
+    block_n, block_k, num_warps = TUNED_TILES.get((out_features, in_features, gated), (BLOCK_N, block_k, NUM_WARPS))
+    return block_n, min(block_k, 1 << (in_features - 1).bit_length()), num_warps  # at most the next power of two
+
+
 def launch_decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -175,22 +198,18 @@ def launch_decode_linear(
             bias, up_bias = bias[:out_features], bias[out_features:]
     out_features = weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    if gated:
-        block_k = MAX_BLOCK_K_GATED if in_features <= 1024 else MAX_BLOCK_K_GATED_WIDE
-    else:
-        block_k = MAX_BLOCK_K
-    block_k = min(block_k, triton.next_power_of_2(in_features))
+    block_n, block_k, num_warps = kernel_tile(out_features, in_features, gated)
 
     def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
         return x if tensor is None else tensor  # never read: the kernel's HAS_* flag is off
 
     pdl = programmatic_launch(x.device)
-    _decode_linear_kernel[(triton.cdiv(out_features, BLOCK_N), rows)](
+    _decode_linear_kernel[(triton.cdiv(out_features, block_n), rows)](
         x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
         x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=BLOCK_N, BLOCK_K=block_k, PDL=pdl,
-        num_warps=NUM_WARPS, launch_pdl=pdl,
+        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -312,6 +331,7 @@ __all__ = [
     "OwnWeightKernels",
     "decode_kernels_supported",
     "decode_linear",
+    "kernel_tile",
     "launch_decode_linear",
     "own_weight_kernels",
     "use_decode_kernels",
