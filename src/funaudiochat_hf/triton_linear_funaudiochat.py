@@ -4,8 +4,8 @@
 unfused weights (6 kernels per layer); both are the compiled default on CUDA when Triton is installed. At batch 1 a CRQ
 sub-step is 28 layers of 4 GEMMs with a single input row: each streams 4-13 MB of weights, which an H200 reads in
 1-3 µs, yet cuBLAS takes 5-12 µs per call (its o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds
-around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (8 output
-columns over the whole reduction each, 128-512 programs), enough loads in flight to approach the copy bandwidth:
+around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (2-8 output
+columns over the whole reduction each; `kernel_tile`), enough loads in flight to approach the copy bandwidth:
 
 - `qkv = linear(RMSNorm(x))`: the input norm folded in (each program recomputes the RMS of its input row);
 - `h = x + linear(attention)`: o_proj with the residual add;
@@ -51,9 +51,10 @@ MAX_BLOCK_K = 2048
 MAX_BLOCK_K_GATED = 512
 MAX_BLOCK_K_GATED_WIDE = 256
 # `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
-# shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python scripts/bench_decode_linear.py
-# --sweep-tiles`, BENCHMARKS.md 2026-12-01 14:00): narrower programs (4 columns, 2-4 warps) for most shapes; with them
-# a CRQ sub-step took 709 against 728 µs and the LLM's 36 layers 4,232 against 4,335 µs (interleaved rounds).
+# shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python
+# scripts/bench_decode_linear.py --sweep-tiles`, BENCHMARKS.md 2026-12-01 13:20–14:00): narrower programs (2-4
+# columns, 2-4 warps) for most shapes; with them a CRQ sub-step took 709 against 728 µs and the LLM's 36 layers 4,232
+# against 4,335 µs (interleaved rounds).
 TUNED_TILES = {
     (4096, 1024, False): (4, 1024, 4),  # CRQ q/k/v (fused)
     (1024, 2048, False): (4, 2048, 4),  # CRQ o_proj
