@@ -21,6 +21,7 @@ difference from the eager transformers CRQ.
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -54,13 +55,62 @@ def torch_composition(x, weight, norm, residual, gated, up_weight):
     return out if residual is None else residual + out
 
 
+def _random_stack(config):
+    """A transformers `Qwen3Model` of `config` on CUDA in bfloat16 (built in bfloat16: the LLM's 8B parameters would
+    not fit twice in float32), random weights, norm weights around 1 as trained ones are."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            stack = Qwen3Model(copy.deepcopy(config)).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    for parameter in stack.parameters():
+        if parameter.ndim == 1:
+            parameter.data.uniform_(0.5, 1.5)
+    return stack
+
+
+def _prefilled_decode_inputs(stack, batch: int, cache_length: int, written: int):
+    """`(cache, mask, x, positions)`: a `cache_length` static cache whose first `written` positions hold a random
+    prefill of `stack`, an all-visible `(batch, cache_length)` mask, and the `(batch, 1, hidden)` input and
+    `(batch, 1)` positions of the next decode step."""
+    from transformers import StaticCache
+
+    from funaudiochat_hf.compat import cache_kwargs
+
+    cache = StaticCache(config=stack.config, max_cache_len=cache_length)
+    mask = torch.ones(batch, cache_length, dtype=torch.bool, device="cuda")
+    hidden = stack.config.hidden_size
+    with torch.no_grad():
+        stack(
+            inputs_embeds=torch.randn(batch, written, hidden, device="cuda", dtype=torch.bfloat16),
+            attention_mask=mask,
+            position_ids=torch.arange(written, device="cuda")[None].expand(batch, -1),
+            use_cache=True,
+            **cache_kwargs(cache),
+        )
+    x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
+    return cache, mask, x, torch.full((batch, 1), written, device="cuda")
+
+
+def _replayable_step(step, stack, projections, x, mask, positions, cache, written: int):
+    """A call of the compiled decode `step` that can be replayed: every call rewinds `cache` to `written` positions,
+    so every replay writes the same position."""
+
+    def call():
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(written)
+        return step(stack, projections, x, mask, positions, cache)
+
+    return call
+
+
 def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -> None:
     """CUDA-graph time of one compiled CRQ sub-step with cuBLAS projections and with the kernels."""
-    import copy
-
     import triton
-    from transformers import StaticCache
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
     from funaudiochat_hf import FunAudioChatConfig
     from funaudiochat_hf.compat import cache_kwargs
@@ -68,31 +118,15 @@ def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -
     from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
     from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
 
-    config = FunAudioChatConfig().audio_config.crq_transformer_config
-    with torch.device("cuda"):
-        crq = Qwen3Model(config).to(torch.bfloat16).eval().requires_grad_(False)
-    for parameter in crq.parameters():
-        if parameter.ndim == 1:  # norm weights: around 1, as trained ones are
-            parameter.data.uniform_(0.5, 1.5)
+    crq = _random_stack(FunAudioChatConfig().audio_config.crq_transformer_config)
     fused = fused_crq_projections(crq)
     step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
     attention = register_triton_decode_attention()
     print("| rows | cuBLAS projections (µs) | Triton kernels (µs) | ratio | max diff vs eager (cuBLAS / kernels) |")
     print("|---|---|---|---|---|")
     for batch in rows:
-        cache = StaticCache(config=config, max_cache_len=cache_length)
-        mask = torch.ones(batch, cache_length, dtype=torch.bool, device="cuda")
-        hidden = config.hidden_size
+        cache, mask, x, positions = _prefilled_decode_inputs(crq, batch, cache_length, written)
         with torch.no_grad():
-            crq(
-                inputs_embeds=torch.randn(batch, written, hidden, device="cuda", dtype=torch.bfloat16),
-                attention_mask=mask,
-                position_ids=torch.arange(written, device="cuda")[None].expand(batch, -1),
-                use_cache=True,
-                **cache_kwargs(cache),
-            )
-            x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
-            positions = torch.full((batch, 1), written, device="cuda")
             caches = [copy.deepcopy(cache) for _ in range(3)]
             expected = crq(
                 inputs_embeds=x, attention_mask=mask, position_ids=positions, use_cache=True, **cache_kwargs(caches[2])
@@ -100,12 +134,7 @@ def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -
             crq.config._attn_implementation = attention
             times, differences = [], []
             for layer_cache, projections in ((caches[0], fused), (caches[1], with_decode_kernels(fused))):
-
-                def call(layer_cache=layer_cache, projections=projections):
-                    for layer in layer_cache.layers:  # every replay writes the same position
-                        layer.cumulative_length.fill_(written)
-                    return step(crq, projections, x, mask, positions, layer_cache)
-
+                call = _replayable_step(step, crq, projections, x, mask, positions, layer_cache, written)
                 differences.append((call().float() - expected).abs().max().item())
                 torch.cuda.synchronize()
                 times.append(triton.testing.do_bench_cudagraph(call, rep=200) * 1e3)
@@ -168,16 +197,12 @@ def sweep_tiles() -> None:
 def tuned_tiles_ab(rounds: int = 5) -> None:
     """A compiled one-row decode step of the CRQ (28 layers, fused projections) and of the LLM (36 layers, own
     weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
-    import copy
     import statistics
 
     import triton
-    from transformers import StaticCache
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
     from funaudiochat_hf import FunAudioChatConfig
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
-    from funaudiochat_hf.compat import cache_kwargs
     from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
     from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
     from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
@@ -187,42 +212,18 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
     config = FunAudioChatConfig()
     tuned = triton_linear.TUNED_TILES
     print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
-    for stack, stack_config, cache_length, written in (
+    for stack_name, stack_config, cache_length, written in (
         ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
         ("LLM", config.text_config, 640, 350),
     ):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        with torch.device("cuda"):
-            model = Qwen3Model(copy.deepcopy(stack_config)).eval().requires_grad_(False)
-        torch.set_default_dtype(default_dtype)
-        for parameter in model.parameters():
-            if parameter.ndim == 1:  # norm weights: around 1, as trained ones are
-                parameter.data.uniform_(0.5, 1.5)
-        if stack == "LLM":
-            projections = triton_linear.own_weight_kernels(model)
+        stack = _random_stack(stack_config)
+        if stack_name == "LLM":
+            projections = triton_linear.own_weight_kernels(stack)
         else:
-            projections = with_decode_kernels(fused_crq_projections(model))
-        cache = StaticCache(config=model.config, max_cache_len=cache_length)
-        mask = torch.ones(1, cache_length, dtype=torch.bool, device="cuda")
-        hidden = model.config.hidden_size
-        with torch.no_grad():
-            model(
-                inputs_embeds=torch.randn(1, written, hidden, device="cuda", dtype=torch.bfloat16),
-                attention_mask=mask,
-                position_ids=torch.arange(written, device="cuda")[None],
-                use_cache=True,
-                **cache_kwargs(cache),
-            )
-        x = torch.randn(1, 1, hidden, device="cuda", dtype=torch.bfloat16)
-        positions = torch.full((1, 1), written, device="cuda")
-        model.config._attn_implementation = attention
-
-        def call():
-            for layer in cache.layers:  # every replay writes the same position
-                layer.cumulative_length.fill_(written)
-            return step(model, projections, x, mask, positions, cache)
-
+            projections = with_decode_kernels(fused_crq_projections(stack))
+        cache, mask, x, positions = _prefilled_decode_inputs(stack, 1, cache_length, written)
+        stack.config._attn_implementation = attention
+        call = _replayable_step(step, stack, projections, x, mask, positions, cache, written)
         times = {"tuned": [], "default": []}
         with torch.no_grad():
             for _ in range(rounds):
@@ -233,7 +234,7 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
                     times[name].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
         triton_linear.TUNED_TILES = tuned
         cells = " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
-        print(f"| {stack} | {cells} |", flush=True)
+        print(f"| {stack_name} | {cells} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -278,10 +278,10 @@ def decode_attention_with_inputs(
 
 
 __all__ = [
-    "stored_masks",
     "decode_attention_inputs",
     "decode_attention_inputs_op",
     "decode_attention_with_inputs",
     "decode_attention_with_inputs_op",
+    "stored_masks",
     "writable_static_layer",
 ]
