@@ -10,7 +10,8 @@ decode step, not from L2; the weight bytes / time and the largest difference.
 
 `--sweep-tiles`: instead, each projection's µs per call for 11 kernel tiles (columns per program, warps, reduction
 chunk: `triton_linear_funaudiochat.kernel_tile`) and the fastest, then a whole compiled CRQ sub-step and the LLM's 36
-layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds.
+layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds (`--only NAME`:
+the sweep of the projections whose name contains NAME, e.g. "lm_head", without the rounds).
 
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
@@ -37,6 +38,9 @@ PROJECTIONS = [
     ("LLM", "o_proj", 4096, 4096, False, False, True, False, 36),
     ("LLM", "gate/up", 12288, 4096, True, True, False, True, 36),
     ("LLM", "down_proj", 4096, 12288, False, False, True, False, 36),
+    # Around the CRQ stack, once per sub-step (5 per LLM step): the 6,565-way speech head; input_matching (1024 x
+    # 4096) and output_matching (4096 x 1024, the final norm folded in) have the shapes of projections above.
+    ("CRQ head", "lm_head", 6565, 4096, False, False, False, False, 5),
 ]
 
 
@@ -151,8 +155,9 @@ SWEPT_TILES = [(8, 8, 1), (8, 4, 1), (8, 4, 0.5), (4, 4, 1), (4, 8, 1), (16, 8, 
                (32, 8, 0.25), (4, 2, 1), (2, 4, 1)]  # fmt: skip
 
 
-def sweep_tiles() -> None:
-    """Per projection (one row, a chain of distinct weights per CUDA graph): µs per call of every `SWEPT_TILES` tile."""
+def sweep_tiles(only: str | None = None) -> None:
+    """Per projection (one row, a chain of distinct weights per CUDA graph): µs per call of every `SWEPT_TILES` tile;
+    `only`: the projections whose "stack projection" name contains it."""
     import triton
 
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
@@ -162,6 +167,8 @@ def sweep_tiles() -> None:
     print(f"| stack | projection | {tiles} | fastest (columns, chunk, warps) |")
     print("|---|---|" + "---|" * (len(SWEPT_TILES) + 1))
     for stack, name, out_features, in_features, norm, gated, residual, separate_up, layers in PROJECTIONS:
+        if only is not None and only not in f"{stack} {name}":
+            continue
         weight_rows = out_features * (2 if gated and not separate_up else 1)
         weights = [torch.randn(weight_rows, in_features, **options) / 32 for _ in range(layers)]
         ups = [torch.randn(out_features, in_features, **options) / 32 if separate_up else None for _ in weights]
@@ -247,10 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1", help="comma-separated input rows (batch size of a decode step)")
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     parser.add_argument("--sweep-tiles", action="store_true", help="sweep the kernel's tiles (one row) instead")
+    parser.add_argument("--only", default=None, help="--sweep-tiles: only the projections whose name contains this")
     args = parser.parse_args(argv)
     if args.sweep_tiles:
-        sweep_tiles()
-        tuned_tiles_ab()
+        sweep_tiles(args.only)
+        if args.only is None:
+            tuned_tiles_ab()
         return
     rows = [int(r) for r in args.rows.split(",")]
     # One graph per projection shape and row count: more than dynamo's default 8 recompilations of one function.

@@ -158,7 +158,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
-            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}"
+            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}"
             + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
@@ -532,6 +532,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
         "crq_linear": args.crq_linear,
         "llm_linear": args.llm_linear,
+        "speech_sampler": args.speech_sampler,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -1344,6 +1345,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--llm-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(llm_linear=...)"
+    )
+    p.add_argument(
+        "--speech-sampler", default="auto", choices=["auto", "triton", "torch"],
+        help="generate_speech(speech_sampler=...)",
     )
     p.add_argument(
         "--plain-launches", action="store_true",

@@ -47,6 +47,19 @@ def test_eager_halves_equal_the_stack_forward(batch):
     torch.testing.assert_close(our_keys, reference_keys, atol=1e-6, rtol=1e-6)  # the cache is filled the same way
 
 
+def test_final_norm_false_returns_the_last_layer_output_before_the_norm():
+    """`final_norm=False` (the CRQ's decode sub-step folding the norm into output_matching's kernel): the stack's
+    output is the norm of what it returns."""
+    stack = _stack()
+    embeds = torch.randn(2, 5, stack.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(5)[None].expand(2, -1)
+    with torch.no_grad():
+        normed = decoder_stack_forward(stack, None, embeds, None, positions)
+        raw = decoder_stack_forward(stack, None, embeds, None, positions, final_norm=False)
+        assert not torch.allclose(raw, normed)
+        torch.testing.assert_close(stack.norm(raw), normed, atol=0, rtol=0)
+
+
 def test_compiled_halves_serve_every_layer_and_length_with_two_graphs():
     """Regional compilation: one graph per half for all layers and prompt lengths (a whole compiled layer would be
     one graph per layer: `Cache.update` indexes the cache's layers by `layer_idx`)."""
@@ -123,7 +136,7 @@ def run(decode_step):
 
 errors, keys = run(stack_module.decoder_stack_forward)
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
-# was computed from, and without `stored_masks` Inductor recomputed the mask for the later layers after that.
+# was computed from, and without `stored_copies` Inductor recomputed the mask for the later layers after that.
 compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
 compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors}))

@@ -18,6 +18,7 @@ from funaudiochat_hf.sampling_funaudiochat import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    first_argmax,
     mark_seen,
     process_scores,
     select_tokens,
@@ -145,3 +146,21 @@ def test_switches_are_the_structure_only():
     assert greedy.switches == SamplingSwitches(False, False, False, False)
     with pytest.raises(ValueError, match="parameters"):
         process_scores(torch.zeros(1, 3), a.switches)
+
+
+@pytest.mark.parametrize("vocab", [5000, 151936, 2048 * 5])
+def test_first_argmax_equals_argmax_on_long_rows(vocab):
+    """The two-stage argmax of long rows (the text logits) picks exactly `argmax`'s index: the first maximum, across
+    chunk boundaries, with -inf rows and NaN (which `argmax` counts as the maximum)."""
+    generator = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(6, vocab, generator=generator).round()  # many ties of the maximum
+    scores[1, :] = float("-inf")
+    scores[2, vocab - 1] = 100.0  # the last position, in the padded chunk
+    scores[3, [7, 4097, vocab - 3]] = 50.0  # ties in several chunks: the first wins
+    scores[4, [vocab - 900, vocab - 10]] = float("nan")
+    scores[5, 2047:2049] = 80.0  # a tie across a chunk boundary
+    expected = scores.argmax(dim=-1)
+    assert expected.tolist()[1:4] == [0, vocab - 1, 7]
+    assert torch.equal(first_argmax(scores), expected)
+    compiled = torch.compile(first_argmax, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(scores), expected)

@@ -154,16 +154,25 @@ from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
 from funaudiochat_hf import triton_attention_funaudiochat, triton_attention_inputs_funaudiochat
+from funaudiochat_hf import triton_sampling_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
 # Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
 generation_funaudiochat.triton_available = lambda device: True
 rows = lambda h: h.numel() // h.shape[-1]
-decoder_stack_funaudiochat.use_decode_kernels = lambda h: rows(h) <= triton_linear_funaudiochat.MAX_ROWS
+use_kernels = lambda h: rows(h) <= triton_linear_funaudiochat.MAX_ROWS
+decoder_stack_funaudiochat.use_decode_kernels = generation_funaudiochat.use_decode_kernels = use_kernels
+generation_funaudiochat.use_sampler_kernel = lambda scores: True
+model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+tower = model.audio_invert_tower
+head = {m.weight.data_ptr() for m in (tower.input_matching, tower.output_matching, tower.lm_head)}
 calls = []
 launch = triton_linear_funaudiochat.launch_decode_linear
 def counted(*args):
-    calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
+    if args[1].data_ptr() in head:
+        calls.append("head")
+    else:
+        calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
     return launch(*args)
 triton_linear_funaudiochat.launch_decode_linear = counted  # what the operators call (also when compiled)
 class CountedKernel:  # stands in for a kernel, counting its launches
@@ -173,10 +182,10 @@ class CountedKernel:  # stands in for a kernel, counting its launches
         calls.append(self.name)
         return self.kernel[grid]
 for module, name, kind in ((triton_attention_inputs_funaudiochat, "_attention_inputs_kernel", "attention_inputs"),
-                           (triton_attention_funaudiochat, "_split_kernel", "attention")):
+                           (triton_attention_funaudiochat, "_split_kernel", "attention"),
+                           (triton_sampling_funaudiochat, "_sample_kernel", "sampler")):
     setattr(module, name, CountedKernel(getattr(module, name), kind))
 
-model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
@@ -198,21 +207,31 @@ for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {
         "sequences": length == inputs["input_ids"].shape[1] + steps
         and torch.equal(out.sequences, golden["sequences"][:, :length]),
         "speech_ids": speech >= 5 * (steps - 2) and torch.equal(out.speech_ids, golden["speech_ids"][:, :speech]),
-        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs", "attention")},
+        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs", "attention",
+                                                 "head", "sampler")},
     }
+result["crq_layers"] = tower.crq_transformer.config.num_hidden_layers
 print(json.dumps(result))
 """
 
 
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
     """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step,
-    and the attention inputs' kernel); `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v
-    apart, the gate and up weights unfused; and the attention inputs). The greedy tokens of the first 8 steps equal
-    the official implementation's either way, also with the loop compiled whole."""
+    and the attention inputs' kernel; input matching, output matching and speech head around the stack);
+    `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v apart, the gate and up weights
+    unfused; and the attention inputs). The compiled run also picks its speech tokens with the sampler kernel. The
+    greedy tokens of the first 8 steps equal the official implementation's either way, also with the loop compiled
+    whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
+    crq_layers = result.pop("crq_layers")
     for run in result.values():
         assert run["sequences"] and run["speech_ids"], result
     crq_only, both, compiled = result["torch"], result["triton"], result["compiled"]
+    # Per decode sub-step the three head projections; the prefill's CRQ pass (several positions) only its last two.
+    sub_steps = crq_only["crq_mlp"] // crq_layers
+    assert crq_only["head"] == both["head"] == compiled["head"] == 3 * sub_steps + 2, result
+    assert crq_only["sampler"] == both["sampler"] == 0, result  # "auto": the sampler kernel only in a compiled loop
+    assert compiled["sampler"] == sub_steps + 1, result
     assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
     assert both["crq_mlp"] == crq_only["crq_mlp"] and both["llm_mlp"] > 0
     assert both["plain"] == 3 * both["crq_mlp"] + 5 * both["llm_mlp"], result
@@ -258,6 +277,27 @@ def test_programmatic_launch_fetches_weights_before_waiting_for_the_previous_ker
 
 def _tiny_model():
     return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+
+
+def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
+    """With `crq_linear` on, the CRQ's input / output matching and speech head take the GEMV kernel too, unless one of
+    them is not a plain `nn.Linear` (a LoRA wrapper, a quantized layer: the kernel would read its raw weight)."""
+    model = _tiny_model()
+    ids = inputs["input_ids"]
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
+    options = {"crq_linear": "triton", "fuse_crq_projections": True}
+    assert model._speech_run(ids, None, {}, options).cfg.crq_head_linear
+    assert not model._speech_run(ids, None, {}, {**options, "crq_linear": "torch"}).cfg.crq_head_linear
+
+    class Wrapped(nn.Linear):
+        pass
+
+    head = model.audio_invert_tower.lm_head
+    wrapped = Wrapped(head.in_features, head.out_features, bias=False)
+    wrapped.weight = head.weight
+    model.audio_invert_tower.lm_head = wrapped
+    run = model._speech_run(ids, None, {}, options)
+    assert run.cfg.crq_linear and not run.cfg.crq_head_linear
 
 
 def test_crq_linear_choice(monkeypatch, inputs):

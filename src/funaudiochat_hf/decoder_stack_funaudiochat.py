@@ -14,7 +14,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
   takes that work in every decode step on CUDA, also at batch sizes where the projections stay on cuBLAS (batch 16:
   16.87 -> 15.29 ms per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before
-  the first layer (`stored_masks`), as the kernels advance the cache length they are computed from;
+  the first layer (`stored_copies`), as the kernels advance the cache length they are computed from, and so are the
+  rotary tables;
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -35,7 +36,7 @@ from .compat import attention_passes_kwargs_to_cache
 from .triton_attention_inputs_funaudiochat import (
     decode_attention_inputs,
     decode_attention_with_inputs,
-    stored_masks,
+    stored_copies,
     writable_static_layer,
 )
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
@@ -214,6 +215,7 @@ def decoder_stack_forward(
     position_ids: torch.Tensor,
     cache=None,
     halves: DecoderLayerHalves = EAGER_HALVES,
+    final_norm: bool = True,
 ) -> torch.Tensor:
     """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
 
@@ -227,9 +229,11 @@ def decoder_stack_forward(
         position_ids: `(batch, n)` rotary positions.
         cache: the `Cache` to update in place (`StaticCache` / `DynamicCache`), or None.
         halves: the layer halves to run ([`EAGER_HALVES`], or those functions compiled).
+        final_norm: False returns the last layer's output, before the stack's final norm (for a caller that folds
+            the norm into its next projection).
 
     Returns:
-        `(batch, n, hidden)` final hidden states (after the final norm).
+        `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
     """
     config = stack.config
     causal_mask_mapping = attention_mask
@@ -239,12 +243,12 @@ def decoder_stack_forward(
         causal_mask_mapping = {"full_attention": create_causal_mask(*mask_args)}
         if stack.has_sliding_layers:
             causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
-    if cache is not None and _one_position_on_gpu(inputs_embeds):
-        # The layers' kernels advance the cache length the masks were computed from: store them first.
-        causal_mask_mapping = stored_masks(causal_mask_mapping)
-
     hidden_states = inputs_embeds
     position_embeddings = stack.rotary_emb(hidden_states, position_ids)
+    if cache is not None and _one_position_on_gpu(inputs_embeds):
+        # The layers' kernels advance the cache length the masks were computed from: store them first; and the
+        # rotary tables, which the compiled step would otherwise recompute for every few layers.
+        causal_mask_mapping, position_embeddings = stored_copies((causal_mask_mapping, position_embeddings))
     layers = stack.layers[: config.num_hidden_layers]
     if projections is not None and len(projections.layers) != len(layers):
         raise ValueError(f"`projections` has {len(projections.layers)} layers but the stack has {len(layers)}.")
@@ -259,7 +263,7 @@ def decoder_stack_forward(
             cache,
             halves,
         )
-    return stack.norm(hidden_states)
+    return stack.norm(hidden_states) if final_norm else hidden_states
 
 
 __all__ = ["DecoderLayerHalves", "EAGER_HALVES", "decoder_stack_forward"]

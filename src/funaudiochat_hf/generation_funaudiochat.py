@@ -36,7 +36,9 @@ from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decode
 from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections, with_decode_kernels
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
-from .triton_linear_funaudiochat import decode_kernels_supported, own_weight_kernels
+from .triton_linear_funaudiochat import decode_kernels_supported, decode_linear, own_weight_kernels, use_decode_kernels
+from .triton_sampling_funaudiochat import MAX_VOCAB as MAX_SAMPLER_VOCAB
+from .triton_sampling_funaudiochat import sample_tokens, sampler_kernel_supported, use_sampler_kernel
 
 
 logger = logging.get_logger(__name__)
@@ -121,6 +123,8 @@ class _StepConfig:
     fuse_crq_projections: bool = False
     crq_linear: bool = False  # the fused projections' decode steps through `triton_linear_funaudiochat`
     llm_linear: bool = False  # the LLM's decode steps through `triton_linear_funaudiochat`
+    crq_head_linear: bool = False  # the CRQ's input / output matching and speech head too (one-row steps)
+    speech_sampler: bool = False  # speech tokens through `triton_sampling_funaudiochat` (CUDA)
 
 
 class _DecodeWorkspace:
@@ -241,11 +245,16 @@ class _DecodeWorkspace:
 PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
 
 
-def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None):
+def _stack_forward(
+    stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None, final_norm=True
+):
     """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
     `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections` and / or
-    layer `halves` (the compiled prefill)."""
+    layer `halves` (the compiled prefill). `final_norm=False` (with `projections` or `halves`): before the stack's
+    final norm."""
     if projections is None and halves is None:
+        if not final_norm:
+            raise ValueError("`final_norm=False` needs the stack run layer by layer (`projections` or `halves`).")
         return stack(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -254,8 +263,16 @@ def _stack_forward(stack, inputs_embeds, attention_mask, positions, cache, proje
             **cache_kwargs(cache),
         ).last_hidden_state
     return decoder_stack_forward(
-        stack, projections, inputs_embeds, attention_mask, positions, cache, halves or EAGER_HALVES
+        stack, projections, inputs_embeds, attention_mask, positions, cache, halves or EAGER_HALVES, final_norm
     )
+
+
+def _matching(linear, x: torch.Tensor, kernels: bool, norm=None) -> torch.Tensor:
+    """`linear(norm(x))` for one of the CRQ's plain linears around its stack (`norm`: an RMSNorm module or None),
+    through the GEMV kernel of `triton_linear_funaudiochat` when `kernels` and x is one CUDA row."""
+    if kernels and use_decode_kernels(x):
+        return decode_linear(x, linear.weight, linear.bias, norm)
+    return linear(x if norm is None else norm(x))
 
 
 def _run_crq(
@@ -274,14 +291,24 @@ def _run_crq(
     with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward.
     """
     tower = model.audio_invert_tower
+    crq = tower.crq_transformer
     k = ws.sub_step.view(1)
-    inputs_embeds = tower.input_matching(sub_inputs + ws.prev_speech_embed[:, None])
+    kernels = cfg.crq_head_linear
+    inputs_embeds = _matching(tower.input_matching, sub_inputs + ws.prev_speech_embed[:, None], kernels)
     fused = ws.fused_crq if cfg.fuse_crq_projections else None
-    hidden = _stack_forward(tower.crq_transformer, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves)
-    logits = tower.lm_head(tower.output_matching(hidden[:, -1])).float().to(ws.device)
+    # With the kernels, the final norm is folded into output_matching's (one row: the batch-1 decode sub-step).
+    fold_norm = kernels and use_decode_kernels(sub_inputs[:, -1])
+    hidden = _stack_forward(
+        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, final_norm=not fold_norm
+    )
+    features = _matching(tower.output_matching, hidden[:, -1], kernels, crq.norm if fold_norm else None)
+    logits = _matching(tower.lm_head, features, kernels).float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
-    token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
+    if cfg.speech_sampler and use_sampler_kernel(logits):
+        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise)
+    else:
+        token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
         ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
     # The CRQ's output matrix is tied to the speech embedding, so this is the reference's `lm_head.weight[token]`.
@@ -517,6 +544,16 @@ class _CompiledParts:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _plain_crq_head(tower) -> bool:
+    """Whether the CRQ's input / output matching and speech head are plain linears the GEMV kernel can read as they
+    are (not LoRA-wrapped or quantized, contiguous weights) and its final norm an RMSNorm with a weight."""
+    linears = (tower.input_matching, tower.output_matching, tower.lm_head)
+    if any(type(linear) is not torch.nn.Linear or not linear.weight.is_contiguous() for linear in linears):
+        return False
+    norm = tower.crq_transformer.norm
+    return hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
+
+
 def split_speech_segments(
     tokens: torch.Tensor, segment_tokens: int = SEGMENT_TOKENS, min_last: int = MIN_LAST_SEGMENT_TOKENS
 ) -> list[torch.Tensor]:
@@ -725,7 +762,18 @@ class _SpeechRun:
         )
         llm = model.language_model.model
         llm_linear = self._pick_linear_kernels("llm_linear", options["llm_linear"], compiled, llm, device)
-        self.cfg = replace(self.cfg, fuse_crq_projections=fuse, crq_linear=crq_linear, llm_linear=llm_linear)
+        crq_head_linear = crq_linear and _plain_crq_head(model.audio_invert_tower)
+        speech_sampler = not disable_speech and self._pick_speech_sampler(
+            options["speech_sampler"], compiled, audio_config.codebook_size, device
+        )
+        self.cfg = replace(
+            self.cfg,
+            fuse_crq_projections=fuse,
+            crq_linear=crq_linear,
+            llm_linear=llm_linear,
+            crq_head_linear=crq_head_linear,
+            speech_sampler=speech_sampler,
+        )
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
         self.prefill_crq_part = self.step_fn.crq_part if isinstance(self.step_fn, _CompiledParts) else _crq_part
@@ -776,29 +824,42 @@ class _SpeechRun:
         halves = DecoderLayerHalves(*(_compiled(half, options) for half in EAGER_HALVES))
         return functools.partial(_prefill_forward, halves=halves)
 
-    def _pick_linear_kernels(self, name: str, choice: str, compiled: bool, stack, device: torch.device) -> bool:
-        """Whether a stack's decode steps run their projections through the Triton GEMV kernels (`crq_linear`,
-        `llm_linear`); `stack` is None where the kernels cannot apply (the CRQ without fused projections / speech)."""
+    def _pick_kernels(self, name: str, choice: str, compiled: bool, device, supported, needs: str) -> bool:
+        """Whether the run takes a Triton kernel option (`crq_linear`, `llm_linear`, `speech_sampler`): "auto" in a
+        compiled loop (each measured faster there on an H200, BENCHMARKS.md) where `supported()` and one CUDA GPU
+        with Triton allow it; "triton" raises where they do not (`needs`: what else it needs); "torch" never."""
         if choice not in ("auto", "triton", "torch"):
             raise ValueError(f"`{name}` must be 'auto', 'triton' or 'torch', got {choice!r}.")
-        # "auto" takes them in a compiled loop: measured faster there at full size on an H200 for both stacks
-        # (BENCHMARKS.md, 2026-11-30: the batch-1 step 13.71 -> 12.48 ms with the CRQ's, 11.58 -> 10.69 ms with the
-        # LLM's added, side by side).
         if choice == "torch" or (choice == "auto" and not compiled):
             return False
-        usable = (
-            stack is not None
-            and not self._dispatched()
-            and triton_available(device)
-            and decode_kernels_supported(stack)
-        )
+        usable = not self._dispatched() and triton_available(device) and supported()
         if choice == "triton" and not usable:
-            needs = " with the fused CRQ projections (`fuse_crq_projections` not False)" if name == "crq_linear" else ""
             raise ValueError(
                 f"`{name}='triton'` needs the `triton` package, the model on one CUDA GPU of compute capability 8.0 "
-                f"or newer{needs}, and plain linear projections with a SiLU MLP; use 'torch' or 'auto'."
+                f"or newer{needs}; use 'torch' or 'auto'."
             )
         return usable
+
+    def _pick_linear_kernels(self, name: str, choice: str, compiled: bool, stack, device: torch.device) -> bool:
+        """Whether a stack's decode steps run their projections through the Triton GEMV kernels (`crq_linear`,
+        `llm_linear`); `stack` is None where the kernels cannot apply (the CRQ without fused projections / speech).
+        Measured at full size on an H200 (BENCHMARKS.md, 2026-11-30): the batch-1 step 13.71 -> 12.48 ms with the
+        CRQ's, 11.58 -> 10.69 ms with the LLM's added, side by side."""
+        fused = " with the fused CRQ projections (`fuse_crq_projections` not False)" if name == "crq_linear" else ""
+        return self._pick_kernels(
+            name, choice, compiled, device,
+            lambda: stack is not None and decode_kernels_supported(stack),
+            f"{fused}, and plain linear projections with a SiLU MLP",
+        )  # fmt: skip
+
+    def _pick_speech_sampler(self, choice: str, compiled: bool, vocab_size: int, device: torch.device) -> bool:
+        """Whether the speech tokens are picked by the Triton sampler (`speech_sampler`). Measured on an H200
+        (BENCHMARKS.md, 2026-12-01): the batch-1 step 8.40 -> 8.23-8.26 ms, side by side."""
+        return self._pick_kernels(
+            "speech_sampler", choice, compiled, device,
+            lambda: sampler_kernel_supported(vocab_size),
+            f" and a speech codebook of at most {MAX_SAMPLER_VOCAB} ids",
+        )  # fmt: skip
 
     @staticmethod
     def _pick_attention(attention: str, compiled: bool, device: torch.device) -> str:
@@ -1029,12 +1090,16 @@ class FunAudioChatSpeechGenerationMixin:
                 step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
                 residual adds folded in, `triton_linear_funaudiochat`, and over a static cache its q/k norms,
                 rotary embedding and cache write as one more, `triton_attention_inputs_funaudiochat`, or inside the
-                Triton attention's kernels when that is the attention (batches keep cuBLAS, faster there); "torch":
+                Triton attention's kernels when that is the attention, and the CRQ's input matching, output matching
+                (with the final norm folded in) and speech head as 3 more (batches keep cuBLAS, faster there); "torch":
                 cuBLAS GEMMs; same math, float rounding may differ slightly),
                 `llm_linear` (the same
                 choice for the LLM: "auto" gives "triton" under the same conditions, minus the fused projections:
                 its batch-1 decode step runs the kernels over its own, unfused weights, 6 per layer; "torch": the
-                LLM's own forward),
+                LLM's own forward), `speech_sampler` ("auto", default: "triton" in a compiled loop on a CUDA GPU of
+                compute capability >= 8.0 with Triton installed, else "torch"; "triton": each speech token's penalty,
+                temperature, top-k / top-p and draw as one kernel, `triton_sampling_funaudiochat`, any batch size;
+                "torch": PyTorch ops, a sort per row; same draws up to float rounding),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
@@ -1206,6 +1271,7 @@ _DEFAULTS = {
     "fuse_crq_projections": None,
     "crq_linear": "auto",
     "llm_linear": "auto",
+    "speech_sampler": "auto",
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,

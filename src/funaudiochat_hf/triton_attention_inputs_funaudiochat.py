@@ -171,26 +171,32 @@ def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, k
     return query.new_empty(keys.shape[0], 1, query.shape[-1] // head_dim, head_dim)
 
 
-# The decode step's attention masks, computed once before its layers run. A static cache's mask is computed from the
-# cache's `cumulative_length`, which these operators advance (their `length`): compiled, Inductor may recompute a
-# mask that was not stored in a buffer at each later use, after a layer advanced the length, and the layers after the
-# first then see one position too many (measured: a two-row decode step off by up to 0.09). An opaque copy stores it.
-@torch.library.custom_op("funaudiochat::stored_mask", mutates_args=())
-def stored_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A copy of `mask` that torch.compile cannot recompute later (an opaque operator's output)."""
-    return mask.clone()
+# What every layer of a decode step reads, computed once before its layers run: the attention masks and the rotary
+# tables. A static cache's mask is computed from the cache's `cumulative_length`, which these operators advance (their
+# `length`): compiled, Inductor may recompute a mask that was not stored in a buffer at each later use, after a layer
+# advanced the length, and the layers after the first then see one position too many (measured: a two-row decode step
+# off by up to 0.09). The rotary tables are right either way, but Inductor recomputed them (from the float32 angles) for
+# every four layers: 9 kernels in an LLM step and 7 in each CRQ sub-step on an H200 (profile of 2026-12-01). An opaque
+# copy stores each once.
+@torch.library.custom_op("funaudiochat::stored_copy", mutates_args=())
+def stored_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` that torch.compile cannot recompute later (an opaque operator's output)."""
+    return tensor.clone()
 
 
-@stored_mask.register_fake
-def _(mask):
-    return torch.empty_like(mask)
+@stored_copy.register_fake
+def _(tensor):
+    return torch.empty_like(tensor)
 
 
-def stored_masks(masks):
-    """`masks` (a tensor, None or a `{layer type: mask}` mapping) with every tensor passed through `stored_mask`."""
-    if isinstance(masks, dict):
-        return {name: stored_masks(mask) for name, mask in masks.items()}
-    return torch.ops.funaudiochat.stored_mask(masks) if isinstance(masks, torch.Tensor) else masks
+def stored_copies(value):
+    """`value` (a tensor, None, a `{layer type: mask}` mapping or a tuple such as `(cos, sin)`) with every tensor
+    passed through `stored_copy`."""
+    if isinstance(value, dict):
+        return {name: stored_copies(item) for name, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(stored_copies(item) for item in value)
+    return torch.ops.funaudiochat.stored_copy(value) if isinstance(value, torch.Tensor) else value
 
 
 def writable_static_layer(cache, layer_idx: int):
@@ -282,6 +288,6 @@ __all__ = [
     "decode_attention_inputs_op",
     "decode_attention_with_inputs",
     "decode_attention_with_inputs_op",
-    "stored_masks",
+    "stored_copies",
     "writable_static_layer",
 ]

@@ -1,0 +1,152 @@
+"""Tests of the speech sampler kernel (`triton_sampling_funaudiochat`, `generate_speech(speech_sampler=...)`).
+
+The kernel is checked against `select_tokens` (the PyTorch sampler, itself checked against transformers' processors in
+test_sampling_funaudiochat.py) on CPU through Triton's interpreter (a subprocess, skipped without Triton) and on a GPU
+(marked `gpu`). Top-p ties are checked against a stable sort, the order of PyTorch's CUDA sort of a speech row.
+"""
+
+import json
+
+import pytest
+import torch
+
+from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings, select_tokens
+
+from conftest import run_in_triton_interpreter
+
+
+# (vocab, rows, do_sample, top_k, top_p, repetition_penalty): every switch of the kernel alone and together,
+# vocabularies that are not powers of two (padding), the full-size codebook (6,565). Top-k is left to `select_tokens`.
+CASES = [
+    (40, 3, False, 0, 1.0, 1.0),
+    (40, 3, False, 0, 1.0, 1.2),
+    (40, 3, True, 0, 1.0, 1.0),
+    (40, 3, True, 0, 0.9, 1.0),
+    (300, 2, True, 0, 0.8, 1.2),
+    (300, 2, True, 0, 0.5, 1.2),
+    (1500, 2, True, 0, 0.9, 1.2),
+    (6565, 2, True, 0, 0.9, 1.2),
+]
+GPU_CASES = [(6565, 16, True, 0, 0.9, 1.2), (6565, 4, False, 0, 1.0, 1.2), (6565, 3, True, 0, 0.99, 1.0)]
+
+
+def case_inputs(vocab, rows, do_sample, top_k, top_p, repetition_penalty, device="cpu"):
+    """`(settings, scores, seen, noise)` of one case: scores with many ties (a quarter rounded to integers)."""
+    generator = torch.Generator().manual_seed(vocab * 10 + rows)
+    settings = SamplingSettings(
+        do_sample=do_sample, temperature=0.8, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+    )
+    scores = torch.randn(rows, vocab, generator=generator) * 3
+    scores[:, : vocab // 4] = scores[:, : vocab // 4].round()
+    seen = torch.rand(rows, vocab, generator=generator) < 0.1
+    noise = torch.empty(rows, vocab).exponential_(generator=generator)
+    return settings, scores.to(device), seen.to(device), noise.to(device)
+
+
+def kernel_tokens(settings, scores, seen, noise):
+    from funaudiochat_hf.triton_sampling_funaudiochat import launch_sample_tokens
+
+    values = SamplingParameters(scores.device, settings)
+    switches = settings.switches
+    return launch_sample_tokens(
+        scores, seen, noise, values.temperature, values.top_p, values.repetition_penalty, switches.do_sample,
+        switches.uses_history, switches.uses_top_p,
+    )  # fmt: skip
+
+
+def stable_top_p_keep(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`TopPLogitsWarper`'s kept tokens `(rows, vocab)` with a stable ascending sort (tied scores by id)."""
+    sorted_scores, order = torch.sort(scores, dim=-1, stable=True)
+    remove = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove[:, -1] = False
+    return ~remove.scatter(-1, order, remove)
+
+
+_CASES_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import CASES, case_inputs, kernel_tokens
+from funaudiochat_hf.sampling_funaudiochat import select_tokens
+result = []
+for case in CASES:
+    settings, scores, seen, noise = case_inputs(*case)
+    expected = select_tokens(scores, settings, seen, noise)
+    result.append({"case": case, "expected": expected.tolist(), "got": kernel_tokens(settings, scores, seen, noise).tolist()})
+print(json.dumps(result))
+"""
+
+
+def test_kernel_matches_select_tokens_in_the_triton_interpreter():
+    for case in json.loads(run_in_triton_interpreter(_CASES_SCRIPT)):
+        assert case["got"] == case["expected"], case
+
+
+_TIES_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import kernel_tokens, stable_top_p_keep
+from funaudiochat_hf.sampling_funaudiochat import SamplingSettings
+# Scores of 5 distinct values, 12 tokens each: the top-p boundary falls inside a group of tied tokens.
+scores = torch.arange(60).remainder(5).float()[None] * 0.5
+settings = SamplingSettings(do_sample=True, temperature=1.0, top_p=0.7)
+keep = stable_top_p_keep(scores, 0.7)[0]
+kept_by_kernel = []
+for token in range(60):  # a near-zero draw for `token` wins the race if and only if the token is kept
+    noise = torch.ones(1, 60)
+    noise[0, token] = 1e-30
+    kept_by_kernel.append(kernel_tokens(settings, scores, None, noise).item() == token)
+print(json.dumps({"expected": keep.tolist(), "got": kept_by_kernel}))
+"""
+
+
+def test_top_p_keeps_the_ties_a_stable_sort_keeps_in_the_triton_interpreter():
+    """Where the top-p boundary splits tied scores, the kernel removes the tied tokens of the lowest ids, as
+    `TopPLogitsWarper` over PyTorch's (stable) CUDA sort of a speech row does."""
+    result = json.loads(run_in_triton_interpreter(_TIES_SCRIPT))
+    expected = torch.tensor(result["expected"])
+    assert 0 < expected.sum() < 60
+    # The boundary group is partly kept: otherwise the test would not test ties.
+    boundary = torch.arange(60).remainder(5)[~expected].max()
+    assert expected[torch.arange(60).remainder(5) == boundary].any()
+    assert result["got"] == result["expected"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES + GPU_CASES)
+def test_kernel_matches_select_tokens_on_gpu(case):
+    settings, scores, seen, noise = case_inputs(*case, device="cuda")
+    assert torch.equal(kernel_tokens(settings, scores, seen, noise), select_tokens(scores, settings, seen, noise))
+
+
+@pytest.mark.gpu
+def test_top_k_is_left_to_select_tokens():
+    from funaudiochat_hf.triton_sampling_funaudiochat import sample_tokens
+
+    settings, scores, seen, noise = case_inputs(6565, 4, True, 40, 0.9, 1.2, device="cuda")
+    values = SamplingParameters("cuda", settings)
+    tokens = sample_tokens(scores, settings.switches, values, seen, noise)
+    assert torch.equal(tokens, select_tokens(scores, settings, seen, noise))
+
+
+def test_speech_sampler_choice(monkeypatch):
+    """"auto" takes the kernel only in a compiled loop where it can run; "triton" elsewhere is a clear error; "torch"
+    and speech-to-text never take it; unknown names are refused."""
+    from transformers import AutoModel
+
+    import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+    from conftest import FUNAUDIOCHAT_TINY
+
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    compiled = {"compile": {"backend": "eager", "fullgraph": True}}
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
+        model._speech_run(ids, None, {}, {"speech_sampler": "fast"})
+    if not torch.cuda.is_available():
+        assert not model._speech_run(ids, None, {}, compiled).cfg.speech_sampler  # CPU: no Triton GPU
+        with pytest.raises(ValueError, match="speech_sampler='triton'.*speech codebook"):
+            model._speech_run(ids, None, {}, {"speech_sampler": "triton"})
+
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
+    assert model._speech_run(ids, None, {}, compiled).cfg.speech_sampler
+    assert not model._speech_run(ids, None, {}, {}).cfg.speech_sampler  # eager loop
+    assert model._speech_run(ids, None, {}, {"speech_sampler": "triton"}).cfg.speech_sampler
+    assert not model._speech_run(ids, None, {}, {**compiled, "speech_sampler": "torch"}).cfg.speech_sampler
+    assert not model._speech_run(ids, None, {}, {**compiled, "disable_speech": True}).cfg.speech_sampler
