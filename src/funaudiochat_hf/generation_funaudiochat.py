@@ -1098,8 +1098,9 @@ class FunAudioChatSpeechGenerationMixin:
                 its batch-1 decode step runs the kernels over its own, unfused weights, 6 per layer; "torch": the
                 LLM's own forward), `speech_sampler` ("auto", default: "triton" in a compiled loop on a CUDA GPU of
                 compute capability >= 8.0 with Triton installed, else "torch"; "triton": each speech token's penalty,
-                temperature, top-k / top-p and draw as one kernel, `triton_sampling_funaudiochat`, any batch size;
-                "torch": PyTorch ops, a sort per row; same draws up to float rounding),
+                temperature, top-p and draw as one sort-free kernel, `triton_sampling_funaudiochat`, any batch size
+                (a top-k, off by default, keeps the PyTorch ops); "torch": PyTorch ops, a sort per row; same draws up
+                to float rounding),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 
         Returns:
