@@ -144,7 +144,9 @@ def test_speech_sampler_choice(monkeypatch):
         with pytest.raises(ValueError, match="speech_sampler='triton'.*speech codebook"):
             model._speech_run(ids, None, {}, {"speech_sampler": "triton"})
 
+    # A Triton GPU (also where Triton is not installed: the choice, not the kernel, is tested here).
     monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.sampler_kernel_supported", lambda vocab: True)
     assert model._speech_run(ids, None, {}, compiled).cfg.speech_sampler
     assert not model._speech_run(ids, None, {}, {}).cfg.speech_sampler  # eager loop
     assert model._speech_run(ids, None, {}, {"speech_sampler": "triton"}).cfg.speech_sampler
