@@ -36,7 +36,13 @@ from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decode
 from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections, with_decode_kernels
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
-from .triton_linear_funaudiochat import decode_kernels_supported, decode_linear, own_weight_kernels, use_decode_kernels
+from .triton_linear_funaudiochat import (
+    decode_kernels_supported,
+    decode_linear,
+    kernel_readable,
+    own_weight_kernels,
+    use_decode_kernels,
+)
 from .triton_sampling_funaudiochat import MAX_VOCAB as MAX_SAMPLER_VOCAB
 from .triton_sampling_funaudiochat import sample_tokens, sampler_kernel_supported, use_sampler_kernel
 
@@ -545,13 +551,10 @@ class _CompiledParts:
 
 
 def _plain_crq_head(tower) -> bool:
-    """Whether the CRQ's input / output matching and speech head are plain linears the GEMV kernel can read as they
-    are (not LoRA-wrapped or quantized, contiguous weights) and its final norm an RMSNorm with a weight."""
+    """Whether the GEMV kernel can read the CRQ's input / output matching and speech head, and its final norm
+    ([`kernel_readable`])."""
     linears = (tower.input_matching, tower.output_matching, tower.lm_head)
-    if any(type(linear) is not torch.nn.Linear or not linear.weight.is_contiguous() for linear in linears):
-        return False
-    norm = tower.crq_transformer.norm
-    return hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
+    return kernel_readable(linears, (tower.crq_transformer.norm,))
 
 
 def split_speech_segments(

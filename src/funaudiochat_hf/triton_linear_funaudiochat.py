@@ -240,24 +240,28 @@ if triton is not None:
         return x.new_empty(x.shape[0], out_features)
 
 
+def kernel_readable(linears, norms=()) -> bool:
+    """Whether the kernels can read these modules as they are: plain `nn.Linear`s (not LoRA-wrapped or quantized: the
+    kernels read `weight` as it is) with contiguous weights (else they would be copied on every call), and RMSNorms
+    with a weight and `variance_epsilon`."""
+    if any(type(linear) is not nn.Linear or not linear.weight.is_contiguous() for linear in linears):
+        return False
+    return all(hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None for norm in norms)
+
+
 def decode_kernels_supported(stack: nn.Module) -> bool:
-    """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: plain `nn.Linear`
-    projections (not LoRA-wrapped or quantized: the kernels read `weight` as it is) with contiguous weights, a SiLU
-    MLP and RMSNorms (also the q / k norms, see `triton_attention_inputs_funaudiochat`) with a weight and
-    `variance_epsilon`."""
+    """Whether the layers of a Qwen3 stack can run their decode projections through the kernels: a SiLU MLP, and
+    projections and RMSNorms (also the q / k norms, see `triton_attention_inputs_funaudiochat`) the kernels can read
+    ([`kernel_readable`])."""
     if getattr(stack.config, "hidden_act", None) != "silu":
         return False
     for layer in stack.layers[: stack.config.num_hidden_layers]:
         attention, mlp = layer.self_attn, layer.mlp
         linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
         linears = (*linears, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(linear) is not nn.Linear for linear in linears):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
+        if not kernel_readable(linears, norms):
             return False
-        if not all(linear.weight.is_contiguous() for linear in linears):
-            return False  # the kernels would copy them on every call
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm):
-            if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
-                return False
     return True
 
 
@@ -333,6 +337,7 @@ __all__ = [
     "OwnWeightKernels",
     "decode_kernels_supported",
     "decode_linear",
+    "kernel_readable",
     "kernel_tile",
     "launch_decode_linear",
     "own_weight_kernels",
