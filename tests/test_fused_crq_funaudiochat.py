@@ -16,7 +16,14 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.compat import cache_kwargs
 from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
-from funaudiochat_hf.fused_crq_funaudiochat import _FUSED, can_fuse_crq_projections, fused_crq_projections
+from funaudiochat_hf import fused_crq_funaudiochat
+from funaudiochat_hf.fused_crq_funaudiochat import (
+    _FUSED,
+    _PADDED,
+    can_fuse_crq_projections,
+    fused_crq_projections,
+    padded_output_linear,
+)
 from funaudiochat_hf.generation_funaudiochat import _WORKSPACES, _resolve_options
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
@@ -151,6 +158,54 @@ def test_non_plain_linear_projection_raises():
     crq.layers[1].mlp.up_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj.*LoraLikeLinear"):
         fused_crq_projections(crq)
+
+
+def test_padded_output_linear():
+    """Zero output rows up to a multiple of 8; the same outputs; cached, rebuilt after a weight change; None where it
+    does not apply (already aligned, not a plain `nn.Linear`)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 13)
+    padded = padded_output_linear(linear)
+    assert padded.weight.shape == (16, 16) and padded.bias.shape == (16,) and padded.out_features == 13
+    assert torch.equal(padded.weight[:13], linear.weight) and torch.equal(padded.bias[:13], linear.bias)
+    assert not padded.weight[13:].any() and not padded.bias[13:].any()
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        assert padded(x).shape == (2, 3, 13)
+        torch.testing.assert_close(padded(x), linear(x), atol=1e-6, rtol=1e-6)
+    assert padded_output_linear(linear) is padded
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # in place: a new version of the same tensor
+    rebuilt = padded_output_linear(linear)
+    assert rebuilt is not padded and torch.equal(rebuilt.weight[:13], linear.weight)
+    assert padded_output_linear(nn.Linear(16, 13, bias=False)).bias is None
+    assert padded_output_linear(nn.Linear(16, 24)) is None
+
+    class LoraLikeLinear(nn.Linear):
+        pass
+
+    assert padded_output_linear(LoraLikeLinear(16, 13)) is None
+
+
+def test_compiled_loop_runs_the_speech_head_through_its_padded_copy(model, inputs, monkeypatch):
+    """The compiled loop multiplies the speech head through `padded_output_linear`'s copy (the tiny head's 40 rows are
+    aligned to 8, so here to 16: 48 rows): the golden tokens, and corrupting the copy's padding-free rows changes the
+    logits (it is what runs)."""
+    monkeypatch.setattr(fused_crq_funaudiochat, "OUTPUT_ALIGNMENT", 16)
+    golden = _golden("1.2")
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
+    kwargs["compile"] = {"backend": "aot_eager", "fullgraph": True}
+    other = copy.deepcopy(model)
+    good = other.generate_speech(**inputs, **kwargs)
+    assert torch.equal(good.sequences, golden["sequences"]) and torch.equal(good.speech_ids, golden["speech_ids"])
+    padded = _PADDED[other.audio_invert_tower.lm_head]
+    assert padded.weight.shape[0] == 48
+    with torch.no_grad():
+        padded.weight[:40].mul_(3.0)
+    bad = other.generate_speech(**inputs, **kwargs)
+    assert not torch.allclose(bad.speech_logits, good.speech_logits, atol=1e-3)
+    eager = other.generate_speech(**inputs, **dict(kwargs, compile=False))  # the eager loop keeps the head itself
+    torch.testing.assert_close(eager.speech_logits, good.speech_logits, atol=ATOL, rtol=RTOL)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,13 @@ from transformers.utils import ModelOutput, logging
 from .attention_funaudiochat import register_gqa_decode_attention
 from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
-from .fused_crq_funaudiochat import can_fuse_crq_projections, fused_crq_projections, with_decode_kernels
+from .fused_crq_funaudiochat import (
+    PaddedLinear,
+    can_fuse_crq_projections,
+    fused_crq_projections,
+    padded_output_linear,
+    with_decode_kernels,
+)
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
 from .triton_linear_funaudiochat import (
@@ -131,6 +137,7 @@ class _StepConfig:
     llm_linear: bool = False  # the LLM's decode steps through `triton_linear_funaudiochat`
     crq_head_linear: bool = False  # the CRQ's input / output matching and speech head too (one-row steps)
     speech_sampler: bool = False  # speech tokens through `triton_sampling_funaudiochat` (CUDA)
+    pad_speech_head: bool = False  # the speech head, where cuBLAS runs it, through a padded copy (compiled loops)
 
 
 class _DecodeWorkspace:
@@ -196,6 +203,8 @@ class _DecodeWorkspace:
         self.speech_sampling = SamplingParameters(dev)
         # `fuse_crq_projections=True`: the CRQ's fused weights, set by the run using the workspace (not a buffer).
         self.fused_crq = None
+        # `pad_speech_head`: the speech head's `PaddedLinear` (or None), set by the run using the workspace.
+        self.speech_head = None
         # `llm_linear`: the LLM's `OwnWeightKernels` (decode steps through the Triton kernels), set by the run.
         self.llm_kernels = None
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
@@ -273,12 +282,13 @@ def _stack_forward(
     )
 
 
-def _matching(linear, x: torch.Tensor, kernels: bool, norm=None) -> torch.Tensor:
+def _matching(linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None) -> torch.Tensor:
     """`linear(norm(x))` for one of the CRQ's plain linears around its stack (`norm`: an RMSNorm module or None),
-    through the GEMV kernel of `triton_linear_funaudiochat` when `kernels` and x is one CUDA row."""
+    through the GEMV kernel of `triton_linear_funaudiochat` when `kernels` and x is one CUDA row, else through
+    `padded` (the linear's `PaddedLinear`) when given."""
     if kernels and use_decode_kernels(x):
         return decode_linear(x, linear.weight, linear.bias, norm)
-    return linear(x if norm is None else norm(x))
+    return (linear if padded is None else padded)(x if norm is None else norm(x))
 
 
 def _run_crq(
@@ -308,7 +318,7 @@ def _run_crq(
         crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, final_norm=not fold_norm
     )
     features = _matching(tower.output_matching, hidden[:, -1], kernels, crq.norm if fold_norm else None)
-    logits = _matching(tower.lm_head, features, kernels).float().to(ws.device)
+    logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head).float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
     if cfg.speech_sampler and use_sampler_kernel(logits):
@@ -776,6 +786,7 @@ class _SpeechRun:
             llm_linear=llm_linear,
             crq_head_linear=crq_head_linear,
             speech_sampler=speech_sampler,
+            pad_speech_head=compiled and not disable_speech,
         )
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
@@ -932,7 +943,8 @@ class _SpeechRun:
     def release(self) -> None:
         ws = getattr(self, "ws", None)
         if ws is not None:
-            ws.fused_crq = None  # a cached workspace must not keep a stale copy alive after the weights change
+            # A cached workspace must not keep stale copies alive after the weights change.
+            ws.fused_crq = ws.speech_head = None
         if self._owned_lock is not None:
             self._owned_lock.release()
             self._owned_lock = None
@@ -968,6 +980,7 @@ class _SpeechRun:
             if cfg.crq_linear:
                 ws.fused_crq = with_decode_kernels(ws.fused_crq)
         ws.llm_kernels = own_weight_kernels(model.language_model.model) if cfg.llm_linear else None
+        ws.speech_head = padded_output_linear(model.audio_invert_tower.lm_head) if cfg.pad_speech_head else None
         if not cfg.disable_speech:
             bos = torch.full((ws.batch_size,), cfg.speech_bos_id, dtype=torch.long, device=ws.device)
             ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(bos).to(ws.device))
