@@ -300,6 +300,20 @@ def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
     assert run.cfg.crq_linear and not run.cfg.crq_head_linear
 
 
+def test_speech_head_is_padded_only_where_cublas_runs_it(monkeypatch, inputs):
+    """The compiled loop's padded copy of the speech head (`padded_output_linear`) is for the head's cuBLAS
+    multiplications: none for a one-row loop whose head takes the GEMV kernel, nor for the eager loop."""
+    model = _tiny_model()
+    ids = inputs["input_ids"]
+    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
+    compiled = {"compile": {"backend": "eager", "fullgraph": True}, "fuse_crq_projections": True}
+    kernels = {**compiled, "crq_linear": "triton"}
+    assert not model._speech_run(ids, None, {}, kernels).cfg.pad_speech_head  # one row: the GEMV kernel
+    assert model._speech_run(ids.repeat(2, 1), None, {}, kernels).cfg.pad_speech_head  # two rows: cuBLAS
+    assert model._speech_run(ids, None, {}, {**compiled, "crq_linear": "torch"}).cfg.pad_speech_head
+    assert not model._speech_run(ids.repeat(2, 1), None, {}, {"crq_linear": "torch"}).cfg.pad_speech_head  # eager
+
+
 def test_crq_linear_choice(monkeypatch, inputs):
     """"auto" takes the kernels only for a compiled, fused loop where they can run; "triton" elsewhere is a clear
     error; "torch" and speech-to-text never take them; unknown names are refused."""

@@ -176,10 +176,9 @@ def with_decode_kernels(fused: FusedCRQProjections) -> FusedCRQProjections:
         return fused.kernel_view
 
 
-
 # cuBLAS multiplies a weight whose output count is not a multiple of 8 (16 bytes in 16-bit dtypes) with slower,
 # unaligned kernels: on an H200 the 6,565-way speech head at 4 or 16 input rows took 56-58 µs, against 17 µs with the
-# weight padded to 6,568 rows (BENCHMARKS.md, 2026-12-01 18:30).
+# weight padded to 6,568 rows (BENCHMARKS.md, 2026-12-01 18:15–18:50).
 OUTPUT_ALIGNMENT = 8
 
 

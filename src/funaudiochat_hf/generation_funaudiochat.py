@@ -786,7 +786,8 @@ class _SpeechRun:
             llm_linear=llm_linear,
             crq_head_linear=crq_head_linear,
             speech_sampler=speech_sampler,
-            pad_speech_head=compiled and not disable_speech,
+            # A one-row CUDA step multiplies the head with the GEMV kernel (`crq_head_linear`): no copy needed.
+            pad_speech_head=compiled and not disable_speech and not (crq_head_linear and input_ids.shape[0] == 1),
         )
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
