@@ -130,7 +130,8 @@ def run(decode_step):
             inputs = embeds[:, start:end].clone(), mask, positions[:, start:end].clone()
             ours = step(ours_stack, None, *inputs, caches[1])
             errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
-    keys = max((a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers))
+    # torch's max propagates a NaN; Python's max() of floats may pass over one, so the cache errors stay a list.
+    keys = [(a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers)]
     return errors, keys
 
 
@@ -155,5 +156,5 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
     for step in decode_steps:
         assert step["cache_updates"] == 0, result
         assert step["error"] < 1e-5, result
-    assert result["keys"] < 1e-5
-    assert max(result["compiled"]) < 1e-5, result  # compiled: the mask is computed once, before the first layer
+    assert all(error < 1e-5 for error in result["keys"]), result
+    assert all(error < 1e-5 for error in result["compiled"]), result  # compiled: the mask is computed once, before the first layer

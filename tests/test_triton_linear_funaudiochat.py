@@ -111,7 +111,7 @@ def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     """Every epilogue and row count; float32, tolerance 1e-5 (same math, another summation order)."""
     errors = json.loads(run_in_triton_interpreter(_KERNEL_SCRIPT))
     assert len(errors) == len(CASES) + 1
-    assert max(errors) < 1e-5, errors
+    assert all(error < 1e-5 for error in errors), errors  # (not max(): it may pass over a NaN)
 
 
 _TUNED_TILES_SCRIPT = """
@@ -126,7 +126,7 @@ for tile in sorted(set(triton_linear.TUNED_TILES.values())):
         kwargs, expected = case_tensors(*case)
         assert triton_linear.kernel_tile(case[1], case[2], case[6])[0] == tile[0]
         error = (triton_linear.launch_decode_linear(**kwargs) - expected).abs().max().item()
-        errors[str(tile)] = max(errors.get(str(tile), 0.0), error)
+        errors.setdefault(str(tile), []).append(error)
 print(json.dumps(errors))
 """
 
@@ -135,7 +135,7 @@ def test_tuned_tiles_match_eager_composition_in_the_triton_interpreter():
     """Each tile of `TUNED_TILES` (2-8 columns per program, other reduction chunks) on every case: same results."""
     errors = json.loads(run_in_triton_interpreter(_TUNED_TILES_SCRIPT))
     assert len(errors) == len(set(triton_linear.TUNED_TILES.values())) >= 5, errors
-    assert max(errors.values()) < 1e-5, errors
+    assert all(error < 1e-5 for tile_errors in errors.values() for error in tile_errors), errors
 
 
 def test_kernel_tile_takes_the_tuned_tile_of_a_full_size_projection():
