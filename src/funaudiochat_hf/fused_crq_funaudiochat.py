@@ -207,12 +207,10 @@ _PADDED: "weakref.WeakKeyDictionary[nn.Module, PaddedLinear]" = weakref.WeakKeyD
 
 
 def _padded(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """`tensor` with zero rows appended up to `rows`, as a static-address copy (`_concat`)."""
     if tensor is None:
         return None
-    padded = tensor.new_zeros(rows, *tensor.shape[1:])
-    padded[: tensor.shape[0]] = tensor.detach()
-    torch._dynamo.mark_static_address(padded)  # read in place by a CUDA-graphed step, as the fused copies
-    return padded
+    return _concat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ from .fused_crq_funaudiochat import (
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
 from .triton_linear_funaudiochat import (
+    MAX_ROWS,
     decode_kernels_supported,
     decode_linear,
     kernel_readable,
@@ -776,6 +777,8 @@ class _SpeechRun:
         llm = model.language_model.model
         llm_linear = self._pick_linear_kernels("llm_linear", options["llm_linear"], compiled, llm, device)
         crq_head_linear = crq_linear and _plain_crq_head(model.audio_invert_tower)
+        # Steps of at most MAX_ROWS rows multiply the speech head with the GEMV kernel: no padded copy for them.
+        head_on_kernel = crq_head_linear and input_ids.shape[0] <= MAX_ROWS
         speech_sampler = not disable_speech and self._pick_speech_sampler(
             options["speech_sampler"], compiled, audio_config.codebook_size, device
         )
@@ -786,8 +789,7 @@ class _SpeechRun:
             llm_linear=llm_linear,
             crq_head_linear=crq_head_linear,
             speech_sampler=speech_sampler,
-            # A one-row CUDA step multiplies the head with the GEMV kernel (`crq_head_linear`): no copy needed.
-            pad_speech_head=compiled and not disable_speech and not (crq_head_linear and input_ids.shape[0] == 1),
+            pad_speech_head=compiled and not disable_speech and not head_on_kernel,
         )
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
         # The prefill's last K - 1 CRQ sub-steps are decode sub-steps: reuse the compiled one when there is one.
