@@ -114,6 +114,45 @@ def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     assert all(error < 1e-5 for error in errors), errors  # (not max(): it may pass over a NaN)
 
 
+_PARTS_SCRIPT = """
+import json
+import torch
+from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
+errors = []
+generator = torch.Generator().manual_seed(0)
+# (part sizes, bias): a q/k/v-like split; parts of 6 and 10 columns (the 8-column tile shrinks to 2 so that a program
+# reads one part); two parts.
+for sizes, bias in [((32, 16, 16), False), ((32, 16, 16), True), ((6, 10, 24), True), ((40, 24), False)]:
+    x = torch.randn(1, 96, generator=generator)
+    norm_weight = torch.rand(96, generator=generator) + 0.5
+    weights = [torch.randn(n, 96, generator=generator) / 10 for n in sizes]
+    biases = [torch.randn(n, generator=generator) if bias else None for n in sizes]
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm_weight
+    expected = torch.cat([torch.nn.functional.linear(normed, w, b) for w, b in zip(weights, biases)], dim=-1)
+    got = launch_decode_linear(
+        x, weights[0], biases[0], norm_weight, 1e-5, part_weights=weights[1:], part_biases=biases[1:] if bias else []
+    )
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    errors.append((got - expected).abs().max().item())
+print(json.dumps(errors))
+"""
+
+
+def test_part_weights_give_the_concatenated_outputs_in_the_triton_interpreter():
+    """Several weights in one kernel (`part_weights`: the LLM's q, k and v): the outputs of the separate projections
+    side by side, with and without biases, also where the part sizes force a narrower program tile (float32, 1e-5)."""
+    errors = json.loads(run_in_triton_interpreter(_PARTS_SCRIPT))
+    assert len(errors) == 4 and all(error < 1e-5 for error in errors), errors
+
+
+def test_part_weights_are_checked():
+    x, weight = torch.zeros(1, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="at most two"):
+        triton_linear.launch_decode_linear(x, weight, part_weights=[weight] * 3)
+    with pytest.raises(ValueError, match="one bias per part"):
+        triton_linear.launch_decode_linear(x, weight, torch.zeros(4), part_weights=[weight])
+
+
 _TUNED_TILES_SCRIPT = """
 import json
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
@@ -171,6 +210,8 @@ launch = triton_linear_funaudiochat.launch_decode_linear
 def counted(*args):
     if args[1].data_ptr() in head:
         calls.append("head")
+    elif args[9]:  # part weights: the LLM's q, k and v in one kernel
+        calls.append("grouped_qkv")
     else:
         calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
     return launch(*args)
@@ -207,8 +248,8 @@ for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {
         "sequences": length == inputs["input_ids"].shape[1] + steps
         and torch.equal(out.sequences, golden["sequences"][:, :length]),
         "speech_ids": speech >= 5 * (steps - 2) and torch.equal(out.speech_ids, golden["speech_ids"][:, :speech]),
-        **{kind: calls.count(kind) for kind in ("plain", "crq_mlp", "llm_mlp", "attention_inputs", "attention",
-                                                 "head", "sampler")},
+        **{kind: calls.count(kind) for kind in ("plain", "grouped_qkv", "crq_mlp", "llm_mlp", "attention_inputs",
+                                                 "attention", "head", "sampler")},
     }
 result["crq_layers"] = tower.crq_transformer.config.num_hidden_layers
 print(json.dumps(result))
@@ -216,12 +257,12 @@ print(json.dumps(result))
 
 
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
-    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step,
-    and the attention inputs' kernel; input matching, output matching and speech head around the stack);
-    `llm_linear="triton"` adds the LLM's decode steps (6 per layer and step: q, k, v apart, the gate and up weights
-    unfused; and the attention inputs). The compiled run also picks its speech tokens with the sampler kernel. The
-    greedy tokens of the first 8 steps equal the official implementation's either way, also with the loop compiled
-    whole."""
+    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step, and
+    the attention inputs' kernel; input matching, output matching and speech head around the stack);
+    `llm_linear="triton"` adds the LLM's decode steps (4 per layer and step: q, k and v in one kernel over the three
+    weights, the gate and up weights unfused; and the attention inputs). The compiled run also picks its speech tokens
+    with the sampler kernel. The greedy tokens of the first 8 steps equal the official implementation's either way,
+    also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     crq_layers = result.pop("crq_layers")
     for run in result.values():
@@ -234,7 +275,8 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     assert compiled["sampler"] == sub_steps + 1, result
     assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
     assert both["crq_mlp"] == crq_only["crq_mlp"] and both["llm_mlp"] > 0
-    assert both["plain"] == 3 * both["crq_mlp"] + 5 * both["llm_mlp"], result
+    assert crq_only["grouped_qkv"] == 0 and both["grouped_qkv"] == both["llm_mlp"], result
+    assert both["plain"] == 3 * both["crq_mlp"] + 2 * both["llm_mlp"], result
     assert crq_only["attention_inputs"] == crq_only["crq_mlp"], result
     assert both["attention_inputs"] == both["crq_mlp"] + both["llm_mlp"], result
     assert compiled["crq_mlp"] > 0 and compiled["llm_mlp"] > 0 and compiled["attention_inputs"] == 0, result
@@ -252,7 +294,7 @@ def test_falls_back_off_cuda_and_for_many_rows():
 def _linear_ptx(pdl: bool, gated: bool) -> list[str]:
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=gated,
-                      BLOCK_N=8, BLOCK_K=512, PDL=pdl)
+                      BLOCK_N=8, BLOCK_K=512, PDL=pdl, PART_1=0, PART_2=0)
     names = triton_linear._decode_linear_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
     return hopper_ptx(triton_linear._decode_linear_kernel, constexprs, types, num_warps=8).splitlines()
@@ -394,7 +436,7 @@ def test_cuda_kernel_matches_eager_composition(dtype):
     full_size = [(1, 4096, 1024, True, False, False, False, False), (1, 3072, 1024, True, False, False, True, False)]
     for case in [*CASES, *full_size, (1, 12288, 4096, True, False, False, True, True)]:
         kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
-        got = torch.ops.funaudiochat.decode_linear(*kwargs.values())
+        got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [])
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.float() - expected.float()).abs().max().item() < tolerance, case
 
@@ -404,7 +446,9 @@ def test_cuda_operator_compiles_into_one_graph():
     kwargs, _ = case_tensors(1, 48, 96, True, False, True, False, False, dtype=torch.bfloat16, device="cuda")
 
     def layer(x, weight, norm_weight, residual):
-        out = torch.ops.funaudiochat.decode_linear(x * 2, weight, None, norm_weight, 1e-5, residual, False, None, None)
+        out = torch.ops.funaudiochat.decode_linear(
+            x * 2, weight, None, norm_weight, 1e-5, residual, False, None, None, [], []
+        )
         return out + 1
 
     args = (kwargs["x"], kwargs["weight"], kwargs["norm_weight"], kwargs["residual"])

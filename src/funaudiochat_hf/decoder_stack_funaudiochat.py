@@ -6,12 +6,12 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 (`config._attn_implementation`) and projections. Two things are added:
 
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
-  separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their
-  `decode_kernels` set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and
-  the residual adds as 4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the
-  same kernels over the layers' own projections (6 kernels per layer: q, k and v apart; the LLM); over a static
-  cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the Triton
-  attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
+  separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their `decode_kernels`
+  set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and the residual adds as
+  4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the same kernels over the
+  layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights); over a static cache
+  the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the Triton attention's
+  kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
   takes that work in every decode step on CUDA, also at batch sizes where the projections stay on cuBLAS (batch 16:
   16.87 -> 15.29 ms per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before
   the first layer (`stored_copies`), as the kernels advance the cache length they are computed from, and so are the
@@ -39,6 +39,7 @@ from .triton_attention_inputs_funaudiochat import (
     stored_copies,
     writable_static_layer,
 )
+from . import triton_linear_funaudiochat as triton_linear
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
 
 
@@ -87,7 +88,11 @@ def _project_qkv(
     if _takes_kernels(projections, hidden_states):
         if own_weights:
             linears = (attention.q_proj, attention.k_proj, attention.v_proj)
-            return tuple(decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
+            if not triton_linear.GROUPED_QKV:
+                return tuple(decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
+            # One kernel over the three weights, no concatenated copy (an 8B model's would be 1.8 GB).
+            qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:])
+            return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
         qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm)
         return qkv.split(projections.qkv_split, dim=-1)
     hidden_states = norm(hidden_states)

@@ -1,11 +1,12 @@
 """The decode-step projections of a Qwen3 stack as Triton GEMV kernels, with the layer's norms and activation folded in.
 
 `generate_speech(crq_linear="triton")` runs the CRQ's layers on them, `llm_linear="triton"` the LLM's, over its own
-unfused weights (6 kernels per layer); both are the compiled default on CUDA when Triton is installed. At batch 1 a CRQ
-sub-step is 28 layers of 4 GEMMs with a single input row: each streams 4-13 MB of weights, which an H200 reads in
-1-3 µs, yet cuBLAS takes 5-12 µs per call (its o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds
-around them are 5 more small kernels per layer. Here each projection is one kernel of many small programs (2-8 output
-columns over the whole reduction each; `kernel_tile`), enough loads in flight to approach the copy bandwidth:
+unfused weights (4 kernels per layer: its q, k and v weights are read by one kernel, `part_weights`); both are the
+compiled default on CUDA when Triton is installed. At batch 1 a CRQ sub-step is 28 layers of 4 GEMMs with a single
+input row: each streams 4-13 MB of weights, which an H200 reads in 1-3 µs, yet cuBLAS takes 5-12 µs per call (its
+o_proj kernel reads at 0.4 TB/s) and the norms, SiLU and residual adds around them are 5 more small kernels per layer.
+Here each projection is one kernel of many small programs (2-8 output columns over the whole reduction each;
+`kernel_tile`), enough loads in flight to approach the copy bandwidth:
 
 - `qkv = linear(RMSNorm(x))`: the input norm folded in (each program recomputes the RMS of its input row);
 - `h = x + linear(attention)`: o_proj with the residual add;
@@ -29,6 +30,7 @@ them too, 10.69 ms (side by side). Launched as programmatic dependent launches: 
 side; a chain of the CRQ's 112 projections 427 against 525 µs). Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
 """
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -50,6 +52,10 @@ NUM_WARPS = 8
 MAX_BLOCK_K = 2048
 MAX_BLOCK_K_GATED = 512
 MAX_BLOCK_K_GATED_WIDE = 256
+# A layer with its own q, k and v weights (the LLM) runs the three as one kernel (`part_weights`) instead of three.
+# Measured on an H200 (BENCHMARKS.md, 2026-12-01 21:05): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
+# (interleaved rounds). False: three kernels (for comparisons).
+GROUPED_QKV = True
 # `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
 # shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python
 # scripts/bench_decode_linear.py --sweep-tiles`, BENCHMARKS.md 2026-12-01 13:20–14:00): narrower programs (2-4
@@ -61,6 +67,7 @@ TUNED_TILES = {
     (3072, 1024, True): (4, 512, 2),  # CRQ gate/up (fused)
     (4096, 4096, False): (4, 2048, 8),  # LLM q_proj and o_proj
     (1024, 4096, False): (2, 2048, 4),  # LLM k_proj and v_proj
+    (6144, 4096, False): (4, 2048, 8),  # LLM q, k and v in one kernel (`GROUPED_QKV`): q_proj's tile
     (12288, 4096, True): (4, 256, 2),  # LLM gate/up
     (4096, 12288, False): (8, 2048, 4),  # LLM down_proj (the CRQ's down_proj keeps the defaults)
     (6565, 4096, False): (2, 2048, 4),  # CRQ speech head (lm_head): 14.4 against 20.1 µs with the defaults
@@ -82,13 +89,19 @@ if triton is not None:
     @triton.jit
     def _decode_linear_kernel(
         x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr,
+        weight_1_ptr, bias_1_ptr, weight_2_ptr, bias_2_ptr,
         stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
     ):  # fmt: skip
         """BLOCK_N output columns of row `program_id(1)`. x `(rows, K)`; weight (the gate's when GATED) and up weight
         `(N, K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`.
+
+        PART_1 > 0: the outputs are those of several weights side by side (the q, k and v projections of a layer that
+        keeps its own weights): columns from PART_1 come from weight_1 / bias_1 `(PART_2 - PART_1, K)`, and with
+        PART_2 > 0 those from PART_2 from weight_2 / bias_2; the first part's are `weight`'s. Part boundaries are
+        multiples of BLOCK_N, so a program reads one part.
 
         The products are accumulated elementwise in a `(BLOCK_N, BLOCK_K)` tile over the unrolled reduction and summed
         once at the end: a sum per step would synchronise the warps (through shared memory) between the weight loads.
@@ -101,9 +114,17 @@ if triton is not None:
         MASK_N: tl.constexpr = N % BLOCK_N != 0
         MASK_K: tl.constexpr = K % BLOCK_K != 0
         col_ok = col < N
+        weight_col = col  # the column within this program's weight
+        if PART_1 > 0:
+            first_col = tl.program_id(0) * BLOCK_N
+            if first_col >= PART_1:
+                weight_ptr, bias_ptr, weight_col = weight_1_ptr, bias_1_ptr, col - PART_1
+            if PART_2 > 0:
+                if first_col >= PART_2:
+                    weight_ptr, bias_ptr, weight_col = weight_2_ptr, bias_2_ptr, col - PART_2
         if PDL:  # weights are never written by a decode step: read them while the previous kernel finishes
             k = tl.arange(0, BLOCK_K)
-            first_weight = _load_weight_tile(weight_ptr, col, k, col_ok, k < K, K, MASK_N or MASK_K)
+            first_weight = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k < K, K, MASK_N or MASK_K)
             if GATED:
                 first_up_weight = _load_weight_tile(up_weight_ptr, col, k, col_ok, k < K, K, MASK_N or MASK_K)
             tl.extra.cuda.gdc_wait()
@@ -127,7 +148,7 @@ if triton is not None:
             if PDL and k0 == 0:
                 w = first_weight
             else:
-                w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+                w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
             products += x * w.to(tl.float32)
             if GATED:
                 if PDL and k0 == 0:
@@ -139,7 +160,7 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.sum(products, axis=1)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
+            acc += tl.load(bias_ptr + weight_col, mask=col_ok, other=0.0).to(tl.float32)
         out = acc.to(dtype)
         if GATED:  # act_fn(gate) * up on the rounded GEMM outputs, the activation rounded first
             acc_up = tl.sum(up_products, axis=1)
@@ -172,6 +193,8 @@ def launch_decode_linear(
     gated: bool = False,
     up_weight: torch.Tensor | None = None,
     up_bias: torch.Tensor | None = None,
+    part_weights: list[torch.Tensor] | tuple = (),
+    part_biases: list[torch.Tensor] | tuple = (),
 ) -> torch.Tensor:
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
@@ -186,31 +209,48 @@ def launch_decode_linear(
             `weight` / `bias` are the gate's.
         up_weight, up_bias: the up projection's `(out_features, in_features)` weight and bias when it is a tensor of
             its own (the LLM's layers), None when it is in `weight`.
+        part_weights: up to two more `(out_i, in_features)` weights whose outputs follow `weight`'s in the output
+            (a layer's own k and v projections after its q projection: one kernel instead of three). Not with `gated`.
+        part_biases: their biases when `bias` is given (then one per part weight), else empty.
     Returns:
-        `(rows, out_features)` in x's dtype.
+        `(rows, out_features)` in x's dtype (`out_features` summed over the parts).
     """
+    if len(part_weights) > 2 or (gated and part_weights):
+        raise ValueError("`part_weights` takes at most two weights, and not with `gated`.")
+    if len(part_biases) != (len(part_weights) if bias is not None else 0):
+        raise ValueError("`part_biases` needs one bias per part weight exactly when `bias` is given.")
     # The kernel walks rows by their stride, with unit strides within a row, and reads weights as contiguous matrices.
     x, residual = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
     weight, up_weight = (t if t is None or t.is_contiguous() else t.contiguous() for t in (weight, up_weight))
+    part_weights = [t if t.is_contiguous() else t.contiguous() for t in part_weights]
     rows, in_features = x.shape
+    if any(part.shape[1] != in_features for part in part_weights):
+        raise ValueError(f"Every part weight must take the {in_features} input features of `x`.")
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
         weight, up_weight = weight[:out_features], weight[out_features:]
         if bias is not None:
             bias, up_bias = bias[:out_features], bias[out_features:]
-    out_features = weight.shape[0]
+    part_ends = list(itertools.accumulate(t.shape[0] for t in (weight, *part_weights)))
+    out_features = part_ends[-1]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = kernel_tile(out_features, in_features, gated)
+    while any(end % block_n for end in part_ends[:-1]):  # a program reads one part
+        block_n //= 2
+    part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
 
     def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
-        return x if tensor is None else tensor  # never read: the kernel's HAS_* flag is off
+        return x if tensor is None else tensor  # never read: the kernel's HAS_* / PART_* flags are off
 
+    parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
+    part_pointers = [pointer(t) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
     pdl = programmatic_launch(x.device)
     _decode_linear_kernel[(triton.cdiv(out_features, block_n), rows)](
         x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        *part_pointers, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        PART_1=part_starts[0], PART_2=part_starts[1],
         num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -231,13 +271,17 @@ if triton is not None:
         gated: bool,
         up_weight: torch.Tensor | None,
         up_bias: torch.Tensor | None,
+        part_weights: list[torch.Tensor],
+        part_biases: list[torch.Tensor],
     ) -> torch.Tensor:
-        return launch_decode_linear(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias)
+        return launch_decode_linear(
+            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases
+        )
 
     @_decode_linear_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias):
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases):
         out_features = weight.shape[0] // 2 if gated and up_weight is None else weight.shape[0]
-        return x.new_empty(x.shape[0], out_features)
+        return x.new_empty(x.shape[0], out_features + sum(part.shape[0] for part in part_weights))
 
 
 def kernel_readable(linears, norms=()) -> bool:
@@ -310,11 +354,13 @@ def decode_linear(
     residual: torch.Tensor | None = None,
     gated: bool = False,
     up: nn.Linear | None = None,
+    parts: tuple[nn.Linear, ...] = (),
 ) -> torch.Tensor:
     """`(..., in_features)` -> `(..., out_features)`: `residual + act(linear(norm(x)))` through the operator.
 
     `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used); `gated` as in
-    [`launch_decode_linear`], with `up` the up projection when it is not part of `weight`."""
+    [`launch_decode_linear`], with `up` the up projection when it is not part of `weight`; `parts`: up to two more
+    linears of the same input whose outputs follow (`launch_decode_linear`'s `part_weights`)."""
     shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
@@ -328,6 +374,8 @@ def decode_linear(
         gated,
         None if up is None else up.weight,
         None if up is None else up.bias,
+        [part.weight for part in parts],
+        [] if bias is None else [part.bias for part in parts],
     )
     return out.view(*shape, out.shape[-1])
 
