@@ -13,6 +13,13 @@ chunk: `triton_linear_funaudiochat.kernel_tile`) and the fastest, then a whole c
 layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds (`--only NAME`:
 the sweep of the projections whose name contains NAME, e.g. "lm_head", without the rounds).
 
+`--sweep-rows-tiles`: the CRQ's four projections at 16 rows (a batch-16 decode step) through the several-row kernel
+(`rows_kernel_tile`: columns per program, reduction chunk, reduction splits, warps), 12 tiles per shape against the
+compiled torch composition, and the fastest.
+
+With `--rows N` (N from 2 to 16) the table's kernel column is the several-row kernel wherever it applies (the CRQ's
+projections; the LLM's gate/up, with its own up weight, stays on the GEMV kernel, one row per program).
+
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
 with cuBLAS projections and with the kernels (`with_decode_kernels`), each replayed as a CUDA graph, and their largest
@@ -201,6 +208,86 @@ def sweep_tiles(only: str | None = None) -> None:
         del weights, ups
 
 
+def _rows_tiles(out_features: int, in_features: int, gated: bool, min_programs: int = 128) -> list[tuple]:
+    """About 12 `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` of the several-row kernel for one shape: each (columns,
+    chunk) pair with the smallest split that gives `min_programs` programs (no split left empty), then a few with twice
+    the split or other warps."""
+    import triton
+
+    def splits(block_k):
+        per_split = lambda s: triton.cdiv(triton.cdiv(in_features, s), block_k) * block_k  # noqa: E731
+        return [s for s in (1, 2, 4, 8) if block_k <= in_features and (s - 1) * per_split(s) < in_features]
+
+    tiles = []
+    for block_n in (16, 32, 64):
+        for block_k in (64, 128, 256):
+            usable = splits(block_k)
+            split = next((s for s in usable if triton.cdiv(out_features, block_n) * s >= min_programs), usable[-1])
+            tiles.append((block_n, block_k, split, 8 if block_n * block_k * (1 + gated) >= 8192 else 4))
+    for block_n, block_k, split, warps in list(tiles):
+        if block_n == 16 and block_k in (64, 128) and 2 * split in splits(block_k):
+            tiles.append((block_n, block_k, 2 * split, warps))
+        if block_n == 32 and block_k == 128:
+            tiles.append((block_n, block_k, split, 12 - warps))
+        if block_n == 32 and block_k == 64 and 2 * split in splits(block_k):
+            tiles.append((block_n, block_k, 2 * split, warps))
+    return list(dict.fromkeys(tiles))[:12]
+
+
+def sweep_rows_tiles(rows: int = 16) -> None:
+    """The CRQ's projections at `rows` rows: µs per call of the compiled torch composition and of the several-row
+    kernel with each `_rows_tiles` tile (a chain of 28 distinct weights per CUDA graph), and the fastest."""
+    import triton
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+
+    compiled = torch.compile(torch_composition, fullgraph=True, dynamic=False)
+    options = dict(device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    print(f"{rows} rows, µs per call; tiles (columns, chunk, splits, warps)")
+    print("| projection | torch compiled | tiles | fastest |\n|---|---|---|---|")
+    tuned = triton_linear.ROWS_TUNED_TILES
+    for stack, name, out_features, in_features, norm, gated, residual, _, layers in PROJECTIONS:
+        if stack != "CRQ":
+            continue
+        weights = [torch.randn((1 + gated) * out_features, in_features, **options) / 32 for _ in range(layers)]
+        x = torch.randn(rows, in_features, **options)
+        norm_module = Qwen3RMSNorm(in_features, eps=1e-6).to(**options).requires_grad_(False) if norm else None
+        norm_weight = None if norm_module is None else norm_module.weight
+        residual_t = torch.randn(rows, out_features, **options) if residual else None
+        expected = torch_composition(x, weights[0], norm_module, residual_t, gated, None).float()
+
+        def run_torch():
+            for weight in weights:
+                compiled(x, weight, norm_module, residual_t, gated, None)
+
+        def run_kernel():
+            for weight in weights:
+                triton_linear.launch_decode_linear(
+                    x, weight, None, norm_weight, 1e-6, residual_t, gated, split_k_counters=counters
+                )
+
+        run_torch()
+        torch.cuda.synchronize()
+        torch_us = triton.testing.do_bench_cudagraph(run_torch, rep=60) * 1e3 / layers
+        times = {}
+        for tile in _rows_tiles(out_features, in_features, gated):
+            triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
+            got = triton_linear.launch_decode_linear(
+                x, weights[0], None, norm_weight, 1e-6, residual_t, gated, split_k_counters=counters
+            ).float()
+            if not torch.isfinite(got).all() or (got - expected).abs().max().item() > 0.05 or counters.any():
+                raise RuntimeError(f"{name}: tile {tile} is off the torch composition (or left its counters set)")
+            run_kernel()
+            torch.cuda.synchronize()
+            times[tile] = triton.testing.do_bench_cudagraph(run_kernel, rep=60) * 1e3 / layers
+        triton_linear.ROWS_TUNED_TILES = tuned
+        cells = ", ".join(f"{tile}: {t:.2f}" for tile, t in times.items())
+        fastest = min(times, key=times.get)
+        print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f} |", flush=True)
+
+
 def tuned_tiles_ab(rounds: int = 5) -> None:
     """A compiled one-row decode step of the CRQ (28 layers, fused projections) and of the LLM (36 layers, own
     weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
@@ -255,7 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     parser.add_argument("--sweep-tiles", action="store_true", help="sweep the kernel's tiles (one row) instead")
     parser.add_argument("--only", default=None, help="--sweep-tiles: only the projections whose name contains this")
+    parser.add_argument("--sweep-rows-tiles", action="store_true", help="sweep the several-row kernel's tiles instead")
     args = parser.parse_args(argv)
+    if args.sweep_rows_tiles:
+        sweep_rows_tiles()
+        return
     if args.sweep_tiles:
         sweep_tiles(args.only)
         if args.only is None:
@@ -285,12 +376,18 @@ def main(argv: list[str] | None = None) -> None:
                 for weight, up in zip(weights, ups):
                     compiled(x, weight, norm_module, residual_t, gated, up)
 
+            counters = torch.zeros(1024, dtype=torch.int32, device="cuda")  # the several-row kernel's (2-16 rows)
+
             def run_kernels():
                 for weight, up in zip(weights, ups):
-                    launch_decode_linear(x, weight, None, norm_weight, 1e-6, residual_t, gated, up)
+                    launch_decode_linear(
+                        x, weight, None, norm_weight, 1e-6, residual_t, gated, up, None, (), (), counters
+                    )
 
             expected = torch_composition(x, weights[0], norm_module, residual_t, gated, ups[0]).float()
-            got = launch_decode_linear(x, weights[0], None, norm_weight, 1e-6, residual_t, gated, ups[0]).float()
+            got = launch_decode_linear(
+                x, weights[0], None, norm_weight, 1e-6, residual_t, gated, ups[0], None, (), (), counters
+            ).float()
             times = []
             for fn in (run_torch, run_kernels):
                 fn()

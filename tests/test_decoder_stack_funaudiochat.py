@@ -93,11 +93,14 @@ import json, torch
 from transformers import StaticCache
 from funaudiochat_hf import decoder_stack_funaudiochat as stack_module
 from funaudiochat_hf.compat import cache_kwargs
+from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
 from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+from funaudiochat_hf.triton_linear_funaudiochat import split_k_counters_for
 from test_decoder_stack_funaudiochat import _stack
 
 # The interpreter runs on CPU: let CPU decode steps take the path of CUDA ones.
 stack_module._one_position_on_gpu = lambda hidden_states: hidden_states.shape[1] == 1
+stack_module.use_rows_kernel = lambda hidden_states: hidden_states.shape[1] == 1 and hidden_states.shape[0] > 1
 reference_stack = _stack(hidden=64)
 ours_stack = _stack(hidden=64)
 ours_stack.config._attn_implementation = register_triton_decode_attention()
@@ -112,7 +115,7 @@ positions = (torch.arange(prompt + steps)[None] - padding[:, None]).clamp(min=0)
 updates = []
 
 
-def run(decode_step):
+def run(decode_step, projections=None, counters=None):
     # Prefill then `steps` decode steps, ours (decode steps through `decode_step`) against the stack's own forward:
     # per call its largest error and the number of `cache.update` calls; the largest key error.
     caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
@@ -128,7 +131,10 @@ def run(decode_step):
             updates.clear()
             step = stack_module.decoder_stack_forward if start == 0 else decode_step
             inputs = embeds[:, start:end].clone(), mask, positions[:, start:end].clone()
-            ours = step(ours_stack, None, *inputs, caches[1])
+            if start == 0 or counters is None:
+                ours = step(ours_stack, None, *inputs, caches[1])
+            else:
+                ours = step(ours_stack, projections, *inputs, caches[1], split_k_counters=counters)
             errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
     # torch's max propagates a NaN; Python's max() of floats may pass over one, so the cache errors stay a list.
     keys = [(a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers)]
@@ -136,11 +142,23 @@ def run(decode_step):
 
 
 errors, keys = run(stack_module.decoder_stack_forward)
+# The decode steps' projections through the several-row kernel (fused weights; the counters given), split in two.
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+triton_linear.ROWS_TUNED_TILES = {(64, 64, False): (16, 16, 2, 4), (64, 32, False): (32, 16, 2, 4),
+                                  (128, 64, True): (16, 32, 2, 4), (64, 128, False): (16, 32, 4, 4)}
+counters = split_k_counters_for(ours_stack.config, "cpu")
+launches = []
+rows_kernel = triton_linear._launch_rows_kernel
+triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
+rows_steps, rows_keys = run(stack_module.decoder_stack_forward, with_decode_kernels(fused_crq_projections(ours_stack)),
+                            counters)
+rows_counters = counters.abs().sum().item()
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
 # was computed from, and without `stored_copies` Inductor recomputed the mask for the later layers after that.
 compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
 compiled_errors = [step["error"] for step in compiled]
-print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors}))
+print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors, "rows_steps": rows_steps,
+                  "rows_keys": rows_keys, "rows_counters": rows_counters, "rows_launches": len(launches)}))
 """
 
 
@@ -158,3 +176,9 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
         assert step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["keys"]), result
     assert all(error < 1e-5 for error in result["compiled"]), result  # compiled: the mask is computed once, before the first layer
+    # With fused projections and split-K counters, the decode steps' projections take the several-row kernel (tiles
+    # forced to split the reduction): the same outputs and cache, and the counters are left at zero.
+    for step in result["rows_steps"][1:]:
+        assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
+    assert all(error < 1e-5 for error in result["rows_keys"]) and result["rows_counters"] == 0, result
+    assert result["rows_launches"] == 3 * 4 * (len(result["rows_steps"]) - 1), result  # layers x projections x steps

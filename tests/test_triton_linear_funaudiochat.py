@@ -114,6 +114,63 @@ def test_kernel_matches_eager_composition_in_the_triton_interpreter():
     assert all(error < 1e-5 for error in errors), errors  # (not max(): it may pass over a NaN)
 
 
+# (rows, out_features, in_features, norm, bias, residual, gated, separate_up) of the several-row kernel: 2-16 rows,
+# output and reduction tails, every epilogue (the gate/up weight fused).
+ROWS_CASES = [
+    (2, 40, 96, True, False, False, False, False),
+    (3, 40, 128, False, False, True, False, False),
+    (16, 24, 64, True, True, False, True, False),
+    (5, 36, 200, True, True, True, False, False),
+]
+
+_ROWS_SCRIPT = """
+import json
+import torch
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from test_triton_linear_funaudiochat import ROWS_CASES, case_tensors
+errors, launches = [], []
+rows_kernel = triton_linear._launch_rows_kernel
+triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
+counters = torch.zeros(8, dtype=torch.int32)
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps): one split; two; four (with a split past the reduction's end for K = 96).
+for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4)]:
+    for case in ROWS_CASES:
+        triton_linear.ROWS_TUNED_TILES = {(case[1], case[2], case[6]): tile}
+        kwargs, expected = case_tensors(*case)
+        got = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
+        again = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
+        assert got.shape == expected.shape and torch.equal(got, again) and not counters.any(), (tile, case)
+        errors.append((got - expected).abs().max().item())
+print(json.dumps({"errors": errors, "launches": len(launches)}))
+"""
+
+
+def test_rows_kernel_matches_eager_composition_in_the_triton_interpreter():
+    """With `split_k_counters`, 2-16 rows take the several-row kernel, its reduction in 1, 2 or 4 splits: the eager
+    composition's values (float32, 1e-5), the same output twice, its counters left at zero."""
+    result = json.loads(run_in_triton_interpreter(_ROWS_SCRIPT))
+    assert result["launches"] == 2 * 3 * len(ROWS_CASES), result
+    assert len(result["errors"]) == 3 * len(ROWS_CASES) and all(e < 1e-5 for e in result["errors"]), result
+
+
+def test_rows_kernel_tiles_and_counters_are_checked():
+    """Default tiles split the reduction until the grid is large enough, never into empty splits; too few counters
+    raise before any launch; a stack's counters cover its widest projection's column tiles."""
+    from transformers import Qwen3Config
+
+    assert triton_linear.rows_kernel_tile(1024, 3072, False) == triton_linear.ROWS_TUNED_TILES[(1024, 3072, False)]
+    block_n, block_k, split_k, _ = triton_linear.rows_kernel_tile(512, 4096, False)
+    assert (block_n, block_k) == (32, 128) and split_k == 8  # 16 column tiles: split until 128 programs (at most 8)
+    assert triton_linear.rows_kernel_tile(512, 200, False)[2] == 1  # 200 inputs: a second 128-wide split would be empty
+    x, weight = torch.zeros(2, 4096), torch.zeros(512, 4096)
+    with pytest.raises(ValueError, match="16 or more int32 zeros"):
+        triton_linear.launch_decode_linear(x, weight, split_k_counters=torch.zeros(4, dtype=torch.int32))
+    config = Qwen3Config(
+        hidden_size=64, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+    assert triton_linear.split_k_counters_for(config, "cpu").shape == (13,)  # 200 outputs / 16-column tiles
+
+
 _PARTS_SCRIPT = """
 import json
 import torch
@@ -317,6 +374,31 @@ def test_programmatic_launch_fetches_weights_before_waiting_for_the_previous_ker
     assert not any("griddepcontrol" in line for line in _linear_ptx(pdl=False, gated=gated))
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_waiting(split_k):
+    """The several-row kernel as a programmatic dependent launch (sm_90 PTX): its first weight tiles (gate and up) are
+    fetched before `griddepcontrol.wait`; with a split reduction, all threads' partial stores are behind a barrier
+    before the one acquire-release atomic that counts the program in, and no atomic without a split."""
+    pytest.importorskip("triton")
+    constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
+                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
+                      PDL=True)  # fmt: skip
+    names = triton_linear._decode_rows_kernel.arg_names
+    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    types.update(partials_ptr="*fp32", counters_ptr="*i32")
+    lines = hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
+    early = [line for line in lines[:wait] if "ld.global" in line]
+    assert early and all("evict_first" in line or "no_allocate" in line for line in early), early
+    atomics = [i for i, line in enumerate(lines) if "atom." in line]
+    if split_k == 1:
+        assert not atomics
+        return
+    assert len(atomics) == 1 and "acq_rel" in lines[atomics[0]] and "gpu" in lines[atomics[0]], atomics
+    assert any("bar.sync" in line for line in lines[wait : atomics[0]])
+
+
 def _tiny_model():
     return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 
@@ -436,9 +518,27 @@ def test_cuda_kernel_matches_eager_composition(dtype):
     full_size = [(1, 4096, 1024, True, False, False, False, False), (1, 3072, 1024, True, False, False, True, False)]
     for case in [*CASES, *full_size, (1, 12288, 4096, True, False, False, True, True)]:
         kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
-        got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [])
+        got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [], None)
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.float() - expected.float()).abs().max().item() < tolerance, case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_kernel_matches_eager_composition_and_leaves_its_counters_zero(dtype):
+    """The several-row kernel (2-16 rows, split-K) on the GPU, where its programs really arrive at the same time: the
+    eager composition's values (tolerances as above), the same output on a second launch, counters back at zero."""
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    counters = torch.zeros(512, dtype=torch.int32, device="cuda")
+    full_size = [(16, 4096, 1024, True, False, False, False, False), (16, 1024, 2048, False, False, True, False, False),
+                 (4, 3072, 1024, True, False, False, True, False), (16, 1024, 3072, False, False, True, False, False)]
+    for case in [*ROWS_CASES, *full_size]:
+        kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
+        got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [], counters)
+        again = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [], counters)
+        assert got.dtype == dtype and got.shape == expected.shape and torch.equal(got, again), case
+        assert (got.float() - expected.float()).abs().max().item() < tolerance, case
+        assert not counters.any(), case
 
 
 @pytest.mark.gpu
@@ -447,7 +547,7 @@ def test_cuda_operator_compiles_into_one_graph():
 
     def layer(x, weight, norm_weight, residual):
         out = torch.ops.funaudiochat.decode_linear(
-            x * 2, weight, None, norm_weight, 1e-5, residual, False, None, None, [], []
+            x * 2, weight, None, norm_weight, 1e-5, residual, False, None, None, [], [], None
         )
         return out + 1
 

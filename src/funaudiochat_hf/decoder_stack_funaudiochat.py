@@ -8,14 +8,14 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their `decode_kernels`
   set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and the residual adds as
-  4 Triton kernels (`triton_linear_funaudiochat`); `own_weight_kernels(stack)` asks for the same kernels over the
-  layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights); over a static cache
-  the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the Triton attention's
-  kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
-  takes that work in every decode step on CUDA, also at batch sizes where the projections stay on cuBLAS (batch 16:
-  16.87 -> 15.29 ms per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before
-  the first layer (`stored_copies`), as the kernels advance the cache length they are computed from, and so are the
-  rotary tables;
+  4 Triton kernels (`triton_linear_funaudiochat`), and so does a decode step of 2 to 16 rows given `split_k_counters`
+  (the several-row kernel; batch 16: 13.78 against 14.57 ms per step); `own_weight_kernels(stack)` asks for the same
+  kernels over the layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights); over
+  a static cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the
+  Triton attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
+  takes that work in every decode step on CUDA, also where the projections stay on cuBLAS (batch 16: 16.87 -> 15.29 ms
+  per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before the first layer
+  (`stored_copies`), as the kernels advance the cache length they are computed from, and so are the rotary tables;
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -40,7 +40,7 @@ from .triton_attention_inputs_funaudiochat import (
     writable_static_layer,
 )
 from . import triton_linear_funaudiochat as triton_linear
-from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
+from .triton_linear_funaudiochat import decode_linear, use_decode_kernels, use_rows_kernel
 
 
 _CACHE_UPDATE_GETS_KWARGS = attention_passes_kwargs_to_cache()
@@ -78,14 +78,14 @@ def _rotated_heads(
 
 
 def _project_qkv(
-    layer: nn.Module, projections, hidden_states: torch.Tensor
+    layer: nn.Module, projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The input norm and the q, k and v projections: `(batch, n, hidden)` -> `(batch, n, heads * head_dim)` query,
     `(batch, n, kv_heads * head_dim)` key and value."""
     attention = layer.self_attn
     own_weights = projections is None or projections.qkv_weight is None
     norm = layer.input_layernorm
-    if _takes_kernels(projections, hidden_states):
+    if _takes_kernels(projections, hidden_states, split_k_counters):
         if own_weights:
             linears = (attention.q_proj, attention.k_proj, attention.v_proj)
             if not triton_linear.GROUPED_QKV:
@@ -93,7 +93,9 @@ def _project_qkv(
             # One kernel over the three weights, no concatenated copy (an 8B model's would be 1.8 GB).
             qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:])
             return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
-        qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm)
+        qkv = decode_linear(
+            hidden_states, projections.qkv_weight, projections.qkv_bias, norm, split_k_counters=split_k_counters
+        )
         return qkv.split(projections.qkv_split, dim=-1)
     hidden_states = norm(hidden_states)
     if own_weights:
@@ -103,22 +105,28 @@ def _project_qkv(
 
 
 def attention_output_and_mlp(
-    layer: nn.Module, projections, attn_output: torch.Tensor, residual: torch.Tensor
+    layer: nn.Module,
+    projections,
+    attn_output: torch.Tensor,
+    residual: torch.Tensor,
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Second half of `Qwen3DecoderLayer.forward`: `(batch, n, heads * head_dim)` attention output and the layer's
-    `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output."""
+    `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output. `split_k_counters`: as in
+    `decoder_stack_forward`."""
     mlp = layer.mlp
-    if _takes_kernels(projections, attn_output):
+    if _takes_kernels(projections, attn_output, split_k_counters):
         o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
-        hidden_states = decode_linear(attn_output, o_proj.weight, o_proj.bias, residual=residual)
+        counters = {"split_k_counters": split_k_counters}
+        hidden_states = decode_linear(attn_output, o_proj.weight, o_proj.bias, residual=residual, **counters)
         norm = layer.post_attention_layernorm
         if projections.gate_up_weight is None:  # the layer's own gate and up projections
             gate = mlp.gate_proj
             activated = decode_linear(hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj)
         else:
             gate_up = projections.gate_up_weight, projections.gate_up_bias
-            activated = decode_linear(hidden_states, *gate_up, norm, gated=True)
-        return decode_linear(activated, down_proj.weight, down_proj.bias, residual=hidden_states)
+            activated = decode_linear(hidden_states, *gate_up, norm, gated=True, **counters)
+        return decode_linear(activated, down_proj.weight, down_proj.bias, residual=hidden_states, **counters)
     hidden_states = residual + layer.self_attn.o_proj(attn_output)
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
@@ -129,10 +137,16 @@ def attention_output_and_mlp(
     return residual + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-def _takes_kernels(projections, hidden_states: torch.Tensor) -> bool:
+def _takes_kernels(projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None) -> bool:
     """Whether this layer call runs its projections through `triton_linear_funaudiochat`'s kernels: asked for by the
-    projections (`decode_kernels`) and a CUDA input of at most `MAX_ROWS` rows (a batch-1 decode step)."""
-    return projections is not None and projections.decode_kernels and use_decode_kernels(hidden_states)
+    projections (`decode_kernels`), and a CUDA input of at most `MAX_ROWS` rows (a batch-1 decode step), or, with
+    `split_k_counters`, a decode step of 2 to 16 rows of fused projections (the several-row kernel)."""
+    if projections is None or not projections.decode_kernels:
+        return False
+    if use_decode_kernels(hidden_states):
+        return True
+    fused = projections.qkv_weight is not None and projections.gate_up_weight is not None
+    return split_k_counters is not None and fused and use_rows_kernel(hidden_states)
 
 
 def _one_position_on_gpu(hidden_states: torch.Tensor) -> bool:
@@ -162,17 +176,20 @@ def _decoder_layer(
     position_ids: torch.Tensor | None,
     cache,
     halves: DecoderLayerHalves,
+    split_k_counters: torch.Tensor | None,
 ) -> torch.Tensor:
     """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`."""
     attention = layer.self_attn
     cos, sin = position_embeddings
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
     kwargs = {"position_ids": position_ids, "use_cache": True}
-    kernel_step = _takes_kernels(projections, hidden_states)
+    kernel_step = _takes_kernels(projections, hidden_states, split_k_counters)
+    # Only a kernel step reads the counters (a compiled prefill's layer halves then never take them as an input).
+    split_k_counters = split_k_counters if kernel_step else None
     decode_step = kernel_step or _one_position_on_gpu(hidden_states)
     static_layer = writable_static_layer(cache, attention.layer_idx) if decode_step else None
     if static_layer is not None:  # a decode step over a static cache on CUDA
-        query, key, value = _project_qkv(layer, projections, hidden_states)
+        query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters)
         # With the Triton attention, the q/k norms, rotary and cache write run inside its kernels (at any batch size:
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
         # attention function.
@@ -181,7 +198,7 @@ def _decoder_layer(
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
-            return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states)
+            return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters)
         if kernel_step:
             query_states, key_states, value_states = decode_attention_inputs(
                 attention, query, key, value, cos, sin, static_layer
@@ -209,7 +226,7 @@ def _decoder_layer(
         **kwargs,
     )
     attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states)
+    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters)
 
 
 def decoder_stack_forward(
@@ -221,6 +238,7 @@ def decoder_stack_forward(
     cache=None,
     halves: DecoderLayerHalves = EAGER_HALVES,
     final_norm: bool = True,
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
 
@@ -236,6 +254,9 @@ def decoder_stack_forward(
         halves: the layer halves to run ([`EAGER_HALVES`], or those functions compiled).
         final_norm: False returns the last layer's output, before the stack's final norm (for a caller that folds
             the norm into its next projection).
+        split_k_counters: None, or int32 zeros that let the decode steps of 2 to 16 rows run fused `projections` with
+            `decode_kernels` through the several-row kernel of `triton_linear_funaudiochat` (its split-K programs
+            count their arrivals there and leave them zero; one tensor per run, not shared with a concurrent one).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
@@ -267,6 +288,7 @@ def decoder_stack_forward(
             position_ids,
             cache,
             halves,
+            split_k_counters,
         )
     return stack.norm(hidden_states) if final_norm else hidden_states
 

@@ -48,6 +48,7 @@ from .triton_linear_funaudiochat import (
     decode_linear,
     kernel_readable,
     own_weight_kernels,
+    split_k_counters_for,
     use_decode_kernels,
 )
 from .triton_sampling_funaudiochat import MAX_VOCAB as MAX_SAMPLER_VOCAB
@@ -163,6 +164,8 @@ class _DecodeWorkspace:
         b, dev = batch_size, self.device
 
         crq_config = model.audio_invert_tower.crq_transformer.config if model.audio_invert_tower is not None else None
+        # The several-row kernel's arrival counters (`crq_linear` at batch 2-16): per workspace, as a run's own.
+        self.split_k_counters = split_k_counters_for(crq_config, dev) if crq_config is not None else None
         if static:
             self.llm_cache = StaticCache(config=text_config, max_cache_len=max_length)
             self.crq_cache = StaticCache(config=crq_config, max_cache_len=k * max_length) if crq_config else None
@@ -235,6 +238,8 @@ class _DecodeWorkspace:
             if cache is not None and self.static:
                 cache.reset()
         self.step.zero_()
+        if self.split_k_counters is not None:
+            self.split_k_counters.zero_()  # after a run stopped mid-step (an error, a KeyboardInterrupt)
         self.done.zero_()
         self.speaking.zero_()
         self.groups.zero_()
@@ -262,12 +267,20 @@ PREFILL_COMPILE_DEFAULTS = {"fullgraph": True, "dynamic": True}
 
 
 def _stack_forward(
-    stack, inputs_embeds, attention_mask, positions, cache, projections=None, halves=None, final_norm=True
+    stack,
+    inputs_embeds,
+    attention_mask,
+    positions,
+    cache,
+    projections=None,
+    halves=None,
+    final_norm=True,
+    split_k_counters=None,
 ):
     """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
     `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections` and / or
     layer `halves` (the compiled prefill). `final_norm=False` (with `projections` or `halves`): before the stack's
-    final norm."""
+    final norm. `split_k_counters`: see `decoder_stack_forward`."""
     if projections is None and halves is None:
         if not final_norm:
             raise ValueError("`final_norm=False` needs the stack run layer by layer (`projections` or `halves`).")
@@ -279,7 +292,15 @@ def _stack_forward(
             **cache_kwargs(cache),
         ).last_hidden_state
     return decoder_stack_forward(
-        stack, projections, inputs_embeds, attention_mask, positions, cache, halves or EAGER_HALVES, final_norm
+        stack,
+        projections,
+        inputs_embeds,
+        attention_mask,
+        positions,
+        cache,
+        halves or EAGER_HALVES,
+        final_norm,
+        split_k_counters,
     )
 
 
@@ -315,8 +336,10 @@ def _run_crq(
     fused = ws.fused_crq if cfg.fuse_crq_projections else None
     # With the kernels, the final norm is folded into output_matching's (one row: the batch-1 decode sub-step).
     fold_norm = kernels and use_decode_kernels(sub_inputs[:, -1])
+    # With the kernels, decode sub-steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
+    counters = ws.split_k_counters if cfg.crq_linear else None
     hidden = _stack_forward(
-        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, final_norm=not fold_norm
+        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters
     )
     features = _matching(tower.output_matching, hidden[:, -1], kernels, crq.norm if fold_norm else None)
     logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head).float().to(ws.device)

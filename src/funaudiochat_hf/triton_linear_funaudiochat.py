@@ -56,6 +56,26 @@ MAX_BLOCK_K_GATED_WIDE = 256
 # Measured on an H200 (BENCHMARKS.md, 2026-12-01 21:05): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
 # (interleaved rounds). False: three kernels (for comparisons).
 GROUPED_QKV = True
+# 2 to ROWS_KERNEL_MAX_ROWS rows (the CRQ's decode sub-steps at batch 2-16, where the caller passes
+# `split_k_counters`): the several-row kernel, `_decode_rows_kernel`. Each weight tile is read once for all rows (a
+# 16-row `tl.dot`, rows past the batch masked) and the reduction is split over SPLIT_K programs per column tile.
+# `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` by `(out_features, in_features, gated)`: the fastest of 12 per shape at 16
+# rows on an H200 (BENCHMARKS.md, 2026-12-01 21:15), µs per call against cuBLAS with its norm / activation / residual
+# kernels (torch compiled): q/k/v 6.82 against 6.97, o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj
+# 5.29 against 9.28. Without the split (one program per column tile over the whole reduction), the 1,024-output
+# projections had 64 programs at most, too few to stream their weights: o_proj 9.09, down_proj 12.78 µs at best.
+ROWS_KERNEL_MAX_ROWS = 16
+USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
+MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
+ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_NUM_WARPS = 32, 128, 4
+ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
+MAX_SPLIT_K = 8
+ROWS_TUNED_TILES = {
+    (4096, 1024, False): (64, 128, 2, 8),  # CRQ q/k/v (fused)
+    (1024, 2048, False): (64, 256, 8, 8),  # CRQ o_proj
+    (3072, 1024, True): (64, 256, 4, 8),  # CRQ gate/up (fused)
+    (1024, 3072, False): (32, 128, 4, 4),  # CRQ down_proj
+}
 # `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
 # shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python
 # scripts/bench_decode_linear.py --sweep-tiles`, BENCHMARKS.md 2026-12-01 13:20–14:00): narrower programs (2-4
@@ -172,6 +192,126 @@ if triton is not None:
             out += tl.load(residual_ptr + tl.program_id(1) * stride_residual + col, mask=col_ok, other=0.0)
         tl.store(out_ptr + tl.program_id(1) * stride_out + col, out.to(dtype), mask=col_ok)
 
+    @triton.jit
+    def _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x,
+                         HAS_NORM: tl.constexpr, MASK_K: tl.constexpr):  # fmt: skip
+        """The `(BLOCK_M, BLOCK_K)` input tile, normed as Qwen3RMSNorm: rounded to the model dtype, times its weight."""
+        x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_NORM:
+            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
+            x = (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
+        return x
+
+    @triton.jit
+    def _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok, stride_residual,
+                       stride_out, N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       GATED: tl.constexpr):  # fmt: skip
+        """Bias, SiLU(gate) * up and residual, rounded as `_decode_linear_kernel` rounds them; stores the tile."""
+        dtype = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+        if GATED:
+            if HAS_BIAS:
+                acc_up += tl.load(bias_ptr + N + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            gate = out.to(tl.float32)
+            out = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        if HAS_RESIDUAL:
+            out += tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=tile_ok, other=0.0)
+        tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out.to(dtype), mask=tile_ok)
+
+    @triton.jit
+    def _decode_rows_kernel(
+        x_ptr, weight_ptr, bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, partials_ptr, counters_ptr,
+        rows, stride_x, stride_residual, stride_out,
+        N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
+        indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
+
+        x `(rows, K)`; weight `(N, K)`, or with GATED `(2N, K)`, the gate rows then the up rows; bias `(N,)` / `(2N,)`;
+        norm weight `(K,)`; residual / out `(rows, N)`. SPLIT_K > 1: each program stores its float32 partial in
+        `partials` `[tiles, SPLIT_K, 1 + GATED, BLOCK_M, BLOCK_N]` and counts itself in `counters[t]` (int32, zero on
+        entry); the last of a tile's programs to arrive adds the partials in split order (the same sums every run),
+        applies the epilogue and sets the counter back to zero, so a CUDA graph replays the kernel without a memset.
+        """
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        MASK_N: tl.constexpr = N % BLOCK_N != 0
+        MASK_K: tl.constexpr = K_SPLIT * SPLIT_K != K
+        row = tl.arange(0, BLOCK_M)
+        row_ok = row < rows
+        col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = col < N
+        k_start = split * K_SPLIT
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        # The first weight tiles before the wait (as `_decode_linear_kernel`); x, the residual, the partials and the
+        # counters only after it.
+        w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+        if GATED:
+            w_up = _load_weight_tile(weight_ptr, col + N, k, col_ok, k_ok, K, MASK_N or MASK_K)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        inverse_rms = tl.zeros([BLOCK_M, 1], tl.float32)
+        if HAS_NORM:  # each program computes its rows' RMS over the whole K, not only its split's share
+            squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                squares += xs * xs
+            inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + EPS)[:, None]
+        x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
+        acc = tl.dot(x, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), input_precision=PRECISION)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        for k0 in tl.range(BLOCK_K, K_SPLIT, BLOCK_K):
+            k = k_start + k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
+            w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATED:
+                w_up = _load_weight_tile(weight_ptr, col + N, k, col_ok, k_ok, K, MASK_N or MASK_K)
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        if SPLIT_K == 1:
+            _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok, stride_residual,
+                           stride_out, N, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
+        else:
+            PARTS: tl.constexpr = 2 if GATED else 1
+            TILE: tl.constexpr = BLOCK_M * BLOCK_N
+            local = row[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            partial_ptr = partials_ptr + (tile * SPLIT_K + split) * (PARTS * TILE) + local
+            tl.store(partial_ptr, acc)
+            if GATED:
+                tl.store(partial_ptr + TILE, acc_up)
+            # Triton issues a scalar atomic from one thread: every thread's stores must precede it (a CTA barrier);
+            # its gpu-scope release then makes them visible to the program that acquires the final count.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the tile's last program
+                tl.debug_barrier()  # every thread's loads below stay behind the acquiring atomic
+                tile_ptr = partials_ptr + tile * SPLIT_K * (PARTS * TILE) + local
+                acc = tl.load(tile_ptr, cache_modifier=".cg")  # .cg: from L2, never a stale L1 line
+                if GATED:
+                    acc_up = tl.load(tile_ptr + TILE, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc += tl.load(tile_ptr + s * (PARTS * TILE), cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(tile_ptr + s * (PARTS * TILE) + TILE, cache_modifier=".cg")
+                _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok,
+                               stride_residual, stride_out, N, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
+                # Zero again for the next launch, which touches the counters only after waiting for this grid.
+                tl.store(counters_ptr + tile, 0)
+
 
 def kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, int, int]:
     """`(BLOCK_N, BLOCK_K, num_warps)` of the kernel for a projection of this shape: `TUNED_TILES`, or the defaults."""
@@ -181,6 +321,49 @@ def kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, 
         block_k = MAX_BLOCK_K
     block_n, block_k, num_warps = TUNED_TILES.get((out_features, in_features, gated), (BLOCK_N, block_k, NUM_WARPS))
     return block_n, min(block_k, 1 << (in_features - 1).bit_length()), num_warps  # at most the next power of two
+
+
+def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, int, int, int]:
+    """`(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` of the several-row kernel for a projection of this shape:
+    `ROWS_TUNED_TILES`, or a default tile whose reduction is split until the grid has `ROWS_MIN_PROGRAMS` programs."""
+    widest_k = max(16, 1 << (in_features - 1).bit_length())  # tl.dot takes at least 16 along each dimension
+    tile = ROWS_TUNED_TILES.get((out_features, in_features, gated))
+    if tile is None:
+        block_k = min(ROWS_BLOCK_K, widest_k)
+        split_k, tiles = 1, triton.cdiv(out_features, ROWS_BLOCK_N)
+        while split_k < MAX_SPLIT_K and tiles * split_k < ROWS_MIN_PROGRAMS and 2 * split_k * block_k <= in_features:
+            split_k *= 2
+        tile = (ROWS_BLOCK_N, block_k, split_k, ROWS_NUM_WARPS)
+    block_n, block_k, split_k, num_warps = tile
+    block_n, block_k = max(block_n, MIN_ROWS_BLOCK_N), min(block_k, widest_k)
+    return block_n, block_k, max(1, min(split_k, triton.cdiv(in_features, block_k))), num_warps  # no empty split
+
+
+def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, counters) -> torch.Tensor:
+    """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (gated: the
+    fused `(2N, K)` gate/up weight)."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    block_n, block_k, split_k, num_warps = rows_kernel_tile(out_features, in_features, gated)
+    tiles = triton.cdiv(out_features, block_n)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    partials = x  # a placeholder: one split needs neither partials nor counters
+    if split_k > 1:
+        if counters.dtype != torch.int32 or counters.numel() < tiles or counters.device != x.device:
+            raise ValueError(f"`split_k_counters` must be {tiles} or more int32 zeros on {x.device}.")
+        partials = torch.empty(tiles * split_k * (2 if gated else 1) * ROWS_KERNEL_MAX_ROWS * block_n,
+                               dtype=torch.float32, device=x.device)  # fmt: skip
+    pdl = programmatic_launch(x.device)
+    _decode_rows_kernel[(tiles, split_k)](
+        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
+        x if residual is None else residual, out, partials, counters,
+        rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=ROWS_KERNEL_MAX_ROWS, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
 
 
 def launch_decode_linear(
@@ -195,6 +378,7 @@ def launch_decode_linear(
     up_bias: torch.Tensor | None = None,
     part_weights: list[torch.Tensor] | tuple = (),
     part_biases: list[torch.Tensor] | tuple = (),
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
@@ -212,6 +396,10 @@ def launch_decode_linear(
         part_weights: up to two more `(out_i, in_features)` weights whose outputs follow `weight`'s in the output
             (a layer's own k and v projections after its q projection: one kernel instead of three). Not with `gated`.
         part_biases: their biases when `bias` is given (then one per part weight), else empty.
+        split_k_counters: None, or int32 zeros (one per output column tile, `rows_kernel_tile`): with 2 to
+            `ROWS_KERNEL_MAX_ROWS` rows, no parts and no separate `up_weight`, the several-row kernel runs instead of
+            the GEMV kernel; its programs count their arrivals there and leave it zero. Not to be shared by launches
+            that may run at the same time (another stream).
     Returns:
         `(rows, out_features)` in x's dtype (`out_features` summed over the parts).
     """
@@ -226,6 +414,8 @@ def launch_decode_linear(
     rows, in_features = x.shape
     if any(part.shape[1] != in_features for part in part_weights):
         raise ValueError(f"Every part weight must take the {in_features} input features of `x`.")
+    if split_k_counters is not None and 1 < rows <= ROWS_KERNEL_MAX_ROWS and not part_weights and up_weight is None:
+        return _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, split_k_counters)
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
         weight, up_weight = weight[:out_features], weight[out_features:]
@@ -273,13 +463,17 @@ if triton is not None:
         up_bias: torch.Tensor | None,
         part_weights: list[torch.Tensor],
         part_biases: list[torch.Tensor],
+        split_k_counters: torch.Tensor | None,
     ) -> torch.Tensor:
+        # `split_k_counters` is written while the kernel runs but left as it was found (zeros): not a mutation.
         return launch_decode_linear(
-            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases
+            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
+            split_k_counters,
         )
 
     @_decode_linear_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases):
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
+          split_k_counters):  # fmt: skip
         out_features = weight.shape[0] // 2 if gated and up_weight is None else weight.shape[0]
         return x.new_empty(x.shape[0], out_features + sum(part.shape[0] for part in part_weights))
 
@@ -317,6 +511,7 @@ class OwnWeightLayer:
     decode_kernels: bool = True
     qkv_weight: None = None  # None: the layer's own projections, no fused copy
     gate_up_weight: None = None
+    split_k_counters: None = None  # one-row steps only (the several-row kernel serves the CRQ's fused weights)
 
 
 @dataclass(frozen=True)
@@ -346,6 +541,25 @@ def use_decode_kernels(hidden_states: torch.Tensor) -> bool:
     return triton is not None and hidden_states.is_cuda and rows <= MAX_ROWS
 
 
+def split_k_counters_for(stack_config, device: torch.device | str) -> torch.Tensor:
+    """int32 zeros enough for the several-row kernel over the fused projections of a Qwen3 stack of `stack_config`
+    (one per column tile of its widest projection), for `decoder_stack_forward(split_k_counters=...)`."""
+    config = stack_config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    widest = max(qkv, config.intermediate_size, config.hidden_size)
+    return torch.zeros(-(-widest // MIN_ROWS_BLOCK_N), dtype=torch.int32, device=device)
+
+
+def use_rows_kernel(hidden_states: torch.Tensor) -> bool:
+    """Whether a `(batch, n, features)` layer input can take the several-row kernel (given `split_k_counters`): a
+    decode step (one position per row) on CUDA of 2 to `ROWS_KERNEL_MAX_ROWS` rows, Triton installed."""
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    one_position = hidden_states.ndim < 3 or hidden_states.shape[-2] == 1
+    several = 1 < rows <= ROWS_KERNEL_MAX_ROWS
+    return USE_ROWS_KERNEL and triton is not None and hidden_states.is_cuda and one_position and several
+
+
 def decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -355,12 +569,14 @@ def decode_linear(
     gated: bool = False,
     up: nn.Linear | None = None,
     parts: tuple[nn.Linear, ...] = (),
+    split_k_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`(..., in_features)` -> `(..., out_features)`: `residual + act(linear(norm(x)))` through the operator.
 
     `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used); `gated` as in
     [`launch_decode_linear`], with `up` the up projection when it is not part of `weight`; `parts`: up to two more
-    linears of the same input whose outputs follow (`launch_decode_linear`'s `part_weights`)."""
+    linears of the same input whose outputs follow (`launch_decode_linear`'s `part_weights`); `split_k_counters`: for
+    2 to `ROWS_KERNEL_MAX_ROWS` rows, the several-row kernel's counters (see `launch_decode_linear`)."""
     shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
@@ -376,6 +592,7 @@ def decode_linear(
         None if up is None else up.bias,
         [part.weight for part in parts],
         [] if bias is None else [part.bias for part in parts],
+        split_k_counters,
     )
     return out.view(*shape, out.shape[-1])
 
@@ -389,5 +606,8 @@ __all__ = [
     "kernel_tile",
     "launch_decode_linear",
     "own_weight_kernels",
+    "rows_kernel_tile",
+    "split_k_counters_for",
     "use_decode_kernels",
+    "use_rows_kernel",
 ]
