@@ -27,7 +27,12 @@ with cuBLAS (CUDA-graph timed, same process), the whole batch-1 step 12.48 again
 products once after the reduction loop, instead of once per unrolled step (each sum synchronised the warps between
 weight loads), made the CRQ's four kernels 19.0 instead of 25.0 µs per layer and the step 11.58 ms; with the LLM on
 them too, 10.69 ms (side by side). Launched as programmatic dependent launches: 9.97 against 10.59 ms (side by
-side; a chain of the CRQ's 112 projections 427 against 525 µs). Batches of 2 or more rows keep cuBLAS (`MAX_ROWS`).
+side; a chain of the CRQ's 112 projections 427 against 525 µs).
+
+Batches of 2 to 16 rows: the GEMV kernel reads the weights once per row, so above `MAX_ROWS` rows the layers keep
+cuBLAS, except the CRQ's fused projections given `split_k_counters` (`generate_speech` passes its workspace's): they
+take `_decode_rows_kernel`, which reads each weight tile once for all rows on tensor cores and splits the reduction
+over several programs per column tile (batch 16: 13.78 against 14.57 ms per step; batch 4: 11.50 against 12.36).
 """
 
 import itertools
@@ -53,17 +58,18 @@ MAX_BLOCK_K = 2048
 MAX_BLOCK_K_GATED = 512
 MAX_BLOCK_K_GATED_WIDE = 256
 # A layer with its own q, k and v weights (the LLM) runs the three as one kernel (`part_weights`) instead of three.
-# Measured on an H200 (BENCHMARKS.md, 2026-12-01 21:05): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
+# Measured on an H200 (BENCHMARKS.md, 2026-12-01 20:50–21:35): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
 # (interleaved rounds). False: three kernels (for comparisons).
 GROUPED_QKV = True
 # 2 to ROWS_KERNEL_MAX_ROWS rows (the CRQ's decode sub-steps at batch 2-16, where the caller passes
 # `split_k_counters`): the several-row kernel, `_decode_rows_kernel`. Each weight tile is read once for all rows (a
 # 16-row `tl.dot`, rows past the batch masked) and the reduction is split over SPLIT_K programs per column tile.
 # `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` by `(out_features, in_features, gated)`: the fastest of 12 per shape at 16
-# rows on an H200 (BENCHMARKS.md, 2026-12-01 21:15), µs per call against cuBLAS with its norm / activation / residual
-# kernels (torch compiled): q/k/v 6.82 against 6.97, o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj
-# 5.29 against 9.28. Without the split (one program per column tile over the whole reduction), the 1,024-output
-# projections had 64 programs at most, too few to stream their weights: o_proj 9.09, down_proj 12.78 µs at best.
+# rows on an H200 (`python scripts/bench_decode_linear.py --sweep-rows-tiles`, BENCHMARKS.md 2026-12-01 20:50–21:35),
+# µs per call against cuBLAS with its norm / activation / residual kernels (torch compiled): q/k/v 6.82 against 6.97,
+# o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj 5.29 against 9.28. Without the split (one program
+# per column tile over the whole reduction), the 1,024-output projections had 64 programs at most, too few to stream
+# their weights: o_proj 9.09, down_proj 12.78 µs at best.
 ROWS_KERNEL_MAX_ROWS = 16
 USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
 MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
