@@ -517,7 +517,6 @@ class OwnWeightLayer:
     decode_kernels: bool = True
     qkv_weight: None = None  # None: the layer's own projections, no fused copy
     gate_up_weight: None = None
-    split_k_counters: None = None  # one-row steps only (the several-row kernel serves the CRQ's fused weights)
 
 
 @dataclass(frozen=True)
