@@ -342,7 +342,8 @@ def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[
         tile = (ROWS_BLOCK_N, block_k, split_k, ROWS_NUM_WARPS)
     block_n, block_k, split_k, num_warps = tile
     block_n, block_k = max(block_n, MIN_ROWS_BLOCK_N), min(block_k, widest_k)
-    return block_n, block_k, max(1, min(split_k, triton.cdiv(in_features, block_k))), num_warps  # no empty split
+    # At most one split per reduction chunk (a split past the reduction's end would only add zeros).
+    return block_n, block_k, max(1, min(split_k, triton.cdiv(in_features, block_k))), num_warps
 
 
 def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, counters) -> torch.Tensor:
