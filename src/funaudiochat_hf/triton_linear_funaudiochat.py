@@ -346,6 +346,11 @@ def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[
     return block_n, block_k, max(1, min(split_k, triton.cdiv(in_features, block_k))), num_warps
 
 
+def _pointer(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """A kernel's tensor argument, or `placeholder` for one it never reads (its HAS_* / PART_* / SPLIT_K flag off)."""
+    return placeholder if tensor is None else tensor
+
+
 def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, counters) -> torch.Tensor:
     """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (gated: the
     fused `(2N, K)` gate/up weight)."""
@@ -362,8 +367,7 @@ def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, coun
                                dtype=torch.float32, device=x.device)  # fmt: skip
     pdl = programmatic_launch(x.device)
     _decode_rows_kernel[(tiles, split_k)](
-        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
-        x if residual is None else residual, out, partials, counters,
+        x, weight, _pointer(bias, x), _pointer(norm_weight, x), _pointer(residual, x), out, partials, counters,
         rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=ROWS_KERNEL_MAX_ROWS, BLOCK_N=block_n,
@@ -436,14 +440,11 @@ def launch_decode_linear(
         block_n //= 2
     part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
 
-    def pointer(tensor: torch.Tensor | None) -> torch.Tensor:
-        return x if tensor is None else tensor  # never read: the kernel's HAS_* / PART_* flags are off
-
     parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
-    part_pointers = [pointer(t) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
+    part_pointers = [_pointer(t, x) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
     pdl = programmatic_launch(x.device)
     _decode_linear_kernel[(triton.cdiv(out_features, block_n), rows)](
-        x, weight, pointer(bias), pointer(up_weight), pointer(up_bias), pointer(norm_weight), pointer(residual), out,
+        x, weight, *(_pointer(t, x) for t in (bias, up_weight, up_bias, norm_weight, residual)), out,
         *part_pointers, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
