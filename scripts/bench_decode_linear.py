@@ -13,12 +13,12 @@ chunk: `triton_linear_funaudiochat.kernel_tile`) and the fastest, then a whole c
 layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds (`--only NAME`:
 the sweep of the projections whose name contains NAME, e.g. "lm_head", without the rounds).
 
-`--sweep-rows-tiles`: the CRQ's four projections at 16 rows (a batch-16 decode step) through the several-row kernel
-(`rows_kernel_tile`: columns per program, reduction chunk, reduction splits, warps), 12 tiles per shape against the
-compiled torch composition, and the fastest.
+`--sweep-rows-tiles [CRQ | LLM]`: the CRQ's (default) or the LLM's four projections at 16 rows (a batch-16 decode
+step) through the several-row kernel (`rows_kernel_tile`: columns per program, reduction chunk, reduction splits,
+warps), 12-14 tiles per shape against the compiled torch composition, and the fastest. The LLM's q, k and v are read
+as three weights (`part_weights`), its gate and up as two; the torch column runs one GEMM over their concatenation.
 
-With `--rows N` (N from 2 to 16) the table's kernel column is the several-row kernel wherever it applies (the CRQ's
-projections; the LLM's gate/up, with its own up weight, stays on the GEMV kernel, one row per program).
+With `--rows N` (N from 2 to 16) the table's kernel column is the several-row kernel.
 
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
@@ -234,9 +234,61 @@ def _rows_tiles(out_features: int, in_features: int, gated: bool, min_programs: 
     return list(dict.fromkeys(tiles))[:12]
 
 
-def sweep_rows_tiles(rows: int = 16) -> None:
-    """The CRQ's projections at `rows` rows: µs per call of the compiled torch composition and of the several-row
-    kernel with each `_rows_tiles` tile (a chain of 28 distinct weights per CUDA graph), and the fastest."""
+# The LLM's projections at several rows as the several-row kernel reads them: (name, output sizes of the weights read
+# side by side (q, k, v: `part_weights`), in_features, norm, gated (gate and up two weights), residual).
+LLM_ROWS_PROJECTIONS = [
+    ("q/k/v (parts)", (4096, 1024, 1024), 4096, True, False, False),
+    ("o_proj", (4096,), 4096, False, False, True),
+    ("gate/up", (12288,), 4096, True, True, False),
+    ("down_proj", (4096,), 12288, False, False, True),
+]
+
+
+def _llm_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[tuple]:
+    """`(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` candidates of the several-row kernel for an LLM-sized projection:
+    64 to 128 columns, 64- or 128-wide chunks, 1 to 4 splits, grids of 128 to 1,100 programs."""
+    import triton
+
+    tiles = []
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128):
+            for split in (1, 2, 4):
+                programs = triton.cdiv(out_features, block_n) * split
+                if 128 <= programs <= 1100:
+                    tiles.append((block_n, block_k, split, 8 if block_n * block_k * (1 + gated) >= 8192 else 4))
+    return tiles
+
+
+def _rows_projections(stack: str, layers: int):
+    """`(name, out_features, in_features, norm, gated, residual, tiles, make_weights)` of `stack`'s projections at
+    several rows; `make_weights()` gives the `launch_decode_linear` weight keyword arguments of one layer."""
+    options = dict(device="cuda", dtype=torch.bfloat16)
+    if stack == "CRQ":
+        for stack_name, name, out_features, in_features, norm, gated, residual, _, _ in PROJECTIONS:
+            if stack_name != "CRQ":
+                continue
+            shape = ((1 + gated) * out_features, in_features)  # the gate/up weight fused
+            tiles = _rows_tiles(out_features, in_features, gated)
+            yield name, out_features, in_features, norm, gated, residual, tiles, lambda shape=shape: {
+                "weight": torch.randn(shape, **options) / 32
+            }
+        return
+    for name, sizes, in_features, norm, gated, residual in LLM_ROWS_PROJECTIONS:
+        def make(sizes=sizes, in_features=in_features, gated=gated):
+            weights = [torch.randn(n, in_features, **options) / 32 for n in sizes]
+            if gated:
+                return {"weight": weights[0], "up_weight": torch.randn_like(weights[0]) / 32}
+            return {"weight": weights[0], "part_weights": weights[1:]}
+
+        out_features = sum(sizes)
+        tiles = _llm_rows_tiles(out_features, in_features, gated)
+        yield name, out_features, in_features, norm, gated, residual, tiles, make
+
+
+def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
+    """The CRQ's (or the LLM's) projections at `rows` rows: µs per call of the compiled torch composition and of the
+    several-row kernel with each candidate tile (a chain of 28 / 36 distinct weights per CUDA graph), and the
+    fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `ROWS_TUNED_TILES` keys them."""
     import triton
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -245,39 +297,51 @@ def sweep_rows_tiles(rows: int = 16) -> None:
     compiled = torch.compile(torch_composition, fullgraph=True, dynamic=False)
     options = dict(device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
-    print(f"{rows} rows, µs per call; tiles (columns, chunk, splits, warps)")
+    layers = 28 if stack == "CRQ" else 36
+    print(f"{stack}, {rows} rows, µs per call; tiles (columns, chunk, splits, warps)")
     print("| projection | torch compiled | tiles | fastest |\n|---|---|---|---|")
     tuned = triton_linear.ROWS_TUNED_TILES
-    for stack, name, out_features, in_features, norm, gated, residual, _, layers in PROJECTIONS:
-        if stack != "CRQ":
-            continue
-        weights = [torch.randn((1 + gated) * out_features, in_features, **options) / 32 for _ in range(layers)]
+    fastest_tiles = {}
+    for name, out_features, in_features, norm, gated, residual, tiles, make in _rows_projections(stack, layers):
+        weights = [make() for _ in range(layers)]
         x = torch.randn(rows, in_features, **options)
         norm_module = Qwen3RMSNorm(in_features, eps=1e-6).to(**options).requires_grad_(False) if norm else None
         norm_weight = None if norm_module is None else norm_module.weight
         residual_t = torch.randn(rows, out_features, **options) if residual else None
-        expected = torch_composition(x, weights[0], norm_module, residual_t, gated, None).float()
+
+        def composition(w):
+            if w.get("part_weights"):  # the parts' outputs side by side: one GEMM over their concatenation
+                return torch_composition(x, torch.cat([w["weight"], *w["part_weights"]]), norm_module, residual_t,
+                                         gated, None)  # fmt: skip
+            return torch_composition(x, w["weight"], norm_module, residual_t, gated, w.get("up_weight"))
+
+        concatenated = [{**w, "weight": torch.cat([w["weight"], *w["part_weights"]]), "part_weights": []}
+                        if w.get("part_weights") else w for w in weights]  # fmt: skip
+        expected = composition(weights[0]).float()
 
         def run_torch():
-            for weight in weights:
-                compiled(x, weight, norm_module, residual_t, gated, None)
+            for w in concatenated:
+                compiled(x, w["weight"], norm_module, residual_t, gated, w.get("up_weight"))
+
+        def kernel(w):
+            return triton_linear.launch_decode_linear(
+                x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters, **w
+            )
 
         def run_kernel():
-            for weight in weights:
-                triton_linear.launch_decode_linear(
-                    x, weight, None, norm_weight, 1e-6, residual_t, gated, split_k_counters=counters
-                )
+            for w in weights:
+                kernel(w)
 
         run_torch()
         torch.cuda.synchronize()
         torch_us = triton.testing.do_bench_cudagraph(run_torch, rep=60) * 1e3 / layers
         times = {}
-        for tile in _rows_tiles(out_features, in_features, gated):
+        for tile in tiles:
             triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
-            got = triton_linear.launch_decode_linear(
-                x, weights[0], None, norm_weight, 1e-6, residual_t, gated, split_k_counters=counters
-            ).float()
-            if not torch.isfinite(got).all() or (got - expected).abs().max().item() > 0.05 or counters.any():
+            got = kernel(weights[0]).float()
+            # bf16 outputs: one rounding of the largest magnitude apart from cuBLAS's (another summation order).
+            tolerance = 0.05 + expected.abs().max().item() / 64
+            if not torch.isfinite(got).all() or (got - expected).abs().max().item() > tolerance or counters.any():
                 raise RuntimeError(f"{name}: tile {tile} is off the torch composition (or left its counters set)")
             run_kernel()
             torch.cuda.synchronize()
@@ -286,6 +350,9 @@ def sweep_rows_tiles(rows: int = 16) -> None:
         cells = ", ".join(f"{tile}: {t:.2f}" for tile, t in times.items())
         fastest = min(times, key=times.get)
         print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f} |", flush=True)
+        fastest_tiles[(out_features, in_features, gated)] = fastest
+        del weights, concatenated
+    return fastest_tiles
 
 
 def tuned_tiles_ab(rounds: int = 5) -> None:
@@ -342,10 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     parser.add_argument("--sweep-tiles", action="store_true", help="sweep the kernel's tiles (one row) instead")
     parser.add_argument("--only", default=None, help="--sweep-tiles: only the projections whose name contains this")
-    parser.add_argument("--sweep-rows-tiles", action="store_true", help="sweep the several-row kernel's tiles instead")
+    parser.add_argument("--sweep-rows-tiles", nargs="?", const="CRQ", choices=["CRQ", "LLM"], default=None,
+                        help="sweep the several-row kernel's tiles instead, over the CRQ's (default) or the LLM's "
+                        "projections")  # fmt: skip
     args = parser.parse_args(argv)
     if args.sweep_rows_tiles:
-        sweep_rows_tiles()
+        sweep_rows_tiles(stack=args.sweep_rows_tiles)
         return
     if args.sweep_tiles:
         sweep_tiles(args.only)

@@ -152,13 +152,20 @@ rows_kernel = triton_linear._launch_rows_kernel
 triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
 rows_steps, rows_keys = run(stack_module.decoder_stack_forward, with_decode_kernels(fused_crq_projections(ours_stack)),
                             counters)
+rows_launches = len(launches)
 rows_counters = counters.abs().sum().item()
+# The same over the layers' own weights (the LLM: q, k and v as the parts of one launch, gate and up two weights).
+launches.clear()
+own_steps, own_keys = run(stack_module.decoder_stack_forward, triton_linear.own_weight_kernels(ours_stack), counters)
+own_launches, own_counters = len(launches), counters.abs().sum().item()
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
 # was computed from, and without `stored_copies` Inductor recomputed the mask for the later layers after that.
 compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
 compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors, "rows_steps": rows_steps,
-                  "rows_keys": rows_keys, "rows_counters": rows_counters, "rows_launches": len(launches)}))
+                  "rows_keys": rows_keys, "rows_counters": rows_counters, "rows_launches": rows_launches,
+                  "own_steps": own_steps, "own_keys": own_keys, "own_counters": own_counters,
+                  "own_launches": own_launches}))
 """
 
 
@@ -182,3 +189,8 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["rows_keys"]) and result["rows_counters"] == 0, result
     assert result["rows_launches"] == 3 * 4 * (len(result["rows_steps"]) - 1), result  # layers x projections x steps
+    # And over the layers' own weights (the LLM's decode steps at batch 2-16): also 4 launches per layer.
+    for step in result["own_steps"][1:]:
+        assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
+    assert all(error < 1e-5 for error in result["own_keys"]) and result["own_counters"] == 0, result
+    assert result["own_launches"] == 3 * 4 * (len(result["own_steps"]) - 1), result

@@ -375,15 +375,18 @@ def test_cuda_graph_fused_step_matches_reference_on_gpu(inputs, compile_scope):
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
 
 
-def test_workspace_counters_cover_the_crq_and_are_zeroed_by_each_run(model, inputs):
+def test_workspace_counters_cover_both_stacks_and_are_zeroed_by_each_run(model, inputs):
     """The several-row kernel's arrival counters belong to the decode workspace (one run at a time), cover the widest
-    CRQ projection's 16-column tiles, and each run starts them at zero (a run stopped mid-kernel leaves them set)."""
+    projection's 16-column tiles over the LLM's and the CRQ's layers (both take the kernel at batch 2-16), and each
+    run starts them at zero (a run stopped mid-kernel leaves them set)."""
     from funaudiochat_hf.generation_funaudiochat import _DecodeWorkspace
 
-    crq_config = model.audio_invert_tower.crq_transformer.config
     workspace = _DecodeWorkspace(model, 2, 32, True, False)
-    widest = (crq_config.num_attention_heads + 2 * crq_config.num_key_value_heads) * crq_config.head_dim
-    widest = max(widest, crq_config.intermediate_size, crq_config.hidden_size)
+    widest = 0
+    for config in (model.config.text_config, model.audio_invert_tower.crq_transformer.config):
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        widest = max(widest, qkv, config.intermediate_size, config.hidden_size)
+    assert widest > 64  # the tiny LLM's widest projection is wider than the tiny CRQ's (64)
     assert workspace.split_k_counters.dtype == torch.int32 and len(workspace.split_k_counters) == -(-widest // 16)
     workspace.split_k_counters.fill_(3)
     workspace.reset(torch.tensor([322]), 320)

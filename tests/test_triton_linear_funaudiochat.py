@@ -115,12 +115,13 @@ def test_kernel_matches_eager_composition_in_the_triton_interpreter():
 
 
 # (rows, out_features, in_features, norm, bias, residual, gated, separate_up) of the several-row kernel: 2-16 rows,
-# output and reduction tails, every epilogue (the gate/up weight fused).
+# output and reduction tails, every epilogue, the gate/up weight fused (the CRQ) or two weights (the LLM).
 ROWS_CASES = [
     (2, 40, 96, True, False, False, False, False),
     (3, 40, 128, False, False, True, False, False),
     (16, 24, 64, True, True, False, True, False),
     (5, 36, 200, True, True, True, False, False),
+    (4, 24, 64, True, True, False, True, True),
 ]
 
 _ROWS_SCRIPT = """
@@ -169,37 +170,55 @@ def test_rows_kernel_tiles_and_counters_are_checked():
         hidden_size=64, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=8
     )
     assert triton_linear.split_k_counters_for(config, "cpu").shape == (13,)  # 200 outputs / 16-column tiles
+    wider = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8, head_dim=8)
+    assert triton_linear.split_k_counters_for([config, wider], "cpu").shape == (16,)  # 256 q/k/v outputs
 
 
 _PARTS_SCRIPT = """
 import json
 import torch
-from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
-errors = []
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+errors, rows_kernel_outputs = [], []
+rows_kernel = triton_linear._launch_rows_kernel
+
+
+def counted_rows_kernel(*args):
+    rows_kernel_outputs.append(rows_kernel(*args))
+    return rows_kernel_outputs[-1]
+
+
+triton_linear._launch_rows_kernel = counted_rows_kernel
+counters = torch.zeros(16, dtype=torch.int32)
 generator = torch.Generator().manual_seed(0)
 # (part sizes, bias): a q/k/v-like split; parts of 6 and 10 columns (the 8-column tile shrinks to 2 so that a program
-# reads one part); two parts.
-for sizes, bias in [((32, 16, 16), False), ((32, 16, 16), True), ((6, 10, 24), True), ((40, 24), False)]:
-    x = torch.randn(1, 96, generator=generator)
-    norm_weight = torch.rand(96, generator=generator) + 0.5
-    weights = [torch.randn(n, 96, generator=generator) / 10 for n in sizes]
-    biases = [torch.randn(n, generator=generator) if bias else None for n in sizes]
-    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm_weight
-    expected = torch.cat([torch.nn.functional.linear(normed, w, b) for w, b in zip(weights, biases)], dim=-1)
-    got = launch_decode_linear(
-        x, weights[0], biases[0], norm_weight, 1e-5, part_weights=weights[1:], part_biases=biases[1:] if bias else []
-    )
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    errors.append((got - expected).abs().max().item())
-print(json.dumps(errors))
+# reads one part; the several-row kernel's 16-column tile cannot, so 3 rows take the GEMV kernel); two parts. One row
+# (the GEMV kernel), three rows with the several-row kernel's counters.
+for rows in (1, 3):
+    for sizes, bias in [((32, 16, 16), False), ((32, 16, 16), True), ((6, 10, 24), True), ((48, 32), False)]:
+        x = torch.randn(rows, 96, generator=generator)
+        norm_weight = torch.rand(96, generator=generator) + 0.5
+        weights = [torch.randn(n, 96, generator=generator) / 10 for n in sizes]
+        biases = [torch.randn(n, generator=generator) if bias else None for n in sizes]
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm_weight
+        expected = torch.cat([torch.nn.functional.linear(normed, w, b) for w, b in zip(weights, biases)], dim=-1)
+        got = triton_linear.launch_decode_linear(
+            x, weights[0], biases[0], norm_weight, 1e-5, part_weights=weights[1:],
+            part_biases=biases[1:] if bias else [], split_k_counters=counters if rows > 1 else None,
+        )
+        assert got.shape == expected.shape and not counters.any(), (got.shape, expected.shape)
+        errors.append((got - expected).abs().max().item())
+print(json.dumps({"errors": errors, "rows_kernel": [out is not None for out in rows_kernel_outputs]}))
 """
 
 
 def test_part_weights_give_the_concatenated_outputs_in_the_triton_interpreter():
     """Several weights in one kernel (`part_weights`: the LLM's q, k and v): the outputs of the separate projections
-    side by side, with and without biases, also where the part sizes force a narrower program tile (float32, 1e-5)."""
-    errors = json.loads(run_in_triton_interpreter(_PARTS_SCRIPT))
-    assert len(errors) == 4 and all(error < 1e-5 for error in errors), errors
+    side by side, with and without biases, also where the part sizes force a narrower program tile (float32, 1e-5);
+    at 3 rows through the several-row kernel, except where a part boundary is not a multiple of its 16 columns."""
+    result = json.loads(run_in_triton_interpreter(_PARTS_SCRIPT))
+    errors = result["errors"]
+    assert len(errors) == 8 and all(error < 1e-5 for error in errors), errors
+    assert result["rows_kernel"] == [True, True, False, True], result
 
 
 def test_part_weights_are_checked():
@@ -382,7 +401,7 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
-                      PDL=True)  # fmt: skip
+                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0)  # fmt: skip
     names = triton_linear._decode_rows_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
     types.update(partials_ptr="*fp32", counters_ptr="*i32")
@@ -531,7 +550,8 @@ def test_cuda_rows_kernel_matches_eager_composition_and_leaves_its_counters_zero
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     counters = torch.zeros(512, dtype=torch.int32, device="cuda")
     full_size = [(16, 4096, 1024, True, False, False, False, False), (16, 1024, 2048, False, False, True, False, False),
-                 (4, 3072, 1024, True, False, False, True, False), (16, 1024, 3072, False, False, True, False, False)]
+                 (4, 3072, 1024, True, False, False, True, False), (16, 1024, 3072, False, False, True, False, False),
+                 (16, 12288, 4096, True, False, False, True, True), (8, 4096, 12288, False, False, True, False, False)]
     for case in [*ROWS_CASES, *full_size]:
         kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
         got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [], counters)

@@ -10,7 +10,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and the residual adds as
   4 Triton kernels (`triton_linear_funaudiochat`), and so does a decode step of 2 to 16 rows given `split_k_counters`
   (the several-row kernel; batch 16: 13.78 against 14.57 ms per step); `own_weight_kernels(stack)` asks for the same
-  kernels over the layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights); over
+  kernels over the layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights; at
+  2 to 16 rows, 13.77 against 14.46 ms per batch-16 step); over
   a static cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the
   Triton attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
   takes that work in every decode step on CUDA, also where the projections stay on cuBLAS (batch 16: 16.87 -> 15.29 ms
@@ -88,10 +89,11 @@ def _project_qkv(
     if _takes_kernels(projections, hidden_states, split_k_counters):
         if own_weights:
             linears = (attention.q_proj, attention.k_proj, attention.v_proj)
+            counters = {"split_k_counters": split_k_counters}
             if not triton_linear.GROUPED_QKV:
-                return tuple(decode_linear(hidden_states, p.weight, p.bias, norm) for p in linears)
+                return tuple(decode_linear(hidden_states, p.weight, p.bias, norm, **counters) for p in linears)
             # One kernel over the three weights, no concatenated copy (an 8B model's would be 1.8 GB).
-            qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:])
+            qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:], **counters)
             return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
         qkv = decode_linear(
             hidden_states, projections.qkv_weight, projections.qkv_bias, norm, split_k_counters=split_k_counters
@@ -122,7 +124,9 @@ def attention_output_and_mlp(
         norm = layer.post_attention_layernorm
         if projections.gate_up_weight is None:  # the layer's own gate and up projections
             gate = mlp.gate_proj
-            activated = decode_linear(hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj)
+            activated = decode_linear(
+                hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj, **counters
+            )
         else:
             gate_up = projections.gate_up_weight, projections.gate_up_bias
             activated = decode_linear(hidden_states, *gate_up, norm, gated=True, **counters)
@@ -140,13 +144,10 @@ def attention_output_and_mlp(
 def _takes_kernels(projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None) -> bool:
     """Whether this layer call runs its projections through `triton_linear_funaudiochat`'s kernels: asked for by the
     projections (`decode_kernels`), and a CUDA input of at most `MAX_ROWS` rows (a batch-1 decode step), or, with
-    `split_k_counters`, a decode step of 2 to 16 rows of fused projections (the several-row kernel)."""
+    `split_k_counters`, a decode step of 2 to 16 rows (the several-row kernel)."""
     if projections is None or not projections.decode_kernels:
         return False
-    if use_decode_kernels(hidden_states):
-        return True
-    fused = projections.qkv_weight is not None and projections.gate_up_weight is not None
-    return split_k_counters is not None and fused and use_rows_kernel(hidden_states)
+    return use_decode_kernels(hidden_states) or (split_k_counters is not None and use_rows_kernel(hidden_states))
 
 
 def _one_position_on_gpu(hidden_states: torch.Tensor) -> bool:
@@ -254,9 +255,10 @@ def decoder_stack_forward(
         halves: the layer halves to run ([`EAGER_HALVES`], or those functions compiled).
         final_norm: False returns the last layer's output, before the stack's final norm (for a caller that folds
             the norm into its next projection).
-        split_k_counters: None, or int32 zeros that let the decode steps of 2 to 16 rows run fused `projections` with
-            `decode_kernels` through the several-row kernel of `triton_linear_funaudiochat` (its split-K programs
-            count their arrivals there and leave them zero; one tensor per run, not shared with a concurrent one).
+        split_k_counters: None, or int32 zeros that let the decode steps of 2 to 16 rows run `projections` with
+            `decode_kernels` (fused, or the layers' own) through the several-row kernel of
+            `triton_linear_funaudiochat` (its split-K programs count their arrivals there and leave them zero; one
+            tensor per run, not shared with a concurrent one; `split_k_counters_for` sizes it).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).

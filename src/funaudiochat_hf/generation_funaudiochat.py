@@ -65,6 +65,10 @@ MIN_LAST_SEGMENT_TOKENS = 50
 CACHE_LENGTH_MULTIPLE = 128
 # How many workspaces (caches + state buffers for one batch size / length) a model keeps for reuse.
 MAX_CACHED_WORKSPACES = 2
+# With `llm_linear`, the LLM's decode steps of 2 to 16 rows take the several-row kernel of
+# `triton_linear_funaudiochat` too (its q/k/v and gate/up over its own weights). Measured on an H200 (BENCHMARKS.md,
+# 2026-12-02 00:30–01:00): batch 16 at 13.77 against 14.46 ms per step (side by side). False: cuBLAS (comparisons).
+LLM_ROWS_KERNEL = True
 
 
 @dataclass
@@ -164,8 +168,9 @@ class _DecodeWorkspace:
         b, dev = batch_size, self.device
 
         crq_config = model.audio_invert_tower.crq_transformer.config if model.audio_invert_tower is not None else None
-        # The several-row kernel's arrival counters (`crq_linear` at batch 2-16): per workspace, as a run's own.
-        self.split_k_counters = split_k_counters_for(crq_config, dev) if crq_config is not None else None
+        # The several-row kernel's arrival counters (`crq_linear` / `llm_linear` at batch 2-16): per workspace, as a
+        # run's own; one tensor for both stacks, which never run at the same time.
+        self.split_k_counters = split_k_counters_for([c for c in (text_config, crq_config) if c is not None], dev)
         if static:
             self.llm_cache = StaticCache(config=text_config, max_cache_len=max_length)
             self.crq_cache = StaticCache(config=crq_config, max_cache_len=k * max_length) if crq_config else None
@@ -384,7 +389,11 @@ def _llm_part(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     language_model = model.language_model
     positions = ws.llm_position[:, None]
     stack = language_model.model
-    hidden = _stack_forward(stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels)
+    # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
+    counters = ws.split_k_counters if cfg.llm_linear and LLM_ROWS_KERNEL else None
+    hidden = _stack_forward(
+        stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters
+    )
     hidden = hidden.to(ws.device)
     ws.llm_position.add_(1)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())

@@ -30,9 +30,11 @@ them too, 10.69 ms (side by side). Launched as programmatic dependent launches: 
 side; a chain of the CRQ's 112 projections 427 against 525 µs).
 
 Batches of 2 to 16 rows: the GEMV kernel reads the weights once per row, so above `MAX_ROWS` rows the layers keep
-cuBLAS, except the CRQ's fused projections given `split_k_counters` (`generate_speech` passes its workspace's): they
+cuBLAS unless given `split_k_counters` (`generate_speech` passes its workspace's, for the CRQ and the LLM): they then
 take `_decode_rows_kernel`, which reads each weight tile once for all rows on tensor cores and splits the reduction
-over several programs per column tile (batch 16: 13.78 against 14.57 ms per step; batch 4: 11.50 against 12.36).
+over several programs per column tile. With the CRQ on it: batch 16 at 13.78 against 14.57 ms per step, batch 4 11.50
+against 12.36; with the LLM's layers too: batch 16 at 13.77 against 14.46 ms (side by side; the LLM's 36 layers at 16
+rows 5,014 against 5,638 µs).
 """
 
 import itertools
@@ -61,19 +63,22 @@ MAX_BLOCK_K_GATED_WIDE = 256
 # Measured on an H200 (BENCHMARKS.md, 2026-12-01 20:50–21:35): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
 # (interleaved rounds). False: three kernels (for comparisons).
 GROUPED_QKV = True
-# 2 to ROWS_KERNEL_MAX_ROWS rows (the CRQ's decode sub-steps at batch 2-16, where the caller passes
-# `split_k_counters`): the several-row kernel, `_decode_rows_kernel`. Each weight tile is read once for all rows (a
-# 16-row `tl.dot`, rows past the batch masked) and the reduction is split over SPLIT_K programs per column tile.
-# `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` by `(out_features, in_features, gated)`: the fastest of 12 per shape at 16
-# rows on an H200 (`python scripts/bench_decode_linear.py --sweep-rows-tiles`, BENCHMARKS.md 2026-12-01 20:50–21:35),
-# µs per call against cuBLAS with its norm / activation / residual kernels (torch compiled): q/k/v 6.82 against 6.97,
-# o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj 5.29 against 9.28. Without the split (one program
-# per column tile over the whole reduction), the 1,024-output projections had 64 programs at most, too few to stream
-# their weights: o_proj 9.09, down_proj 12.78 µs at best.
+# 2 to ROWS_KERNEL_MAX_ROWS rows (the decode steps at batch 2-16, where the caller passes `split_k_counters`): the
+# several-row kernel, `_decode_rows_kernel`. Each weight tile is read once for all rows (a 16-row `tl.dot`, rows past
+# the batch masked) and the reduction is split over SPLIT_K programs per column tile.
+# `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` by `(out_features, in_features, gated)`: the fastest of 12-14 per shape at
+# 16 rows on an H200 (`python scripts/bench_decode_linear.py --sweep-rows-tiles [CRQ | LLM]`, BENCHMARKS.md 2026-12-01
+# 20:50–21:35 and 2026-12-02 00:30–01:00), µs per call against cuBLAS with its norm / activation / residual kernels
+# (torch compiled). The CRQ: q/k/v 6.82 against 6.97, o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj
+# 5.29 against 9.28; without the split (one program per column tile over the whole reduction), the 1,024-output
+# projections had 64 programs at most, too few to stream their weights: o_proj 9.09, down_proj 12.78 µs at best. The
+# LLM: o_proj 11.89 against 15.93, gate/up (two weights) 56.80 against 61.00, down_proj 28.04 against 31.71; its q, k
+# and v (three weights) 20.38 against one cuBLAS GEMM of their concatenation, 18.14.
 ROWS_KERNEL_MAX_ROWS = 16
 USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
 MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
 ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_NUM_WARPS = 32, 128, 4
+ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
 ROWS_TUNED_TILES = {
@@ -81,6 +86,10 @@ ROWS_TUNED_TILES = {
     (1024, 2048, False): (64, 256, 8, 8),  # CRQ o_proj
     (3072, 1024, True): (64, 256, 4, 8),  # CRQ gate/up (fused)
     (1024, 3072, False): (32, 128, 4, 4),  # CRQ down_proj
+    (6144, 4096, False): (128, 128, 4, 8),  # LLM q, k and v (`part_weights`)
+    (4096, 4096, False): (32, 128, 4, 4),  # LLM o_proj
+    (12288, 4096, True): (64, 128, 1, 8),  # LLM gate/up (two weights)
+    (4096, 12288, False): (32, 128, 4, 4),  # LLM down_proj
 }
 # `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
 # shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python
@@ -209,17 +218,18 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok, stride_residual,
-                       stride_out, N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    def _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col, col_ok,
+                       stride_residual, stride_out, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        GATED: tl.constexpr):  # fmt: skip
-        """Bias, SiLU(gate) * up and residual, rounded as `_decode_linear_kernel` rounds them; stores the tile."""
+        """Bias, SiLU(gate) * up and residual, rounded as `_decode_linear_kernel` rounds them; stores the tile of
+        output columns `col` (`weight_col` within the program's weight)."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + weight_col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
         if GATED:
             if HAS_BIAS:
-                acc_up += tl.load(bias_ptr + N + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(up_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             gate = out.to(tl.float32)
             out = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
         tile_ok = row_ok[:, None] & col_ok[None, :]
@@ -229,18 +239,20 @@ if triton is not None:
 
     @triton.jit
     def _decode_rows_kernel(
-        x_ptr, weight_ptr, bias_ptr, norm_weight_ptr, residual_ptr, out_ptr, partials_ptr, counters_ptr,
+        x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr,
+        partials_ptr, counters_ptr, weight_1_ptr, bias_1_ptr, weight_2_ptr, bias_2_ptr,
         rows, stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-        PDL: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
 
-        x `(rows, K)`; weight `(N, K)`, or with GATED `(2N, K)`, the gate rows then the up rows; bias `(N,)` / `(2N,)`;
-        norm weight `(K,)`; residual / out `(rows, N)`. SPLIT_K > 1: each program stores its float32 partial in
+        x `(rows, K)`; weight (the gate's when GATED) and up weight `(N, K)`, biases `(N,)`; norm weight `(K,)`;
+        residual / out `(rows, N)`; PART_1 / PART_2 and weight_1 / bias_1 / weight_2 / bias_2: several weights side
+        by side, as in `_decode_linear_kernel`. SPLIT_K > 1: each program stores its float32 partial in
         `partials` `[tiles, SPLIT_K, 1 + GATED, BLOCK_M, BLOCK_N]` and counts itself in `counters[t]` (int32, zero on
         entry); the last of a tile's programs to arrive adds the partials in split order (the same sums every run),
         applies the epilogue and sets the counter back to zero, so a CUDA graph replays the kernel without a memset.
@@ -253,21 +265,29 @@ if triton is not None:
         row_ok = row < rows
         col = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = col < N
+        weight_col = col  # the column within this program's weight
+        if PART_1 > 0:
+            if tile * BLOCK_N >= PART_1:
+                weight_ptr, bias_ptr, weight_col = weight_1_ptr, bias_1_ptr, col - PART_1
+            if PART_2 > 0:
+                if tile * BLOCK_N >= PART_2:
+                    weight_ptr, bias_ptr, weight_col = weight_2_ptr, bias_2_ptr, col - PART_2
         k_start = split * K_SPLIT
         k = k_start + tl.arange(0, BLOCK_K)
         k_ok = k < K
         # The first weight tiles before the wait (as `_decode_linear_kernel`); x, the residual, the partials and the
         # counters only after it.
-        w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+        w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
         if GATED:
-            w_up = _load_weight_tile(weight_ptr, col + N, k, col_ok, k_ok, K, MASK_N or MASK_K)
+            w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
         inverse_rms = tl.zeros([BLOCK_M, 1], tl.float32)
         if HAS_NORM:  # each program computes its rows' RMS over the whole K, not only its split's share
-            squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
+            # In wide chunks, unrolled: every load of the input in flight at once (one L2 round trip for K <= 4096).
+            squares = tl.zeros([BLOCK_M, NORM_BLOCK_K], tl.float32)
+            for k0 in tl.static_range(0, K, NORM_BLOCK_K):
+                kk = k0 + tl.arange(0, NORM_BLOCK_K)
                 xs = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :],
                              other=0.0).to(tl.float32)  # fmt: skip
                 squares += xs * xs
@@ -281,16 +301,16 @@ if triton is not None:
             k = k_start + k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
-            w = _load_weight_tile(weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+            w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if GATED:
-                w_up = _load_weight_tile(weight_ptr, col + N, k, col_ok, k_ok, K, MASK_N or MASK_K)
+                w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         if SPLIT_K == 1:
-            _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok, stride_residual,
-                           stride_out, N, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
+            _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col,
+                           col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
         else:
             PARTS: tl.constexpr = 2 if GATED else 1
             TILE: tl.constexpr = BLOCK_M * BLOCK_N
@@ -313,8 +333,9 @@ if triton is not None:
                     acc += tl.load(tile_ptr + s * (PARTS * TILE), cache_modifier=".cg")
                     if GATED:
                         acc_up += tl.load(tile_ptr + s * (PARTS * TILE) + TILE, cache_modifier=".cg")
-                _rows_epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, row, row_ok, col, col_ok,
-                               stride_residual, stride_out, N, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
+                _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col,
+                               weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL,
+                               GATED)  # fmt: skip
                 # Zero again for the next launch, which touches the counters only after waiting for this grid.
                 tl.store(counters_ptr + tile, 0)
 
@@ -351,12 +372,18 @@ def _pointer(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Te
     return placeholder if tensor is None else tensor
 
 
-def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, counters) -> torch.Tensor:
-    """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (gated: the
-    fused `(2N, K)` gate/up weight)."""
+def _launch_rows_kernel(x, weights, biases, part_ends, norm_weight, eps, residual, gated, counters):
+    """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch. `weights` /
+    `biases`: `(weight, up weight, part weight 1, part weight 2)` and their biases (None where absent); `part_ends`:
+    the output column after each part. Returns None where a part boundary is not a multiple of the narrowest tile
+    (`MIN_ROWS_BLOCK_N`): a program reads one part."""
     rows, in_features = x.shape
-    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out_features = part_ends[-1]
     block_n, block_k, split_k, num_warps = rows_kernel_tile(out_features, in_features, gated)
+    while block_n > MIN_ROWS_BLOCK_N and any(end % block_n for end in part_ends[:-1]):
+        block_n //= 2
+    if any(end % block_n for end in part_ends[:-1]):
+        return None
     tiles = triton.cdiv(out_features, block_n)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     partials = x  # a placeholder: one split needs neither partials nor counters
@@ -365,14 +392,19 @@ def _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, coun
             raise ValueError(f"`split_k_counters` must be {tiles} or more int32 zeros on {x.device}.")
         partials = torch.empty(tiles * split_k * (2 if gated else 1) * ROWS_KERNEL_MAX_ROWS * block_n,
                                dtype=torch.float32, device=x.device)  # fmt: skip
+    (weight, up_weight, *part_weights), (bias, up_bias, *part_biases) = weights, biases
+    part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
     pdl = programmatic_launch(x.device)
     _decode_rows_kernel[(tiles, split_k)](
-        x, weight, _pointer(bias, x), _pointer(norm_weight, x), _pointer(residual, x), out, partials, counters,
+        x, weight, *(_pointer(t, x) for t in (bias, up_weight, up_bias, norm_weight, residual)), out, partials,
+        counters, *(_pointer(t, x) for pair in zip(part_weights, part_biases) for t in pair),
         rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=ROWS_KERNEL_MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PART_1=part_starts[0],
+        PART_2=part_starts[1], num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -408,9 +440,9 @@ def launch_decode_linear(
             (a layer's own k and v projections after its q projection: one kernel instead of three). Not with `gated`.
         part_biases: their biases when `bias` is given (then one per part weight), else empty.
         split_k_counters: None, or int32 zeros (one per output column tile, `rows_kernel_tile`): with 2 to
-            `ROWS_KERNEL_MAX_ROWS` rows, no parts and no separate `up_weight`, the several-row kernel runs instead of
-            the GEMV kernel; its programs count their arrivals there and leave it zero. Not to be shared by launches
-            that may run at the same time (another stream).
+            `ROWS_KERNEL_MAX_ROWS` rows the several-row kernel runs instead of the GEMV kernel (unless a part
+            boundary is not a multiple of `MIN_ROWS_BLOCK_N` columns); its programs count their arrivals there and
+            leave it zero. Not to be shared by launches that may run at the same time (another stream).
     Returns:
         `(rows, out_features)` in x's dtype (`out_features` summed over the parts).
     """
@@ -425,22 +457,25 @@ def launch_decode_linear(
     rows, in_features = x.shape
     if any(part.shape[1] != in_features for part in part_weights):
         raise ValueError(f"Every part weight must take the {in_features} input features of `x`.")
-    if split_k_counters is not None and 1 < rows <= ROWS_KERNEL_MAX_ROWS and not part_weights and up_weight is None:
-        return _launch_rows_kernel(x, weight, bias, norm_weight, eps, residual, gated, split_k_counters)
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
         weight, up_weight = weight[:out_features], weight[out_features:]
         if bias is not None:
             bias, up_bias = bias[:out_features], bias[out_features:]
     part_ends = list(itertools.accumulate(t.shape[0] for t in (weight, *part_weights)))
+    parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
+    if split_k_counters is not None and 1 < rows <= ROWS_KERNEL_MAX_ROWS:
+        weights = (weight, up_weight, parts[0][0], parts[1][0])
+        biases = (bias, up_bias, parts[0][1], parts[1][1])
+        out = _launch_rows_kernel(x, weights, biases, part_ends, norm_weight, eps, residual, gated, split_k_counters)
+        if out is not None:
+            return out
     out_features = part_ends[-1]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = kernel_tile(out_features, in_features, gated)
     while any(end % block_n for end in part_ends[:-1]):  # a program reads one part
         block_n //= 2
     part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
-
-    parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
     part_pointers = [_pointer(t, x) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
     pdl = programmatic_launch(x.device)
     _decode_linear_kernel[(triton.cdiv(out_features, block_n), rows)](
@@ -548,13 +583,16 @@ def use_decode_kernels(hidden_states: torch.Tensor) -> bool:
     return triton is not None and hidden_states.is_cuda and rows <= MAX_ROWS
 
 
-def split_k_counters_for(stack_config, device: torch.device | str) -> torch.Tensor:
-    """int32 zeros enough for the several-row kernel over the fused projections of a Qwen3 stack of `stack_config`
-    (one per column tile of its widest projection), for `decoder_stack_forward(split_k_counters=...)`."""
-    config = stack_config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
-    widest = max(qkv, config.intermediate_size, config.hidden_size)
+def split_k_counters_for(stack_configs, device: torch.device | str) -> torch.Tensor:
+    """int32 zeros enough for the several-row kernel over the projections of the Qwen3 stacks of `stack_configs` (a
+    config, or a sequence of them: one tensor serves each stack in turn), one per column tile of the widest
+    projection (q/k/v together, gate/up), for `decoder_stack_forward(split_k_counters=...)`."""
+    configs = stack_configs if isinstance(stack_configs, (list, tuple)) else [stack_configs]
+    widest = 0
+    for config in configs:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+        widest = max(widest, qkv, config.intermediate_size, config.hidden_size)
     return torch.zeros(-(-widest // MIN_ROWS_BLOCK_N), dtype=torch.int32, device=device)
 
 
