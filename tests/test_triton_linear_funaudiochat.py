@@ -367,10 +367,11 @@ def test_falls_back_off_cuda_and_for_many_rows():
         assert not triton_linear.use_decode_kernels(torch.zeros(1, 5, 8, device="cuda"))  # a prefill chunk
 
 
-def _linear_ptx(pdl: bool, gated: bool) -> list[str]:
+def _linear_ptx(pdl: bool, gated: bool, **overrides) -> list[str]:
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=gated,
                       BLOCK_N=8, BLOCK_K=512, PDL=pdl, PART_1=0, PART_2=0)
+    constexprs.update(overrides)
     names = triton_linear._decode_linear_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
     return hopper_ptx(triton_linear._decode_linear_kernel, constexprs, types, num_warps=8).splitlines()
@@ -381,16 +382,35 @@ def test_programmatic_launch_fetches_weights_before_waiting_for_the_previous_ker
     """As a programmatic dependent launch (H100 / H200), the GEMV streams its first weight tiles (per weight: 8 rows x
     512 bf16 = 8 KB, 16 bytes per load over 256 threads = 2 loads per thread) while the previous kernel finishes and
     reads its input only after `griddepcontrol.wait`; the next kernel is let in after the reduction. Plain launches
-    compile without either instruction."""
+    compile without either instruction. (The norm weight's first chunk is fetched early too, one more load.)"""
     lines = _linear_ptx(pdl=True, gated=gated)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     launch = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
     loads = [i for i, line in enumerate(lines) if "ld.global" in line]
     early = [lines[i] for i in loads if i < wait]
-    assert len(early) == (4 if gated else 2), early
-    assert all(".L1::no_allocate" in line or "evict_first" in line for line in early), early  # the weight loads
+    weight_loads = [line for line in early if ".L1::no_allocate" in line or "evict_first" in line]
+    assert len(weight_loads) == (4 if gated else 2) and len(early) == len(weight_loads) + 1, early
     assert wait < launch and any(wait < i < launch for i in loads)
     assert not any("griddepcontrol" in line for line in _linear_ptx(pdl=False, gated=gated))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_gemv_reads_its_norm_weight_before_waiting_and_its_residual_with_its_input(norm):
+    """The GEMV leaves no global load on its critical path after the wait but its input's: the norm weight (a weight,
+    never written by a decode step) is fetched before `griddepcontrol.wait` with the first weight tiles, and the
+    residual (an earlier kernel's output) with the input right after it, so neither costs an L2 round trip after the
+    norm's or the products' reduction (a one-chunk reduction: the CRQ's q/k/v and o_proj)."""
+    lines = _linear_ptx(pdl=True, gated=False, N=4096, BLOCK_N=4, BLOCK_K=1024, HAS_NORM=norm, HAS_RESIDUAL=not norm)
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+    if norm:
+        rsqrt = next(i for i, line in enumerate(lines) if "rsqrt" in line and "exit" not in line)
+        assert [lines[i] for i in loads if i < wait and "evict_first" not in lines[i]], "no norm weight load"
+        assert not [lines[i] for i in loads if i > rsqrt]
+    else:
+        assert [i for i in loads if wait < i < release]  # the input and the residual
+        assert not [lines[i] for i in loads if i > release]
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
