@@ -463,6 +463,39 @@ def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
     assert run.cfg.crq_linear and not run.cfg.crq_head_linear
 
 
+@pytest.mark.parametrize("llm_rows", [True, False])
+def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatch, inputs, llm_rows):
+    """With `llm_linear` and `crq_linear` on, every decode step of the LLM and of the CRQ gets the workspace's split-K
+    counters, which let 2 to 16 rows take the several-row kernel on CUDA (on CPU the layers keep their torch path, so
+    the tokens equal the run without the kernels); `LLM_ROWS_KERNEL = False` leaves the LLM on cuBLAS."""
+    from funaudiochat_hf import generation_funaudiochat as generation
+
+    model = _tiny_model()
+    monkeypatch.setattr(generation, "triton_available", lambda device: True)
+    monkeypatch.setattr(generation, "LLM_ROWS_KERNEL", llm_rows)
+    calls = []
+    stack_forward = generation._stack_forward
+
+    def recording(stack, inputs_embeds, *args, **kwargs):
+        counters = kwargs.get("split_k_counters", args[6] if len(args) > 6 else None)
+        calls.append((stack is model.language_model.model, inputs_embeds.shape[1], counters))
+        return stack_forward(stack, inputs_embeds, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "_stack_forward", recording)
+    batch = {name: torch.cat([value, value]) for name, value in inputs.items()}
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=3)
+    options = dict(llm_linear="triton", crq_linear="triton", fuse_crq_projections=True)
+    kernels = model.generate_speech(**batch, **kwargs, **options)
+    decode_steps = [(is_llm, counters) for is_llm, positions, counters in calls if positions == 1]
+    llm_counters = [counters for is_llm, counters in decode_steps if is_llm]
+    crq_counters = [counters for is_llm, counters in decode_steps if not is_llm]
+    assert llm_counters and crq_counters
+    assert all(c is not None and c.dtype == torch.int32 for c in crq_counters)
+    assert all((c is not None) == llm_rows for c in llm_counters)
+    plain = model.generate_speech(**batch, **kwargs)
+    assert torch.equal(kernels.sequences, plain.sequences) and torch.equal(kernels.speech_ids, plain.speech_ids)
+
+
 def test_speech_head_is_padded_only_where_cublas_runs_it(monkeypatch, inputs):
     """The compiled loop's padded copy of the speech head (`padded_output_linear`) is for the head's cuBLAS
     multiplications: none for a one-row loop whose head takes the GEMV kernel, nor for the eager loop."""
