@@ -309,15 +309,13 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
         norm_weight = None if norm_module is None else norm_module.weight
         residual_t = torch.randn(rows, out_features, **options) if residual else None
 
-        def composition(w):
-            if w.get("part_weights"):  # the parts' outputs side by side: one GEMM over their concatenation
-                return torch_composition(x, torch.cat([w["weight"], *w["part_weights"]]), norm_module, residual_t,
-                                         gated, None)  # fmt: skip
-            return torch_composition(x, w["weight"], norm_module, residual_t, gated, w.get("up_weight"))
-
+        # torch: the parts' outputs side by side as one GEMM over their concatenation.
         concatenated = [{**w, "weight": torch.cat([w["weight"], *w["part_weights"]]), "part_weights": []}
                         if w.get("part_weights") else w for w in weights]  # fmt: skip
-        expected = composition(weights[0]).float()
+        first = concatenated[0]
+        expected = torch_composition(x, first["weight"], norm_module, residual_t, gated, first.get("up_weight")).float()
+        # bf16 outputs: one rounding of the largest magnitude apart from cuBLAS's (another summation order).
+        tolerance = 0.05 + expected.abs().max().item() / 64
 
         def run_torch():
             for w in concatenated:
@@ -339,8 +337,6 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
         for tile in tiles:
             triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
             got = kernel(weights[0]).float()
-            # bf16 outputs: one rounding of the largest magnitude apart from cuBLAS's (another summation order).
-            tolerance = 0.05 + expected.abs().max().item() / 64
             if not torch.isfinite(got).all() or (got - expected).abs().max().item() > tolerance or counters.any():
                 raise RuntimeError(f"{name}: tile {tile} is off the torch composition (or left its counters set)")
             run_kernel()
@@ -351,7 +347,7 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
         fastest = min(times, key=times.get)
         print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f} |", flush=True)
         fastest_tiles[(out_features, in_features, gated)] = fastest
-        del weights, concatenated
+        del weights, concatenated, first
     return fastest_tiles
 
 

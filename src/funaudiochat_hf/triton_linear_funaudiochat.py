@@ -383,17 +383,31 @@ def _pointer(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Te
     return placeholder if tensor is None else tensor
 
 
-def _launch_rows_kernel(x, weights, biases, part_ends, norm_weight, eps, residual, gated, counters):
-    """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch. `weights` /
-    `biases`: `(weight, up weight, part weight 1, part weight 2)` and their biases (None where absent); `part_ends`:
-    the output column after each part. Returns None where a part boundary is not a multiple of the narrowest tile
-    (`MIN_ROWS_BLOCK_N`): a program reads one part."""
+def _part_tile(block_n: int, part_ends: list[int], narrowest: int = 1) -> int | None:
+    """`block_n` halved until every part boundary (`part_ends[:-1]`) is a multiple of it, so that a program reads one
+    part; None where that takes fewer than `narrowest` columns."""
+    while block_n > narrowest and any(end % block_n for end in part_ends[:-1]):
+        block_n //= 2
+    return None if any(end % block_n for end in part_ends[:-1]) else block_n
+
+
+def _part_flags(part_ends: list[int]) -> dict:
+    """The kernels' PART_1 / PART_2: the first output column of the second and third weight (0: no such part)."""
+    part_1, part_2 = [*part_ends[:-1], 0, 0][:2]
+    return {"PART_1": part_1, "PART_2": part_2}
+
+
+def _launch_rows_kernel(
+    x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters
+):
+    """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (arguments as
+    `launch_decode_linear` prepares them for either kernel). Returns None where a part boundary is not a multiple of
+    the narrowest tile (`MIN_ROWS_BLOCK_N`)."""
     rows, in_features = x.shape
     out_features = part_ends[-1]
     block_n, block_k, split_k, num_warps = rows_kernel_tile(out_features, in_features, gated)
-    while block_n > MIN_ROWS_BLOCK_N and any(end % block_n for end in part_ends[:-1]):
-        block_n //= 2
-    if any(end % block_n for end in part_ends[:-1]):
+    block_n = _part_tile(block_n, part_ends, MIN_ROWS_BLOCK_N)
+    if block_n is None:
         return None
     tiles = triton.cdiv(out_features, block_n)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
@@ -403,19 +417,16 @@ def _launch_rows_kernel(x, weights, biases, part_ends, norm_weight, eps, residua
             raise ValueError(f"`split_k_counters` must be {tiles} or more int32 zeros on {x.device}.")
         partials = torch.empty(tiles * split_k * (2 if gated else 1) * ROWS_KERNEL_MAX_ROWS * block_n,
                                dtype=torch.float32, device=x.device)  # fmt: skip
-    (weight, up_weight, *part_weights), (bias, up_bias, *part_biases) = weights, biases
-    part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
     pdl = programmatic_launch(x.device)
     _decode_rows_kernel[(tiles, split_k)](
         x, weight, *(_pointer(t, x) for t in (bias, up_weight, up_bias, norm_weight, residual)), out, partials,
-        counters, *(_pointer(t, x) for pair in zip(part_weights, part_biases) for t in pair),
-        rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        counters, *part_pointers, rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=ROWS_KERNEL_MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PART_1=part_starts[0],
-        PART_2=part_starts[1], num_warps=num_warps, launch_pdl=pdl,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -475,27 +486,25 @@ def launch_decode_linear(
             bias, up_bias = bias[:out_features], bias[out_features:]
     part_ends = list(itertools.accumulate(t.shape[0] for t in (weight, *part_weights)))
     parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
+    part_pointers = [_pointer(t, x) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
     if split_k_counters is not None and 1 < rows <= ROWS_KERNEL_MAX_ROWS:
-        weights = (weight, up_weight, parts[0][0], parts[1][0])
-        biases = (bias, up_bias, parts[0][1], parts[1][1])
-        out = _launch_rows_kernel(x, weights, biases, part_ends, norm_weight, eps, residual, gated, split_k_counters)
+        out = _launch_rows_kernel(
+            x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated,
+            split_k_counters,
+        )
         if out is not None:
             return out
     out_features = part_ends[-1]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = kernel_tile(out_features, in_features, gated)
-    while any(end % block_n for end in part_ends[:-1]):  # a program reads one part
-        block_n //= 2
-    part_starts = [*part_ends[:-1], 0, 0][:2]  # PART_1, PART_2 (0: no such part)
-    part_pointers = [_pointer(t, x) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
+    block_n = _part_tile(block_n, part_ends)
     pdl = programmatic_launch(x.device)
     _decode_linear_kernel[(triton.cdiv(out_features, block_n), rows)](
         x, weight, *(_pointer(t, x) for t in (bias, up_weight, up_bias, norm_weight, residual)), out,
         *part_pointers, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        PART_1=part_starts[0], PART_2=part_starts[1],
-        num_warps=num_warps, launch_pdl=pdl,
+        **_part_flags(part_ends), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
