@@ -158,7 +158,8 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
-            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}"
+            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}, "
+            f"text_head={args.text_head!r}"
             + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
@@ -533,6 +534,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "crq_linear": args.crq_linear,
         "llm_linear": args.llm_linear,
         "speech_sampler": args.speech_sampler,
+        "text_head": args.text_head,
         "cache_implementation": "static",
         "return_audio": False,
     }
@@ -1349,6 +1351,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--speech-sampler", default="auto", choices=["auto", "triton", "torch"],
         help="generate_speech(speech_sampler=...)",
+    )
+    p.add_argument(
+        "--text-head", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(text_head=...)"
     )
     p.add_argument(
         "--plain-launches", action="store_true",

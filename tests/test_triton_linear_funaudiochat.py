@@ -269,7 +269,7 @@ from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
 from funaudiochat_hf import triton_attention_funaudiochat, triton_attention_inputs_funaudiochat
-from funaudiochat_hf import triton_sampling_funaudiochat
+from funaudiochat_hf import triton_sampling_funaudiochat, triton_text_head_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
 # Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
@@ -300,14 +300,15 @@ class CountedKernel:  # stands in for a kernel, counting its launches
         return self.kernel[grid]
 for module, name, kind in ((triton_attention_inputs_funaudiochat, "_attention_inputs_kernel", "attention_inputs"),
                            (triton_attention_funaudiochat, "_split_kernel", "attention"),
-                           (triton_sampling_funaudiochat, "_sample_kernel", "sampler")):
+                           (triton_sampling_funaudiochat, "_sample_kernel", "sampler"),
+                           (triton_text_head_funaudiochat, "_text_head_kernel", "text_head")):
     setattr(module, name, CountedKernel(getattr(module, name), kind))
 
 inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
 result = {}
-# The last run compiles the loop whole (fullgraph: the kernels' operators, the cache writes among them, no breaks),
+# The last run compiles the loop (its parts, fullgraph: the kernels' operators, the cache writes among them),
 # with the Triton attention, which takes the attention inputs' work into its kernels.
 compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "triton"}
 # 8 of the golden run's 16 steps (6 of them with speech): greedy decoding's first steps are a prefix of the golden
@@ -325,9 +326,10 @@ for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {
         and torch.equal(out.sequences, golden["sequences"][:, :length]),
         "speech_ids": speech >= 5 * (steps - 2) and torch.equal(out.speech_ids, golden["speech_ids"][:, :speech]),
         **{kind: calls.count(kind) for kind in ("plain", "grouped_qkv", "crq_mlp", "llm_mlp", "attention_inputs",
-                                                 "attention", "head", "sampler")},
+                                                 "attention", "head", "sampler", "text_head")},
     }
 result["crq_layers"] = tower.crq_transformer.config.num_hidden_layers
+result["decode_steps"] = steps - 1
 print(json.dumps(result))
 """
 
@@ -337,10 +339,12 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     the attention inputs' kernel; input matching, output matching and speech head around the stack);
     `llm_linear="triton"` adds the LLM's decode steps (4 per layer and step: q, k and v in one kernel over the three
     weights, the gate and up weights unfused; and the attention inputs). The compiled run also picks its speech tokens
-    with the sampler kernel. The greedy tokens of the first 8 steps equal the official implementation's either way,
-    also with the loop compiled whole."""
+    with the sampler kernel, and its decode steps' text logits with the text head kernel (`text_head="auto"`: in a
+    loop compiled in parts; inline here, off CUDA). The greedy tokens of the first 8 steps equal the official
+    implementation's either way, also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     crq_layers = result.pop("crq_layers")
+    decode_steps = result.pop("decode_steps")
     for run in result.values():
         assert run["sequences"] and run["speech_ids"], result
     crq_only, both, compiled = result["torch"], result["triton"], result["compiled"]
@@ -349,6 +353,7 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     assert crq_only["head"] == both["head"] == compiled["head"] == 3 * sub_steps + 2, result
     assert crq_only["sampler"] == both["sampler"] == 0, result  # "auto": the sampler kernel only in a compiled loop
     assert compiled["sampler"] == sub_steps + 1, result
+    assert crq_only["text_head"] == both["text_head"] == 0 and compiled["text_head"] == decode_steps, result
     assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
     assert both["crq_mlp"] == crq_only["crq_mlp"] and both["llm_mlp"] > 0
     assert crq_only["grouped_qkv"] == 0 and both["grouped_qkv"] == both["llm_mlp"], result
