@@ -119,6 +119,7 @@ class Results:
             "bandwidth": {},
             "chat_model": {},
             "chat": [],
+            "compare": [],
             "crq_share": [],
             "ttfa": [],
             "repeat_calls": [],
@@ -637,6 +638,25 @@ def chat_step_row(model, bandwidth: dict, mode: str, batch: int, args: argparse.
     return row
 
 
+def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
+    """ms per LLM step of each `--compare` variant (generate_speech keyword arguments over the run's own), measured
+    side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
+    what such a run reports; a lone step time drifts by ±0.1-0.3 ms between runs on an H200)."""
+    inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
+    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
+    short = max(1, long // 4)
+    variants = [{"kwargs": kwargs, "ms_per_step": [], "notes": []} for kwargs in args.compare]
+    for round_index in range(args.compare_rounds):
+        for variant in variants:
+            m = measure_step_time(model, inputs, mode, args, args.device, short, long, **variant["kwargs"])
+            variant["ms_per_step"].append(m["ms_per_step"])
+            variant["notes"] = sorted(set(variant["notes"]) | set(m["notes"]))
+            log(f"  round {round_index + 1}: {json.dumps(variant['kwargs'])} {m['ms_per_step']:.3f} ms/step")
+    for variant in variants:
+        variant["median_ms"] = statistics.median(variant["ms_per_step"])
+    return {"mode": mode, "batch": batch, "rounds": args.compare_rounds, "variants": variants}
+
+
 def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_ms: float | None) -> dict:
     """Step time with `disable_speech=True` (LLM only) against the normal step: the CRQ's share of a step."""
     device = args.device
@@ -1098,6 +1118,30 @@ def render_chat(data: dict) -> str:
     return "\n".join(out)
 
 
+def render_compare(data: dict) -> str:
+    """One table per `--compare` measurement: each variant's median step and its rounds, relative to the first."""
+    out = []
+    for r in data.get("compare", []):
+        title = f"Side by side ({r['mode']}, batch {r['batch']}, {r.get('rounds', '?')} interleaved rounds)"
+        if row_status(r):
+            out.append(f"{title}: {r['status']}")
+            continue
+        first = r["variants"][0]["median_ms"]
+        rows = [
+            [
+                f"`{json.dumps(v['kwargs'])}`",
+                fmt(v["median_ms"], 3),
+                fmt(v["median_ms"] / first, 3) + "×",
+                ", ".join(fmt(ms, 3) for ms in v["ms_per_step"]),
+                "; ".join(v.get("notes", [])),
+            ]
+            for v in r["variants"]
+        ]
+        header = ["generate_speech kwargs", "ms / LLM step (median)", "vs first", "rounds (ms)", "notes"]
+        out.append(f"{title}:\n\n{table(header, rows)}")
+    return "\n\n".join(out)
+
+
 def render_extras(data: dict) -> str:
     lines = []
     bw = data.get("bandwidth") or {}
@@ -1231,8 +1275,12 @@ def render_markdown(data: dict) -> str:
         + (" — **tiny random configs, numbers are not meaningful**" if meta.get("tiny") else ""),
         "",
     ]
+    if data.get("compare"):
+        parts += ["### Chat loop variants side by side, random weights", "", render_compare(data), ""]
+    if data["chat"]:
+        parts += ["### Chat loop (LLM + CRQ), random weights", "", render_chat(data), ""]
     if data["chat"] or data.get("chat_model"):
-        parts += ["### Chat loop (LLM + CRQ), random weights", "", render_chat(data), "", render_extras(data), ""]
+        parts += [render_extras(data), ""]
     elif data.get("bandwidth"):
         parts += [render_extras(data), ""]
     if data["decoder"] or data.get("decoder_model"):
@@ -1380,9 +1428,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; remaining measurements are skipped")
     p.add_argument("--bandwidth-mb", type=int, default=None, help="copy buffer size (default 2048 cuda, 64 cpu)")
+    p.add_argument(
+        "--compare", nargs="+", default=None, metavar="JSON",
+        help="measure only chat variants, side by side: each a JSON object of generate_speech keyword arguments\n"
+             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size",
+    )
+    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (medians reported)")
     p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     p.add_argument("--from-json", default=None, help="render a results JSON and append it to BENCHMARKS.md, then exit")
     args = p.parse_args(argv)
+    if args.compare is not None:
+        try:
+            args.compare = [json.loads(text) for text in args.compare]
+        except json.JSONDecodeError as error:
+            p.error(f"--compare takes JSON objects of generate_speech keyword arguments: {error}")
+        if not all(isinstance(kwargs, dict) for kwargs in args.compare) or args.compare_rounds < 1:
+            p.error("--compare takes JSON objects (e.g. '{\"text_head\": \"torch\"}') and --compare-rounds >= 1")
     # --tiny runs on a CPU in well under a minute: shorter audio and fewer repetitions (numbers are meaningless there).
     defaults = {
         "repeats": (3, 1),
@@ -1418,6 +1479,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     best = compiled[0] if compiled else "eager"
     first_batch = 1 if 1 in batches else batches[0]
     items: list[tuple[str, str, dict]] = []
+    if "chat" in parts and args.compare:  # the variants side by side instead of the chat rows
+        return [("compare", f"compare batch {b}", {"mode": best, "batch": b}) for b in batches]
     if "chat" in parts:
         for mode in compiled:
             items.append(("chat", f"chat {mode} batch {first_batch}", {"mode": mode, "batch": first_batch}))
@@ -1578,6 +1641,9 @@ def run_plan(args, results, budget, bandwidth, chat_model, decoder_model, state,
                 full_step_ms[(mode, p["batch"])] = row["ms_per_step"]
                 log(f"  -> {row['ms_per_step']:.2f} ms/step, RTF {row['rtf']:.4f}, peak {fmt(row.get('peak_gb'))} GB")
             results.add("chat", row)
+        elif kind == "compare":
+            row = measure(label, lambda: compare_row(chat_model(), mode, p["batch"], args))
+            results.add("compare", {"mode": mode, "batch": p["batch"], **row})
         elif kind == "crq":
             full = full_step_ms.get((mode, p["batch"]))
             row = measure(label, lambda: crq_share_row(chat_model(), mode, p["batch"], args, full))

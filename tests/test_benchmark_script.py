@@ -265,3 +265,25 @@ def test_step_time_is_never_negative(monkeypatch):
     seconds = {1: [0.10] * 3, 4: [0.40] * 3}
     row = benchmark.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
     assert row["ms_per_step"] == pytest.approx(100.0) and not row["notes"]
+
+
+def test_compare_measures_variants_side_by_side(tmp_path):
+    """`--compare`: only the chat variants, every round measuring each in turn, per batch size; their medians in the
+    JSON and one markdown table per batch; a malformed variant is refused before anything runs."""
+    proc = _run(
+        ["--tiny", "--device", "cpu", "--steps", "4", "--no-write", "--modes", "eager", "--batch-sizes", "1",
+         "--compare", '{"text_head": "torch"}', '{"speech_sampler": "torch"}', "--compare-rounds", "2"],
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark.json").read_text())
+    assert data["chat"] == [] and data["decoder"] == []
+    (row,) = data["compare"]
+    assert row["batch"] == 1 and row["mode"] == "eager" and row["rounds"] == 2
+    assert [v["kwargs"] for v in row["variants"]] == [{"text_head": "torch"}, {"speech_sampler": "torch"}]
+    for variant in row["variants"]:
+        assert len(variant["ms_per_step"]) == 2 and variant["median_ms"] > 0
+    assert '| `{"speech_sampler": "torch"}` |' in proc.stdout and "2 interleaved rounds" in proc.stdout
+    bad = _run(["--tiny", "--device", "cpu", "--no-write", "--compare", "text_head=torch"], tmp_path)
+    assert bad.returncode == 2 and "--compare takes JSON objects" in bad.stderr
