@@ -7,11 +7,15 @@ LLM's last hidden state, and the CRQ only needs that hidden state too (spec funa
 the embedding of the token fed, not of the token chosen). So the head can stream its weights during the CRQ's
 sub-steps, in the bandwidth they leave unused, and only the token choice waits for it.
 
-`_text_head_kernel` is a persistent kernel of few programs (`TEXT_HEAD_PROGRAMS`): each walks its share of the
-vocabulary's column tiles on tensor cores (rows past the batch masked), so it holds a bounded part of the GPU and the
-CRQ's kernels, launched on the main stream meanwhile, find room on every multiprocessor (a kernel of one program per
-tile, as cuBLAS launches, would fill the GPU and make each CRQ kernel wait for a free slot). Its logits are rounded as
-`lm_head(hidden).float()` rounds them: the GEMM's float32 sum, rounded to the model dtype, then float32.
+`_text_head_kernel` is a persistent kernel of few programs (`PROGRAMS_PER_MULTIPROCESSOR`): each walks its share of
+the vocabulary's column tiles on tensor cores (rows past the batch masked), so it holds a bounded part of the GPU and
+the CRQ's kernels, launched on the main stream meanwhile, keep room on every multiprocessor (a grid of one program per
+tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).float()` rounds them: the GEMM's float32
+sum, rounded to the model dtype, then float32.
+
+Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat steps side by side in one process): batch 1, 7.83 against 7.96
+ms per step with the head inline (0.05-0.27 ms less in three calls; 16 to 264 programs all within that range); batch
+16, no gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch 1 only (`AUTO_MAX_ROWS`).
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
@@ -28,9 +32,10 @@ from .triton_attention_funaudiochat import _multiprocessors, triton
 
 
 # Programs of the persistent kernel, per multiprocessor (at least one program). A fraction of the GPU: the head has the
-# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do; each program more takes bandwidth
-# and issue slots from the CRQ's latency-bound kernels.
-PROGRAMS_PER_MULTIPROCESSOR = 0.25
+# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. On an H200 at batch 1 (side by side,
+# ms per step): 0.125 / 0.25 / 0.5 programs per SM 7.93 / 7.85 / 7.80 (inline 8.07); 0.5 / 1 / 2: 7.83 / 7.84 / 7.90
+# (inline 7.96).
+PROGRAMS_PER_MULTIPROCESSOR = 0.5
 BLOCK_M = 16  # rows per tile: tl.dot's least; a decode step has one row per batch row (at most BLOCK_M)
 # Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat
 # steps side by side in one process): batch 1 gains ~0.1-0.25 ms per step; batch 16 none (13.30 against 13.26 ms),
