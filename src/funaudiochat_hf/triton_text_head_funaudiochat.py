@@ -14,8 +14,9 @@ tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).floa
 sum, rounded to the model dtype, then float32.
 
 Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat steps side by side in one process): batch 1, 7.83 against 7.96
-ms per step with the head inline (0.05-0.27 ms less in three calls; 16 to 264 programs all within that range); batch
-16, no gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch 1 only (`AUTO_MAX_ROWS`).
+and 7.55 against 8.34 ms per step with the head inline (0.05-0.79 ms less in four calls, median ~0.2; 16 to 264
+programs all within that range); batch 16, no gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch
+1 only (`AUTO_MAX_ROWS`).
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
