@@ -1204,8 +1204,8 @@ class FunAudioChatSpeechGenerationMixin:
                 to float rounding), `text_head` ("auto", default: "triton" in a loop compiled with
                 `compile_scope="parts"` on a CUDA GPU of compute capability >= 8.0 with Triton installed, speech on,
                 batch 1, else "torch"; "triton" (up to 16 rows): each decode step's text logits come from a Triton
-                kernel of few programs on a second CUDA stream while the CRQ sub-steps run (batch 1: ~0.1-0.25 ms less
-                per step on an H200), `triton_text_head_funaudiochat`;
+                kernel of few programs on a second CUDA stream while the CRQ sub-steps run (batch 1: 0.05-0.8 ms, median
+                ~0.2 ms, less per step on an H200), `triton_text_head_funaudiochat`;
                 "torch": the LLM's `lm_head` after the LLM part; same logits up to float rounding),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 

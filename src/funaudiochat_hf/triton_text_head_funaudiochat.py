@@ -33,13 +33,13 @@ from .triton_attention_funaudiochat import _multiprocessors, triton
 
 
 # Programs of the persistent kernel, per multiprocessor (at least one program). A fraction of the GPU: the head has the
-# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. On an H200 at batch 1 (side by side,
-# ms per step): 0.125 / 0.25 / 0.5 programs per SM 7.93 / 7.85 / 7.80 (inline 8.07); 0.5 / 1 / 2: 7.83 / 7.84 / 7.90
-# (inline 7.96).
+# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. On an H200 at batch 1 (side by
+# side, ms per step): 0.125 / 0.25 / 0.5 programs per SM 7.93 / 7.85 / 7.80 (inline 8.07); 0.5 / 1 / 2: 7.83 / 7.84 /
+# 7.90 (inline 7.96).
 PROGRAMS_PER_MULTIPROCESSOR = 0.5
 BLOCK_M = 16  # rows per tile: tl.dot's least; a decode step has one row per batch row (at most BLOCK_M)
 # Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat
-# steps side by side in one process): batch 1 gains ~0.1-0.25 ms per step; batch 16 none (13.30 against 13.26 ms),
+# steps side by side in one process): batch 1 gains 0.05-0.8 ms per step; batch 16 none (13.30 against 13.26 ms),
 # where the CRQ's several-row kernels and its attention over 16 rows' caches use the bandwidth the head would take.
 AUTO_MAX_ROWS = 1
 BLOCK_N = 64
