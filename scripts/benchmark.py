@@ -617,12 +617,18 @@ def measure_step_time(
     }
 
 
+def step_counts(mode: str, args: argparse.Namespace) -> tuple[int, int]:
+    """`(short, long)` max_new_tokens of the two timing runs whose slope is the step time (eager: at most
+    `--eager-steps`)."""
+    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
+    return max(1, long // 4), long
+
+
 def chat_step_row(model, bandwidth: dict, mode: str, batch: int, args: argparse.Namespace, results: Results) -> dict:
     device = args.device
     info = results.data["chat_model"]  # filled by the (lazy) build of `model`
     inputs = make_chat_inputs(model, batch, args.input_seconds, device)
-    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
-    short = max(1, long // 4)
+    short, long = step_counts(mode, args)
     m = measure_step_time(model, inputs, mode, args, device, short, long)
     row = {"mode": mode, "batch": batch, **m, "prompt_len": int(inputs["input_ids"].shape[1])}
     step_s = m["ms_per_step"] / 1e3
@@ -643,8 +649,7 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
     what such a run reports; a lone step time drifts by ±0.1-0.3 ms between runs on an H200)."""
     inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
-    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
-    short = max(1, long // 4)
+    short, long = step_counts(mode, args)
     variants = [{"kwargs": kwargs, "ms_per_step": [], "notes": []} for kwargs in args.compare]
     for round_index in range(args.compare_rounds):
         for variant in variants:
@@ -661,8 +666,7 @@ def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_m
     """Step time with `disable_speech=True` (LLM only) against the normal step: the CRQ's share of a step."""
     device = args.device
     inputs = make_chat_inputs(model, batch, args.input_seconds, device)
-    long = args.steps if mode != "eager" else min(args.steps, args.eager_steps)
-    short = max(1, long // 4)
+    short, long = step_counts(mode, args)
     m = measure_step_time(model, inputs, mode, args, device, short, long, disable_speech=True)
     row = {"mode": mode, "batch": batch, "llm_only_ms_per_step": m["ms_per_step"], "notes": m["notes"]}
     if full_ms:
@@ -1279,9 +1283,7 @@ def render_markdown(data: dict) -> str:
         parts += ["### Chat loop variants side by side, random weights", "", render_compare(data), ""]
     if data["chat"]:
         parts += ["### Chat loop (LLM + CRQ), random weights", "", render_chat(data), ""]
-    if data["chat"] or data.get("chat_model"):
-        parts += [render_extras(data), ""]
-    elif data.get("bandwidth"):
+    if data["chat"] or data.get("chat_model") or data.get("bandwidth"):
         parts += [render_extras(data), ""]
     if data["decoder"] or data.get("decoder_model"):
         precision = meta.get("decoder_precision", "float32")

@@ -109,11 +109,10 @@ def launch_text_head(
         )
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("The text head kernel needs contiguous rows of x and out and a contiguous weight.")
-    programs = programs or text_head_programs(x.device)
-    tiles = triton.cdiv(vocab, BLOCK_N)
-    _text_head_kernel[(min(programs, tiles),)](
+    programs = min(programs or text_head_programs(x.device), triton.cdiv(vocab, BLOCK_N))  # no program without a tile
+    _text_head_kernel[(programs,)](
         x, weight, x if bias is None else bias, out, rows, x.stride(0), out.stride(0),
-        N=vocab, K=in_features, HAS_BIAS=bias is not None, PROGRAMS=min(programs, tiles), BLOCK_M=BLOCK_M,
+        N=vocab, K=in_features, HAS_BIAS=bias is not None, PROGRAMS=programs, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
     )  # fmt: skip
