@@ -545,8 +545,9 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
 
 def cache_length(prompt_len: int, args: argparse.Namespace) -> int:
     """One LLM cache length for every call of a batch size (timing runs, TTFA, repeated calls): the same
-    `generate_speech` workspace and compiled graph serve them all, so only the first call compiles / captures."""
-    longest = prompt_len + max(args.steps, args.ttfa_steps, args.repeat_steps)
+    `generate_speech` workspace and compiled graph serve them all, so only the first call compiles / captures.
+    `--cache-steps N` sizes it for N new tokens, as a call with `max_new_tokens=N` whose reply ends sooner."""
+    longest = prompt_len + max(args.steps, args.ttfa_steps, args.repeat_steps, args.cache_steps)
     return -(-longest // 128) * 128
 
 
@@ -1428,12 +1429,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ttfa-steps", type=int, default=None, help="max_new_tokens of the TTFA stream (40; 12 tiny)")
     p.add_argument("--repeat-calls", type=int, default=None, help="consecutive short calls (100; 3 with --tiny)")
     p.add_argument("--repeat-steps", type=int, default=8, help="max_new_tokens of each repeated call")
+    p.add_argument(
+        "--cache-steps", type=int, default=0,
+        help="size the static caches for this many new tokens (a long max_new_tokens, the reply ending sooner);\n"
+             "default: the longest measured run",
+    )
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; remaining measurements are skipped")
     p.add_argument("--bandwidth-mb", type=int, default=None, help="copy buffer size (default 2048 cuda, 64 cpu)")
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="JSON",
         help="measure only chat variants, side by side: each a JSON object of generate_speech keyword arguments\n"
-             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size",
+             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size. In one\n"
+             "process, variants whose compiled steps are the same graphs replay the first one's CUDA graphs:\n"
+             "compare a setting read only when a kernel is launched (a module constant) in separate runs",
     )
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (medians reported)")
     p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")

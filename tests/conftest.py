@@ -68,18 +68,23 @@ def tiny_decoder_with_and_without(monkeypatch, module, switch: str) -> dict:
     return results
 
 
-def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4) -> str:
+def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4, divisible: tuple = ()) -> str:
     """PTX of a Triton kernel compiled for an H100 / H200 (sm_90, no GPU needed) as a programmatic dependent launch.
 
-    `constexprs`: the values of its `tl.constexpr` parameters; `types`: the Triton type of its pointer (e.g. `"*bf16"`,
-    taken as 16-byte aligned, as Triton specialises launches on torch's allocations) and float parameters; the other
-    parameters are 32-bit integers."""
+    `constexprs`: the values of its `tl.constexpr` parameters (and of integers a launch specialises, such as a unit
+    stride); `types`: the Triton type of its pointer (e.g. `"*bf16"`, taken as 16-byte aligned, as Triton specialises
+    launches on torch's allocations) and float parameters; the other parameters are 32-bit integers, those named in
+    `divisible` multiples of 16 (as Triton specialises them when they are)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if signature[name][0] == "*"}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name][0] == "*" or (name in divisible and signature[name] == "i32")
+    }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps, "launch_pdl": True}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

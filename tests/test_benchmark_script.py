@@ -267,6 +267,18 @@ def test_step_time_is_never_negative(monkeypatch):
     assert row["ms_per_step"] == pytest.approx(100.0) and not row["notes"]
 
 
+def test_cache_steps_size_the_caches_for_a_longer_call():
+    """`--cache-steps N`: every call of a batch size runs with the caches of a `max_new_tokens=N` call (rounded up to
+    128 positions), as a reply that ends before its limit; by default the longest measured run sizes them."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+
+    args = benchmark.parse_args(["--steps", "64", "--ttfa-steps", "40", "--repeat-steps", "8"])
+    assert benchmark.cache_length(100, args) == 256  # 100 + 64 -> 256
+    args = benchmark.parse_args(["--steps", "64", "--cache-steps", "1024"])
+    assert benchmark.cache_length(100, args) == 1152  # 100 + 1024 -> 1152
+
+
 def test_compare_measures_variants_side_by_side(tmp_path):
     """`--compare`: only the chat variants, every round measuring each in turn, per batch size; their medians in the
     JSON and one markdown table per batch; a malformed variant is refused before anything runs."""

@@ -203,9 +203,53 @@ def test_cuda_kernel_matches_eager(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_splits", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(dtype):
+def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(dtype, max_splits, monkeypatch):
     """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
     and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
-    float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32)."""
+    float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32). On the GPU the folded
+    splits take the pipelined loop up to the new position (`PIPELINED_BLOCKS`), the two-step path the block loop;
+    with at most 2 splits each split has several blocks, the new position in a later one."""
+    from funaudiochat_hf import triton_attention_funaudiochat
+
+    if max_splits is not None:
+        monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
     _assert_folded_results(folded_case_results("cuda", dtype), tolerance=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
+    """The folded attention's pipelined loop over the blocks up to the new position gives the block loop's result
+    bit for bit (the same blocks in the same order; the blocks it leaves out add nothing), for new positions at the
+    start, end and middle of a block, in a split's first or later block, with left padding."""
+    from funaudiochat_hf import triton_attention_funaudiochat
+
+    generator = torch.Generator().manual_seed(0)
+    for batch, cache_len, used, max_splits in [(1, 1280, 700, 64), (16, 1280, 700, 64), (1, 640, 63, 2),
+                                               (3, 640, 64, 2), (2, 4096, 3000, 4), (1, 64, 0, 64)]:  # fmt: skip
+        monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=generator).to("cuda", dtype)
+
+        query, key, value = rand(batch, 16 * 128), rand(batch, 8 * 128), rand(batch, 8 * 128)
+        norms = [(torch.rand(128, generator=generator) + 0.5).to("cuda", dtype) for _ in range(2)]
+        cos, sin = rand(batch, 128), rand(batch, 128)
+        caches = [rand(batch, 8, cache_len, 128) for _ in range(2)]
+        mask = torch.zeros(batch, cache_len, dtype=torch.bool, device="cuda")
+        mask[:, : used + 1] = True
+        mask[1:, : min(used, 70)] = False  # left padding, a whole block of it
+        outputs = []
+        for pipelined in (True, False):
+            monkeypatch.setattr(triton_attention_funaudiochat, "PIPELINED_BLOCKS", pipelined)
+            keys, values = (c.clone() for c in caches)
+            length = torch.tensor(used, device="cuda")
+            out = torch.ops.funaudiochat.decode_attention_with_inputs(
+                query, key, value, *norms, 1e-6, 1e-6, cos, sin, keys, values, length, mask, 0.088
+            )
+            outputs.append((out, keys, values, int(length)))
+        (out, keys, values, length), (out_loop, keys_loop, values_loop, length_loop) = outputs
+        assert torch.equal(out, out_loop) and torch.isfinite(out).all(), (batch, cache_len, used)
+        assert torch.equal(keys, keys_loop) and torch.equal(values, values_loop) and length == length_loop == used + 1

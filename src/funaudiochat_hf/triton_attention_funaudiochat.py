@@ -13,6 +13,10 @@ per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache
   (max, sum, weighted values) per head and split.
 - `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head.
 
+In a decode step over a static cache the splits know the new position and loop over their blocks up to it only,
+software-pipelined (`PIPELINED_BLOCKS`): a step costs the same whatever the cache's unused tail (batch 16 with the
+caches sized for 1,024 steps: 12.56 against 15.41 ms per LLM step).
+
 A decode step over a static cache on CUDA (`triton_attention_inputs_funaudiochat.decode_attention_with_inputs`, at
 any batch size) also hands the kernels the work between the q/k/v projections and the attention (`AttentionInputs`):
 each split program norms and rotates its heads' queries, the split that reads the new position's block first writes
@@ -63,6 +67,17 @@ MAX_SPLITS = 64
 # 16, 64 with 32-, 64- and 128-position blocks, the CRQ and the LLM at batch 1, 4 and 16): 2 with 64-position blocks
 # was the fastest or within 1.1 µs of it in every case; more splits mostly add merge work.
 PROGRAMS_PER_MULTIPROCESSOR = 2
+# A decode step over a static cache (with `AttentionInputs`: the new position is known) loops each split over its
+# blocks up to that position only: a trip count read from the cache length, which Triton software-pipelines over
+# PIPELINE_STAGES blocks (the next block's mask, keys and values fetched asynchronously during this block's math).
+# The block loop instead tests every block of the static cache, each test a mask read the block's keys and values
+# wait for, so a step's cost grew with the cache's unused tail (with `max_new_tokens`). Measured on an H200
+# (BENCHMARKS.md, 2026-12-02), chat steps with the caches sized for 1,024 steps, 64-step runs, one process per
+# variant: batch 16 12.56 against 15.41 ms, batch 1 7.82 against 8.47 ms; a compiled CRQ sub-step (1,280 cache
+# positions, 700 used) 1,460 against 1,587 µs at batch 16, 688 against 696 µs at batch 1 (3 stages: 1,500 µs at batch
+# 16; every block of the cache pipelined, without the trip count: 1,727 µs). False: the block loop (for comparisons).
+PIPELINED_BLOCKS = True
+PIPELINE_STAGES = 2
 # Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
 # have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
 # what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
@@ -103,6 +118,44 @@ if triton is not None:
         return normed * cos[None, :] + rotated * sin[None, :]
 
     @triton.jit
+    def _visible_positions(
+        mask_row_ptr, block, split, kv_len, position, stride_mn,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PREPARE: tl.constexpr,
+    ):  # fmt: skip
+        """`(n, valid)`: the cache positions of the split's `block`-th block (blocks are dealt to the splits in turn,
+        so the used prefix of a static cache is every split's work, not the first splits') and whether the row sees
+        them: inside the cache, not past the new position (PREPARE: nothing after it is written), not masked."""
+        n = (block * NUM_SPLITS + split) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = n < kv_len
+        if PREPARE:
+            valid = valid & (n <= position)
+        if HAS_MASK:
+            valid = valid & (tl.load(mask_row_ptr + n * stride_mn, mask=valid, other=0) != 0)
+        return n, valid
+
+    @triton.jit
+    def _attend_block(
+        q, k_base, v_base, n, valid, scaling, stride_kn, stride_kd, stride_vn, stride_vd, d, d_ok,
+        row_max, row_sum, acc, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The online softmax's update `(row_max, row_sum, acc)` by the cache positions `n` the row sees (`valid`):
+        only their keys and values are read, and a block with none of them adds nothing."""
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        # The values with the keys, before the scores need them: one DRAM round trip per block, not two.
+        v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        # `.to`: under torch.compile a Python float argument may arrive as a float64 constant.
+        scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling).to(tl.float32)  # (G, N)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: exp(-inf) = 0, not NaN
+        correction = tl.exp(row_max - safe_max)
+        probs = tl.exp(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        return new_max, row_sum, acc
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, length_ptr,
@@ -116,11 +169,13 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
+        PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2,
     ):  # fmt: skip
         """PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
         (normed, rotated) and value, from `new_k` / `new_v` `(batch, kv_heads * HEAD_DIM)`. The merge kernel then
-        advances the length."""
+        advances the length. PIPELINED (with PREPARE, on a GPU): the loop over the blocks up to that position,
+        software-pipelined over NUM_STAGES blocks, instead of testing each block of the cache."""
         if PDL:  # a programmatic dependent launch: the query and the cache are the previous kernels' output
             tl.extra.cuda.gdc_wait()
         batch_head = tl.program_id(0)
@@ -133,6 +188,7 @@ if triton is not None:
         d_ok = d < HEAD_DIM
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
+        position = 0  # the new position's index (PREPARE)
         if PREPARE:
             partner = (d + HEAD_DIM // 2) % HEAD_DIM
             first_half = d < HEAD_DIM // 2
@@ -168,28 +224,29 @@ if triton is not None:
         row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for block in range(SPLIT_BLOCKS):
-            # Blocks are dealt to the splits in turn, so the used prefix of a static cache (the part a decode step
-            # reads) is shared by all splits instead of landing on the first ones.
-            n = (block * NUM_SPLITS + split) * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = n < kv_len
-            if HAS_MASK:
-                valid = valid & (tl.load(mask_ptr + b * stride_mb + n * stride_mn, mask=valid, other=0) != 0)
-            # A block nobody may see (the unused tail of a static cache, left padding): skip its keys and values.
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                kv_mask = valid[:, None] & d_ok[None, :]
-                k = tl.load(k_base + n[:, None] * stride_kn + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-                # The values with the keys, before the scores need them: one DRAM round trip per block, not two.
-                v = tl.load(v_base + n[:, None] * stride_vn + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-                # `.to`: under torch.compile a Python float argument may arrive as a float64 constant.
-                scores = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling).to(tl.float32)  # (G, N)
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-                correction = tl.exp(row_max - new_max)
-                probs = tl.exp(scores - new_max[:, None])
-                row_sum = row_sum * correction + tl.sum(probs, axis=1)
-                acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-                row_max = new_max
+        mask_row_ptr = mask_ptr + b * stride_mb
+        if PIPELINED:
+            # The split's blocks among 0 .. position // BLOCK_N (at least 0: split < NUM_SPLITS), software-pipelined.
+            blocks = tl.minimum((position // BLOCK_N - split + NUM_SPLITS) // NUM_SPLITS, SPLIT_BLOCKS)
+            for block in tl.range(0, blocks, num_stages=NUM_STAGES):
+                n, valid = _visible_positions(
+                    mask_row_ptr, block, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, HAS_MASK, PREPARE
+                )
+                row_max, row_sum, acc = _attend_block(
+                    q, k_base, v_base, n, valid, scaling, stride_kn, stride_kd, stride_vn, stride_vd, d, d_ok,
+                    row_max, row_sum, acc, PRECISION,
+                )  # fmt: skip
+        else:
+            for block in range(SPLIT_BLOCKS):
+                n, valid = _visible_positions(
+                    mask_row_ptr, block, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, HAS_MASK, PREPARE
+                )
+                # A block nobody may see (the unused tail of a static cache, left padding): skip its keys and values.
+                if tl.max(valid.to(tl.int32), axis=0) > 0:
+                    row_max, row_sum, acc = _attend_block(
+                        q, k_base, v_base, n, valid, scaling, stride_kn, stride_kd, stride_vn, stride_vd, d, d_ok,
+                        row_max, row_sum, acc, PRECISION,
+                    )  # fmt: skip
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         part = (batch_head * NUM_SPLITS + split) * BLOCK_G + g
@@ -318,6 +375,8 @@ def launch_decode_attention(
     mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)) if has_mask else (0, 0)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # exact float32; unused for 16-bit inputs
     pdl = programmatic_launch(query.device)
+    # Triton's interpreter (CPU tensors) cannot run a loop whose trip count was loaded from memory: the block loop.
+    pipelined = PIPELINED_BLOCKS and inputs is not None and query.is_cuda
     if inputs is None:
         query_strides = (query.stride(0), query.stride(1), query.stride(3))
         prepare_pointers, prepare_strides = (query,) * 7, (0,) * 4  # placeholders, not read without PREPARE
@@ -335,7 +394,7 @@ def launch_decode_attention(
         *query_strides, *key.stride(), *value.stride(), *mask_strides, *prepare_strides,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
-        **prepare_flags, launch_pdl=pdl,
+        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES, launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
         part_acc, part_max, part_sum, out, part_max if inputs is None else inputs.length,

@@ -14,9 +14,8 @@ tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).floa
 sum, rounded to the model dtype, then float32.
 
 Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat steps side by side in one process): batch 1, 7.83 against 7.96
-and 7.55 against 8.34 ms per step with the head inline (0.05-0.79 ms less in four calls, median ~0.2; 16 to 264
-programs all within that range); batch 16, no gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch
-1 only (`AUTO_MAX_ROWS`).
+and 7.55 against 8.34 ms per step with the head inline (0.05-0.79 ms less in four calls, median ~0.2); batch 16, no
+gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch 1 only (`AUTO_MAX_ROWS`).
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
@@ -33,9 +32,11 @@ from .triton_attention_funaudiochat import _multiprocessors, triton
 
 
 # Programs of the persistent kernel, per multiprocessor (at least one program). A fraction of the GPU: the head has the
-# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. On an H200 at batch 1 (side by
-# side, ms per step): 0.125 / 0.25 / 0.5 programs per SM 7.93 / 7.85 / 7.80 (inline 8.07); 0.5 / 1 / 2: 7.83 / 7.84 /
-# 7.90 (inline 7.96).
+# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. The sweeps of this constant
+# (BENCHMARKS.md, 2026-12-02 03:20-04:25: 0.125 to 2, all within 7.80-7.93 ms per step) changed it between runs in one
+# process; it is only read when the kernel is launched, and such variants replay the first one's CUDA graphs (found
+# the same day), so they did not rank the grids: 0.5 is a choice, not a measured optimum. The head on its stream
+# against inline (another compiled graph) was measured.
 PROGRAMS_PER_MULTIPROCESSOR = 0.5
 BLOCK_M = 16  # rows per tile: tl.dot's least; a decode step has one row per batch row (at most BLOCK_M)
 # Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat
