@@ -29,9 +29,11 @@ to BENCHMARKS.md (unless --no-write), and written as JSON + markdown to $OUT/ben
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import gc
+import importlib
 import inspect
 import json
 import math
@@ -162,6 +164,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
             f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}, "
             f"text_head={args.text_head!r}"
             + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
+            + ("; set " + ", ".join(args.set) if args.set else "")
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
@@ -1410,6 +1413,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--plain-launches", action="store_true",
         help="launch the Triton decode kernels without programmatic dependent launch (for comparisons)",
     )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+        help="set a constant of funaudiochat_hf.MODULE before anything runs (VALUE a Python literal), e.g.\n"
+             "triton_attention_funaudiochat.PIPELINED_BLOCKS=False. Constants read when a kernel is launched do not\n"
+             "change the compiled graphs: compare them in separate runs, not with --compare",
+    )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(
         "--decoder-precision", default="float32", choices=["float32", "tf32", "bfloat16"],
@@ -1469,6 +1478,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.bandwidth_mb is None:
         args.bandwidth_mb = 2048 if is_cuda(args.device) else 64
     return args
+
+
+def apply_settings(settings: list[str]) -> None:
+    """`--set`: each `MODULE.NAME=VALUE` sets the existing constant NAME of `funaudiochat_hf.MODULE` to the Python
+    literal VALUE. Raises ValueError naming the setting that is malformed or names no such constant."""
+    for setting in settings:
+        target, equals, text = setting.partition("=")
+        module_name, dot, name = target.strip().rpartition(".")
+        if not equals or not dot or not name:
+            raise ValueError(f"--set takes MODULE.NAME=VALUE, got {setting!r}")
+        try:
+            module = importlib.import_module(f"funaudiochat_hf.{module_name}")
+        except ImportError as error:
+            raise ValueError(f"--set {setting!r}: no module funaudiochat_hf.{module_name} ({error})") from None
+        if not hasattr(module, name):
+            raise ValueError(f"--set {setting!r}: funaudiochat_hf.{module_name} has no {name}")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {setting!r}: {text!r} is not a Python literal (True, 0.5, 'torch', ...)") from None
+        setattr(module, name, value)
 
 
 def csv(text: str) -> list[str]:
@@ -1543,6 +1573,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if is_cuda(args.device) and not torch.cuda.is_available():
         log("CUDA is not available; use --device cpu")
+        return 2
+    try:
+        apply_settings(args.set)
+    except ValueError as error:
+        log(str(error))
         return 2
     budget = Budget(args.time_budget)
     results = Results(args, argv)

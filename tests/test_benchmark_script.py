@@ -279,6 +279,31 @@ def test_cache_steps_size_the_caches_for_a_longer_call():
     assert benchmark.cache_length(100, args) == 1152  # 100 + 1024 -> 1152
 
 
+def test_set_changes_a_package_constant_for_the_run(monkeypatch, tmp_path):
+    """`--set MODULE.NAME=VALUE` sets a constant read when kernels are launched (compared in separate runs: in one
+    process the loop replays the first variant's CUDA graphs); a malformed or unknown setting is a clear error."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+    from funaudiochat_hf import triton_attention_funaudiochat as attention
+
+    monkeypatch.setattr(attention, "PIPELINED_BLOCKS", True)
+    monkeypatch.setattr(attention, "PIPELINE_STAGES", 2)
+    module = "triton_attention_funaudiochat"
+    args = benchmark.parse_args(["--set", f"{module}.PIPELINED_BLOCKS=False", "--set", f"{module}.PIPELINE_STAGES = 3"])
+    benchmark.apply_settings(args.set)
+    assert attention.PIPELINED_BLOCKS is False and attention.PIPELINE_STAGES == 3
+    for setting, message in [
+        ("PIPELINED_BLOCKS=False", "takes MODULE.NAME=VALUE"),
+        ("no_such_module.X=1", "no module funaudiochat_hf.no_such_module"),
+        ("triton_attention_funaudiochat.NO_SUCH=1", "has no NO_SUCH"),
+        ("triton_attention_funaudiochat.PIPELINE_STAGES=three", "not a Python literal"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            benchmark.apply_settings([setting])
+    bad = _run(["--tiny", "--device", "cpu", "--no-write", "--set", f"{module}.NO_SUCH=1"], tmp_path)
+    assert bad.returncode == 2 and "has no NO_SUCH" in bad.stdout + bad.stderr
+
+
 def test_compare_measures_variants_side_by_side(tmp_path):
     """`--compare`: only the chat variants, every round measuring each in turn, per batch size; their medians in the
     JSON and one markdown table per batch; a malformed variant is refused before anything runs."""
