@@ -86,8 +86,9 @@ def _random_stack(config):
 
 def _prefilled_decode_inputs(stack, batch: int, cache_length: int, written: int):
     """`(cache, mask, x, positions)`: a `cache_length` static cache whose first `written` positions hold a random
-    prefill of `stack`, an all-visible `(batch, cache_length)` mask, and the `(batch, 1, hidden)` input and
-    `(batch, 1)` positions of the next decode step."""
+    prefill of `stack`, the next decode step's `(batch, cache_length)` mask (the prefill and the new position
+    visible, as in a real step: nothing is written past it), and its `(batch, 1, hidden)` input and `(batch, 1)`
+    positions."""
     from transformers import StaticCache
 
     from funaudiochat_hf.compat import cache_kwargs
@@ -103,6 +104,7 @@ def _prefilled_decode_inputs(stack, batch: int, cache_length: int, written: int)
             use_cache=True,
             **cache_kwargs(cache),
         )
+    mask[:, written + 1 :] = False
     x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
     return cache, mask, x, torch.full((batch, 1), written, device="cuda")
 
