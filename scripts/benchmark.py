@@ -1574,8 +1574,11 @@ def main(argv: list[str] | None = None) -> int:
     if is_cuda(args.device) and not torch.cuda.is_available():
         log("CUDA is not available; use --device cpu")
         return 2
+    settings = list(args.set)
+    if args.plain_launches:  # a named shorthand of this setting
+        settings.append("triton_attention_funaudiochat.PROGRAMMATIC_DEPENDENT_LAUNCH=False")
     try:
-        apply_settings(args.set)
+        apply_settings(settings)
     except ValueError as error:
         log(str(error))
         return 2
@@ -1585,10 +1588,6 @@ def main(argv: list[str] | None = None) -> int:
     log(f"benchmark: {meta['gpu']} | torch {meta['torch']} | transformers {meta['transformers']} | {meta['command']}")
     torch.manual_seed(0)
     raise_recompile_limits()
-    if args.plain_launches:
-        from funaudiochat_hf import triton_attention_funaudiochat
-
-        triton_attention_funaudiochat.PROGRAMMATIC_DEPENDENT_LAUNCH = False
 
     device = args.device
     bandwidth = run_measurement(

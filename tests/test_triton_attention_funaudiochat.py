@@ -130,14 +130,14 @@ def test_used_cache_prefix_is_shared_by_all_splits():
     assert result["splits_with_work"] == [3] * 128
 
 
-def _kernel_ptx(kernel, pdl: bool, **constexprs) -> str:
+def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
     types.update(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", mask_ptr="*i1", scaling="fp32")
     types["length_ptr"] = "*i64"
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
         shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES)
-    return hopper_ptx(kernel, {**shared, **constexprs}, types)
+    return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
 @pytest.mark.parametrize("pdl", [True, False])
@@ -275,17 +275,13 @@ def test_pipelined_split_fetches_the_next_block_during_this_ones_math():
     other integers multiples of 16 (batch 16 on an H200: 1,460 against 1,587 µs per CRQ sub-step)."""
     pytest.importorskip("triton")
     kernel = triton_attention._split_kernel
-    types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
-    types.update(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", mask_ptr="*i1", scaling="fp32")
-    types["length_ptr"] = "*i64"
     constexprs = dict(
-        KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=True, BLOCK_N=64,
-        SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
-        NUM_STAGES=triton_attention.PIPELINE_STAGES, stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
+        BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
+        stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
     )  # fmt: skip
     divisible = [name for name in kernel.arg_names if name.startswith("stride_") or name == "kv_len"]
     for pipelined in (True, False):
-        ptx = hopper_ptx(kernel, {**constexprs, "PIPELINED": pipelined}, types, divisible=divisible)
+        ptx = _kernel_ptx(kernel, True, divisible=divisible, PIPELINED=pipelined, **constexprs)
         assert ("cp.async" in ptx) == pipelined
 
 
