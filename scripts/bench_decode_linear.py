@@ -261,6 +261,79 @@ def _llm_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[tu
     return tiles
 
 
+def _wide_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[tuple]:
+    """`--wide`: `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab)` candidates over the pipeline depth and
+    the product's orientation too (SWAP_AB: the weight's columns as the MMA's M side, wgmma on Hopper, 64 columns or
+    more), 2 or 4 stages (the tuned tiles have Triton's default, 3): 128- or 256-wide chunks (also 64 for inputs of
+    2,048 or fewer), grids of 96 to 1,100 programs, no split left empty."""
+    import triton
+
+    tiles = []
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128, 256) if in_features <= 2048 else (128, 256):
+            for split in (1, 2, 4, 8):
+                per_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
+                programs = triton.cdiv(out_features, block_n) * split
+                if (split - 1) * per_split >= in_features or not 96 <= programs <= 1100:
+                    continue
+                warps = 8 if block_n * block_k * (1 + gated) >= 8192 else 4
+                for swap_ab in (False, True) if block_n >= 64 else (False,):
+                    for stages in (2, 4):
+                        tiles.append((block_n, block_k, split, warps, stages, swap_ab))
+    return tiles
+
+
+def _compile_worker(stack: str, names: list, tiles_by_name: dict, rows: int) -> int:
+    """One process of `--jobs`: launches every tile of `tiles_by_name` once on zero inputs, so Triton's disk cache
+    holds its kernel for the timing process; returns how many compiled."""
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    done = 0
+    for name, out_features, in_features, norm, gated, residual, _, make in _rows_projections(stack, 1):
+        if name not in names:
+            continue
+        weights = make()
+        x = torch.zeros(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        norm_weight = torch.ones(in_features, device="cuda", dtype=torch.bfloat16) if norm else None
+        residual_t = torch.zeros(rows, out_features, device="cuda", dtype=torch.bfloat16) if residual else None
+        for tile in tiles_by_name.get(name, ()):
+            triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
+            try:
+                triton_linear.launch_decode_linear(
+                    x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters, **weights
+                )
+                done += 1
+            except Exception:  # out of shared memory: the timing process skips it too
+                pass
+        del weights
+    torch.cuda.synchronize()
+    return done
+
+
+def _precompile_rows_tiles(stack: str, tiles_by_name: dict, rows: int, jobs: int) -> None:
+    """Compile the candidate kernels in `jobs` processes at once (Triton compiles one kernel at a time per process)."""
+    import multiprocessing
+
+    items = [(name, tile) for name, tiles in tiles_by_name.items() for tile in tiles]
+    shares = [items[i::jobs] for i in range(jobs)]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(jobs) as pool:
+        results = [
+            pool.apply_async(_compile_worker, (stack, sorted({n for n, _ in share}), _group(share), rows))
+            for share in shares if share
+        ]  # fmt: skip
+        compiled = sum(result.get() for result in results)
+    print(f"precompiled {compiled} of {len(items)} kernels in {jobs} processes", flush=True)
+
+
+def _group(items):
+    grouped = {}
+    for name, tile in items:
+        grouped.setdefault(name, []).append(tile)
+    return grouped
+
+
 def _rows_projections(stack: str, layers: int):
     """`(name, out_features, in_features, norm, gated, residual, tiles, make_weights)` of `stack`'s projections at
     several rows; `make_weights()` gives the `launch_decode_linear` weight keyword arguments of one layer."""
@@ -287,10 +360,12 @@ def _rows_projections(stack: str, layers: int):
         yield name, out_features, in_features, norm, gated, residual, tiles, make
 
 
-def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
+def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, jobs: int = 0) -> dict:
     """The CRQ's (or the LLM's) projections at `rows` rows: µs per call of the compiled torch composition and of the
     several-row kernel with each candidate tile (a chain of 28 / 36 distinct weights per CUDA graph), and the
-    fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `ROWS_TUNED_TILES` keys them."""
+    fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `ROWS_TUNED_TILES` keys them.
+    `wide`: the candidates of `_wide_rows_tiles` (pipeline depths, SWAP_AB) and each shape's tuned tile; `jobs` > 1:
+    compiled first in that many processes. A tile that does not fit the GPU (shared memory) is skipped."""
     import triton
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -304,7 +379,16 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
     print("| projection | torch compiled | tiles | fastest |\n|---|---|---|---|")
     tuned = triton_linear.ROWS_TUNED_TILES
     fastest_tiles = {}
-    for name, out_features, in_features, norm, gated, residual, tiles, make in _rows_projections(stack, layers):
+    projections = list(_rows_projections(stack, layers))
+    if wide:
+        projections = [
+            (*p[:6], [*([tuned[p[1], p[2], p[4]]] if (p[1], p[2], p[4]) in tuned else []),
+                      *_wide_rows_tiles(p[1], p[2], p[4])], p[7])
+            for p in projections
+        ]  # fmt: skip
+    if jobs > 1:
+        _precompile_rows_tiles(stack, {p[0]: p[6] for p in projections}, rows, jobs)
+    for name, out_features, in_features, norm, gated, residual, tiles, make in projections:
         weights = [make() for _ in range(layers)]
         x = torch.randn(rows, in_features, **options)
         norm_module = Qwen3RMSNorm(in_features, eps=1e-6).to(**options).requires_grad_(False) if norm else None
@@ -336,18 +420,26 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ") -> dict:
         torch.cuda.synchronize()
         torch_us = triton.testing.do_bench_cudagraph(run_torch, rep=60) * 1e3 / layers
         times = {}
-        for tile in tiles:
+        for tile in dict.fromkeys(tiles):
             triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
-            got = kernel(weights[0]).float()
+            try:
+                got = kernel(weights[0]).float()
+            except triton.runtime.errors.OutOfResources:
+                continue
             if not torch.isfinite(got).all() or (got - expected).abs().max().item() > tolerance or counters.any():
                 raise RuntimeError(f"{name}: tile {tile} is off the torch composition (or left its counters set)")
             run_kernel()
             torch.cuda.synchronize()
             times[tile] = triton.testing.do_bench_cudagraph(run_kernel, rep=60) * 1e3 / layers
         triton_linear.ROWS_TUNED_TILES = tuned
-        cells = ", ".join(f"{tile}: {t:.2f}" for tile, t in times.items())
-        fastest = min(times, key=times.get)
-        print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f} |", flush=True)
+        ranked = sorted(times, key=times.get)
+        cells = ", ".join(f"{tile}: {times[tile]:.2f}" for tile in (ranked[:8] if wide else times))
+        fastest = ranked[0]
+        tuned_cell = ""
+        if wide and (out_features, in_features, gated) in tuned:
+            tuned_tile = tuned[out_features, in_features, gated]
+            tuned_cell = f" (tuned {tuned_tile}: {times.get(tuned_tile, float('nan')):.2f}; {len(times)} tiles)"
+        print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f}{tuned_cell} |", flush=True)
         fastest_tiles[(out_features, in_features, gated)] = fastest
         del weights, concatenated, first
     return fastest_tiles
@@ -396,6 +488,59 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
         print(f"| {stack_name} | {cells} |", flush=True)
 
 
+def rows_tiles_ab(candidate: dict, rows: int = 16, rounds: int = 5) -> None:
+    """A compiled decode step of `rows` rows through the several-row kernel, the CRQ (28 layers, fused projections,
+    1,280 cache positions of which 700 written) and the LLM (36 layers, own weights, 640 / 350), random weights, with
+    `ROWS_TUNED_TILES` and with it updated by `candidate`: µs per step, median (range) of interleaved rounds."""
+    import statistics
+
+    import triton
+
+    from funaudiochat_hf import FunAudioChatConfig
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
+    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+
+    attention = register_triton_decode_attention()
+    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
+    config = FunAudioChatConfig()
+    tuned = triton_linear.ROWS_TUNED_TILES
+    variants = (("tuned", tuned), ("candidate", {**tuned, **candidate}))
+    print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
+    for stack_name, stack_config, cache_length, written in (
+        ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
+        ("LLM", config.text_config, 640, 350),
+    ):
+        stack = _random_stack(stack_config)
+        if stack_name == "LLM":
+            projections = triton_linear.own_weight_kernels(stack)
+        else:
+            projections = with_decode_kernels(fused_crq_projections(stack))
+        counters = triton_linear.split_k_counters_for(stack_config, "cuda")
+        cache, mask, x, positions = _prefilled_decode_inputs(stack, rows, cache_length, written)
+        stack.config._attn_implementation = attention
+
+        def call():
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(written)
+            return step(stack, projections, x, mask, positions, cache, split_k_counters=counters)
+
+        times = {name: [] for name, _ in variants}
+        outputs = {}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for name, tiles in variants:
+                    triton_linear.ROWS_TUNED_TILES = tiles
+                    outputs[name] = call().float()
+                    torch.cuda.synchronize()
+                    times[name].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
+        triton_linear.ROWS_TUNED_TILES = tuned
+        difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
+        cells = " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
+        print(f"| {stack_name} | {cells} | (max difference {difference:.3f})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     import triton
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -407,12 +552,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--substep", action="store_true", help="also time a whole compiled CRQ sub-step")
     parser.add_argument("--sweep-tiles", action="store_true", help="sweep the kernel's tiles (one row) instead")
     parser.add_argument("--only", default=None, help="--sweep-tiles: only the projections whose name contains this")
-    parser.add_argument("--sweep-rows-tiles", nargs="?", const="CRQ", choices=["CRQ", "LLM"], default=None,
+    parser.add_argument("--sweep-rows-tiles", nargs="?", const="CRQ", choices=["CRQ", "LLM", "CRQ,LLM"], default=None,
                         help="sweep the several-row kernel's tiles instead, over the CRQ's (default) or the LLM's "
-                        "projections")  # fmt: skip
+                        "projections (or both)")  # fmt: skip
+    parser.add_argument("--wide", action="store_true",
+                        help="--sweep-rows-tiles: also sweep pipeline depths and SWAP_AB, then time both stacks' "
+                        "decode steps with the fastest tiles against ROWS_TUNED_TILES")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=0, help="--sweep-rows-tiles: compile candidates in N processes")
+    parser.add_argument("--rows-ab", default=None, metavar="TILES",
+                        help="time both stacks' 16-row decode steps with ROWS_TUNED_TILES updated by TILES (a Python "
+                        "dict literal) against ROWS_TUNED_TILES")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rows_ab:
+        import ast
+
+        rows_tiles_ab(ast.literal_eval(args.rows_ab))
+        return
     if args.sweep_rows_tiles:
-        sweep_rows_tiles(stack=args.sweep_rows_tiles)
+        fastest = {}
+        for stack in args.sweep_rows_tiles.split(","):
+            fastest.update(sweep_rows_tiles(stack=stack, wide=args.wide, jobs=args.jobs))
+        print(f"fastest: {fastest!r}", flush=True)
+        if args.wide:
+            rows_tiles_ab(fastest)
         return
     if args.sweep_tiles:
         sweep_tiles(args.only)

@@ -133,8 +133,10 @@ errors, launches = [], []
 rows_kernel = triton_linear._launch_rows_kernel
 triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
 counters = torch.zeros(8, dtype=torch.int32)
-# (BLOCK_N, BLOCK_K, SPLIT_K, warps): one split; two; four (with a split past the reduction's end for K = 96).
-for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4)]:
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps[, stages, swap_ab]): one split; two; four (with a split past the reduction's end
+# for K = 96); the products as w @ x^T (SWAP_AB) unsplit and split, with other pipeline depths.
+TILES = [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4), (32, 32, 1, 4, 2, True), (16, 16, 2, 4, 4, True)]
+for tile in TILES:
     for case in ROWS_CASES:
         triton_linear.ROWS_TUNED_TILES = {(case[1], case[2], case[6]): tile}
         kwargs, expected = case_tensors(*case)
@@ -142,16 +144,18 @@ for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4)]:
         again = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
         assert got.shape == expected.shape and torch.equal(got, again) and not counters.any(), (tile, case)
         errors.append((got - expected).abs().max().item())
-print(json.dumps({"errors": errors, "launches": len(launches)}))
+print(json.dumps({"errors": errors, "launches": len(launches), "tiles": len(TILES)}))
 """
 
 
 def test_rows_kernel_matches_eager_composition_in_the_triton_interpreter():
-    """With `split_k_counters`, 2-16 rows take the several-row kernel, its reduction in 1, 2 or 4 splits: the eager
-    composition's values (float32, 1e-5), the same output twice, its counters left at zero."""
+    """With `split_k_counters`, 2-16 rows take the several-row kernel, its reduction in 1, 2 or 4 splits, its products
+    as `x @ w^T` or `w @ x^T` (SWAP_AB): the eager composition's values (float32, 1e-5), the same output twice, its
+    counters left at zero."""
     result = json.loads(run_in_triton_interpreter(_ROWS_SCRIPT))
-    assert result["launches"] == 2 * 3 * len(ROWS_CASES), result
-    assert len(result["errors"]) == 3 * len(ROWS_CASES) and all(e < 1e-5 for e in result["errors"]), result
+    tiles = result["tiles"]
+    assert tiles == 5 and result["launches"] == 2 * tiles * len(ROWS_CASES), result
+    assert len(result["errors"]) == tiles * len(ROWS_CASES) and all(e < 1e-5 for e in result["errors"]), result
 
 
 def test_rows_kernel_tiles_and_counters_are_checked():
@@ -159,9 +163,12 @@ def test_rows_kernel_tiles_and_counters_are_checked():
     raise before any launch; a stack's counters cover its widest projection's column tiles."""
     from transformers import Qwen3Config
 
-    assert triton_linear.rows_kernel_tile(1024, 3072, False) == triton_linear.ROWS_TUNED_TILES[(1024, 3072, False)]
-    block_n, block_k, split_k, _ = triton_linear.rows_kernel_tile(512, 4096, False)
+    tuned = triton_linear.ROWS_TUNED_TILES[(1024, 3072, False)]
+    defaults = (triton_linear.ROWS_NUM_STAGES, False)  # a tuned tile may leave out its stages and swap
+    assert triton_linear.rows_kernel_tile(1024, 3072, False) == (*tuned, *defaults[len(tuned) - 4 :])
+    block_n, block_k, split_k, _, stages, swap_ab = triton_linear.rows_kernel_tile(512, 4096, False)
     assert (block_n, block_k) == (32, 128) and split_k == 8  # 16 column tiles: split until 128 programs (at most 8)
+    assert (stages, swap_ab) == defaults
     assert triton_linear.rows_kernel_tile(512, 200, False)[2] == 1  # 200 inputs: a second 128-wide split would be empty
     x, weight = torch.zeros(2, 4096), torch.zeros(512, 4096)
     with pytest.raises(ValueError, match="16 or more int32 zeros"):
@@ -426,7 +433,7 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
-                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0)  # fmt: skip
+                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False)  # fmt: skip
     names = triton_linear._decode_rows_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
     types.update(partials_ptr="*fp32", counters_ptr="*i32")

@@ -66,30 +66,33 @@ GROUPED_QKV = True
 # 2 to ROWS_KERNEL_MAX_ROWS rows (the decode steps at batch 2-16, where the caller passes `split_k_counters`): the
 # several-row kernel, `_decode_rows_kernel`. Each weight tile is read once for all rows (a 16-row `tl.dot`, rows past
 # the batch masked) and the reduction is split over SPLIT_K programs per column tile.
-# `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` by `(out_features, in_features, gated)`: the fastest of 12-14 per shape at
-# 16 rows on an H200 (`python scripts/bench_decode_linear.py --sweep-rows-tiles [CRQ | LLM]`, BENCHMARKS.md 2026-12-01
-# 20:50–21:35 and 2026-12-02 00:30–01:00), µs per call against cuBLAS with its norm / activation / residual kernels
-# (torch compiled). The CRQ: q/k/v 6.82 against 6.97, o_proj 3.71 against 7.24, gate/up 6.55 against 9.07, down_proj
-# 5.29 against 9.28; without the split (one program per column tile over the whole reduction), the 1,024-output
-# projections had 64 programs at most, too few to stream their weights: o_proj 9.09, down_proj 12.78 µs at best. The
-# LLM: o_proj 11.89 against 15.93, gate/up (two weights) 56.80 against 61.00, down_proj 28.04 against 31.71; its q, k
-# and v (three weights) 20.38 against one cuBLAS GEMM of their concatenation, 18.14.
+# `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps[, num_stages, swap_ab])` by `(out_features, in_features, gated)`: the fastest
+# of 10-75 per shape at 16 rows on an H200, over the pipeline depth and SWAP_AB too (`python
+# scripts/bench_decode_linear.py --sweep-rows-tiles CRQ,LLM --wide --jobs 14`, BENCHMARKS.md 2026-12-02 12:55), µs
+# per call (tile before the sweep / torch compiled, i.e. cuBLAS with its norm / activation / residual kernels). The
+# CRQ: q/k/v 6.24 (8.00 / 6.92), o_proj 3.43 (3.72 / 7.16), gate/up 7.12 with SWAP_AB (10.72 / 9.16), down_proj 5.21
+# (5.39 / 9.48). The LLM: q, k and v (three weights) 18.48 with SWAP_AB (20.45 / 18.05 for one GEMM of their
+# concatenation), o_proj 11.53 (12.26 / 15.55), gate/up (two weights) 56.94 (unchanged / 61.08), down_proj 27.36
+# (27.98 / 31.74). Whole compiled 16-row decode steps, interleaved rounds: a CRQ sub-step 1,386 against 1,463 µs, the
+# LLM's 36 layers 4,709 against 4,982 µs. Without the split (one program per column tile over the whole reduction),
+# the 1,024-output projections had 64 programs at most, too few to stream their weights (2026-12-01 18:15–18:50).
 ROWS_KERNEL_MAX_ROWS = 16
 USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
 MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
 ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_NUM_WARPS = 32, 128, 4
+ROWS_NUM_STAGES = 3  # weight tiles in flight in the reduction loop (Triton's default) where a tile names none
 ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
 ROWS_TUNED_TILES = {
-    (4096, 1024, False): (64, 128, 2, 8),  # CRQ q/k/v (fused)
-    (1024, 2048, False): (64, 256, 8, 8),  # CRQ o_proj
-    (3072, 1024, True): (64, 256, 4, 8),  # CRQ gate/up (fused)
-    (1024, 3072, False): (32, 128, 4, 4),  # CRQ down_proj
-    (6144, 4096, False): (128, 128, 4, 8),  # LLM q, k and v (`part_weights`)
-    (4096, 4096, False): (32, 128, 4, 4),  # LLM o_proj
+    (4096, 1024, False): (128, 256, 4, 8, 4, False),  # CRQ q/k/v (fused)
+    (1024, 2048, False): (64, 256, 8, 8, 2, False),  # CRQ o_proj
+    (3072, 1024, True): (128, 256, 4, 8, 2, True),  # CRQ gate/up (fused)
+    (1024, 3072, False): (32, 128, 8, 4, 2, False),  # CRQ down_proj
+    (6144, 4096, False): (128, 128, 2, 8, 4, True),  # LLM q, k and v (`part_weights`)
+    (4096, 4096, False): (128, 128, 4, 8, 4, True),  # LLM o_proj
     (12288, 4096, True): (64, 128, 1, 8),  # LLM gate/up (two weights)
-    (4096, 12288, False): (32, 128, 4, 4),  # LLM down_proj
+    (4096, 12288, False): (128, 128, 4, 8, 4, True),  # LLM down_proj
 }
 # `(BLOCK_N, BLOCK_K, num_warps)` of Fun-Audio-Chat-8B's projections, by `(out_features, in_features, gated)`; other
 # shapes take the defaults above. The fastest of 11 tiles per shape on an H200 (`python
@@ -229,6 +232,25 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _rows_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+        """A float32 accumulator of `_rows_dot`: `(BLOCK_N, BLOCK_M)` with SWAP_AB, else `(BLOCK_M, BLOCK_N)`."""
+        if SWAP_AB:  # a constexpr branch: one shape is built (a return in each would be two return types)
+            zeros = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        return zeros
+
+    @triton.jit
+    def _rows_dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+        """`acc + x @ w^T` for a `(BLOCK_M, BLOCK_K)` input tile and a `(BLOCK_N, BLOCK_K)` weight tile; with SWAP_AB
+        its transpose `acc + w @ x^T`, acc `(BLOCK_N, BLOCK_M)`."""
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
     def _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col, col_ok,
                        stride_residual, stride_out, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        GATED: tl.constexpr):  # fmt: skip
@@ -257,6 +279,7 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
+        NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
@@ -267,6 +290,10 @@ if triton is not None:
         `partials` `[tiles, SPLIT_K, 1 + GATED, BLOCK_M, BLOCK_N]` and counts itself in `counters[t]` (int32, zero on
         entry); the last of a tile's programs to arrive adds the partials in split order (the same sums every run),
         applies the epilogue and sets the counter back to zero, so a CUDA graph replays the kernel without a memset.
+
+        The reduction loop is software-pipelined over NUM_STAGES weight tiles. SWAP_AB: each product is computed as
+        `w @ x^T`, a `(BLOCK_N, BLOCK_M)` tile, so the weight's columns are the MMA's M side (Hopper's wgmma takes
+        M >= 64 from shared memory) and the rows its N side, then transposed once for the epilogue.
         """
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -304,21 +331,24 @@ if triton is not None:
                 squares += xs * xs
             inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + EPS)[:, None]
         x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
-        acc = tl.dot(x, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), input_precision=PRECISION)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _rows_dot(x, w, _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, PRECISION)
+        acc_up = _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         if GATED:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-        for k0 in tl.range(BLOCK_K, K_SPLIT, BLOCK_K):
+            acc_up = _rows_dot(x, w_up, acc_up, SWAP_AB, PRECISION)
+        for k0 in tl.range(BLOCK_K, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             k = k_start + k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
             w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = _rows_dot(x, w, acc, SWAP_AB, PRECISION)
             if GATED:
                 w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+                acc_up = _rows_dot(x, w_up, acc_up, SWAP_AB, PRECISION)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
+        if SWAP_AB:  # back to (BLOCK_M, BLOCK_N), the epilogue's and the partials' layout
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
         if SPLIT_K == 1:
             _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col,
                            col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
@@ -361,9 +391,10 @@ def kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, 
     return block_n, min(block_k, 1 << (in_features - 1).bit_length()), num_warps  # at most the next power of two
 
 
-def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, int, int, int]:
-    """`(BLOCK_N, BLOCK_K, SPLIT_K, num_warps)` of the several-row kernel for a projection of this shape:
-    `ROWS_TUNED_TILES`, or a default tile whose reduction is split until the grid has `ROWS_MIN_PROGRAMS` programs."""
+def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[int, int, int, int, int, bool]:
+    """`(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab)` of the several-row kernel for a projection of this
+    shape: `ROWS_TUNED_TILES` (whose entries may leave out the last two: `ROWS_NUM_STAGES`, no swap), or a default tile
+    whose reduction is split until the grid has `ROWS_MIN_PROGRAMS` programs."""
     widest_k = max(16, 1 << (in_features - 1).bit_length())  # tl.dot takes at least 16 along each dimension
     tile = ROWS_TUNED_TILES.get((out_features, in_features, gated))
     if tile is None:
@@ -372,10 +403,11 @@ def rows_kernel_tile(out_features: int, in_features: int, gated: bool) -> tuple[
         while split_k < MAX_SPLIT_K and tiles * split_k < ROWS_MIN_PROGRAMS and 2 * split_k * block_k <= in_features:
             split_k *= 2
         tile = (ROWS_BLOCK_N, block_k, split_k, ROWS_NUM_WARPS)
-    block_n, block_k, split_k, num_warps = tile
+    block_n, block_k, split_k, num_warps, num_stages, swap_ab = (*tile, ROWS_NUM_STAGES, False)[:6]
     block_n, block_k = max(block_n, MIN_ROWS_BLOCK_N), min(block_k, widest_k)
     # At most one split per reduction chunk (a split past the reduction's end would only add zeros).
-    return block_n, block_k, max(1, min(split_k, triton.cdiv(in_features, block_k))), num_warps
+    split_k = max(1, min(split_k, triton.cdiv(in_features, block_k)))
+    return block_n, block_k, split_k, num_warps, num_stages, bool(swap_ab)
 
 
 def _pointer(tensor: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -405,7 +437,7 @@ def _launch_rows_kernel(
     the narrowest tile (`MIN_ROWS_BLOCK_N`)."""
     rows, in_features = x.shape
     out_features = part_ends[-1]
-    block_n, block_k, split_k, num_warps = rows_kernel_tile(out_features, in_features, gated)
+    block_n, block_k, split_k, num_warps, num_stages, swap_ab = rows_kernel_tile(out_features, in_features, gated)
     block_n = _part_tile(block_n, part_ends, MIN_ROWS_BLOCK_N)
     if block_n is None:
         return None
@@ -426,7 +458,7 @@ def _launch_rows_kernel(
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
-        num_warps=num_warps, launch_pdl=pdl,
+        NUM_STAGES=num_stages, SWAP_AB=swap_ab, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
