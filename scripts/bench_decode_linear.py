@@ -109,16 +109,47 @@ def _prefilled_decode_inputs(stack, batch: int, cache_length: int, written: int)
     return cache, mask, x, torch.full((batch, 1), written, device="cuda")
 
 
-def _replayable_step(step, stack, projections, x, mask, positions, cache, written: int):
+def _replayable_step(step, stack, projections, x, mask, positions, cache, written: int, **step_kwargs):
     """A call of the compiled decode `step` that can be replayed: every call rewinds `cache` to `written` positions,
     so every replay writes the same position."""
 
     def call():
         for layer in cache.layers:
             layer.cumulative_length.fill_(written)
-        return step(stack, projections, x, mask, positions, cache)
+        return step(stack, projections, x, mask, positions, cache, **step_kwargs)
 
     return call
+
+
+def _decode_stack_steps(rows: int, split_k_counters: bool = False):
+    """`(name, call)` of a compiled `rows`-row decode step of the CRQ (28 layers, fused projections on the kernels,
+    1,280 cache positions of which 700 written) and of the LLM (36 layers, own weights, 640 / 350), random weights,
+    through the Triton attention, each replayable ([`_replayable_step`]); `split_k_counters`: with the several-row
+    kernel's counters."""
+    from funaudiochat_hf import FunAudioChatConfig
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
+    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
+
+    attention = register_triton_decode_attention()
+    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
+    config = FunAudioChatConfig()
+    for stack_name, stack_config, cache_length, written in (
+        ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
+        ("LLM", config.text_config, 640, 350),
+    ):
+        stack = _random_stack(stack_config)
+        if stack_name == "LLM":
+            projections = triton_linear.own_weight_kernels(stack)
+        else:
+            projections = with_decode_kernels(fused_crq_projections(stack))
+        step_kwargs = {}
+        if split_k_counters:
+            step_kwargs["split_k_counters"] = triton_linear.split_k_counters_for(stack_config, "cuda")
+        cache, mask, x, positions = _prefilled_decode_inputs(stack, rows, cache_length, written)
+        stack.config._attn_implementation = attention
+        yield stack_name, _replayable_step(step, stack, projections, x, mask, positions, cache, written, **step_kwargs)
 
 
 def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -> None:
@@ -283,15 +314,17 @@ def _wide_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[t
     return tiles
 
 
-def _compile_worker(stack: str, names: list, tiles_by_name: dict, rows: int) -> int:
+def _compile_worker(stack: str, tiles_by_name: dict, rows: int) -> int:
     """One process of `--jobs`: launches every tile of `tiles_by_name` once on zero inputs, so Triton's disk cache
     holds its kernel for the timing process; returns how many compiled."""
+    import triton
+
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     done = 0
     for name, out_features, in_features, norm, gated, residual, _, make in _rows_projections(stack, 1):
-        if name not in names:
+        if name not in tiles_by_name:
             continue
         weights = make()
         x = torch.zeros(rows, in_features, device="cuda", dtype=torch.bfloat16)
@@ -304,7 +337,7 @@ def _compile_worker(stack: str, names: list, tiles_by_name: dict, rows: int) -> 
                     x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters, **weights
                 )
                 done += 1
-            except Exception:  # out of shared memory: the timing process skips it too
+            except triton.runtime.errors.OutOfResources:  # too much shared memory: the timing process skips it too
                 pass
         del weights
     torch.cuda.synchronize()
@@ -320,7 +353,7 @@ def _precompile_rows_tiles(stack: str, tiles_by_name: dict, rows: int, jobs: int
     context = multiprocessing.get_context("spawn")
     with context.Pool(jobs) as pool:
         results = [
-            pool.apply_async(_compile_worker, (stack, sorted({n for n, _ in share}), _group(share), rows))
+            pool.apply_async(_compile_worker, (stack, _group(share), rows))
             for share in shares if share
         ]  # fmt: skip
         compiled = sum(result.get() for result in results)
@@ -328,6 +361,7 @@ def _precompile_rows_tiles(stack: str, tiles_by_name: dict, rows: int, jobs: int
 
 
 def _group(items):
+    """`[(name, tile), ...]` -> `{name: [tile, ...]}`."""
     grouped = {}
     for name, tile in items:
         grouped.setdefault(name, []).append(tile)
@@ -448,97 +482,55 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
 def tuned_tiles_ab(rounds: int = 5) -> None:
     """A compiled one-row decode step of the CRQ (28 layers, fused projections) and of the LLM (36 layers, own
     weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
-    import statistics
-
-    import triton
-
-    from funaudiochat_hf import FunAudioChatConfig
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
-    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
-    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
-    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
 
-    attention = register_triton_decode_attention()
-    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
-    config = FunAudioChatConfig()
-    tuned = triton_linear.TUNED_TILES
     print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
-    for stack_name, stack_config, cache_length, written in (
-        ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
-        ("LLM", config.text_config, 640, 350),
-    ):
-        stack = _random_stack(stack_config)
-        if stack_name == "LLM":
-            projections = triton_linear.own_weight_kernels(stack)
-        else:
-            projections = with_decode_kernels(fused_crq_projections(stack))
-        cache, mask, x, positions = _prefilled_decode_inputs(stack, 1, cache_length, written)
-        stack.config._attn_implementation = attention
-        call = _replayable_step(step, stack, projections, x, mask, positions, cache, written)
-        times = {"tuned": [], "default": []}
-        with torch.no_grad():
-            for _ in range(rounds):
-                for name, tiles in (("tuned", tuned), ("default", {})):
-                    triton_linear.TUNED_TILES = tiles
-                    call()
-                    torch.cuda.synchronize()
-                    times[name].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
-        triton_linear.TUNED_TILES = tuned
-        cells = " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
-        print(f"| {stack_name} | {cells} |", flush=True)
+    for stack_name, call in _decode_stack_steps(1):
+        times, _ = _interleaved_rounds(call, triton_linear, "TUNED_TILES", {"tuned": triton_linear.TUNED_TILES,
+                                                                           "default": {}}, rounds)  # fmt: skip
+        print(f"| {stack_name} | {_median_cells(times)} |", flush=True)
 
 
 def rows_tiles_ab(candidate: dict, rows: int = 16, rounds: int = 5) -> None:
-    """A compiled decode step of `rows` rows through the several-row kernel, the CRQ (28 layers, fused projections,
-    1,280 cache positions of which 700 written) and the LLM (36 layers, own weights, 640 / 350), random weights, with
-    `ROWS_TUNED_TILES` and with it updated by `candidate`: µs per step, median (range) of interleaved rounds."""
-    import statistics
+    """A compiled decode step of `rows` rows through the several-row kernel, of the CRQ and of the LLM
+    ([`_decode_stack_steps`]), with `ROWS_TUNED_TILES` and with it updated by `candidate`: µs per step, median (range)
+    of interleaved rounds, and the largest difference of their outputs."""
+    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 
+    tuned = triton_linear.ROWS_TUNED_TILES
+    variants = {"tuned": tuned, "candidate": {**tuned, **candidate}}
+    print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
+    for stack_name, call in _decode_stack_steps(rows, split_k_counters=True):
+        times, outputs = _interleaved_rounds(call, triton_linear, "ROWS_TUNED_TILES", variants, rounds)
+        difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
+        print(f"| {stack_name} | {_median_cells(times)} | (max difference {difference:.3f})", flush=True)
+
+
+def _interleaved_rounds(call, module, name: str, variants: dict, rounds: int):
+    """`({variant: [µs per call, one per round]}, {variant: float32 output})`: `call` replayed as a CUDA graph with
+    `module.name` set to each variant's value in turn, `rounds` times; `module.name` restored after."""
     import triton
 
-    from funaudiochat_hf import FunAudioChatConfig
-    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
-    from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
-    from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
-    from funaudiochat_hf.triton_attention_funaudiochat import register_triton_decode_attention
-
-    attention = register_triton_decode_attention()
-    step = torch.compile(decoder_stack_forward, fullgraph=True, dynamic=False)
-    config = FunAudioChatConfig()
-    tuned = triton_linear.ROWS_TUNED_TILES
-    variants = (("tuned", tuned), ("candidate", {**tuned, **candidate}))
-    print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
-    for stack_name, stack_config, cache_length, written in (
-        ("CRQ sub-step", config.audio_config.crq_transformer_config, 1280, 700),
-        ("LLM", config.text_config, 640, 350),
-    ):
-        stack = _random_stack(stack_config)
-        if stack_name == "LLM":
-            projections = triton_linear.own_weight_kernels(stack)
-        else:
-            projections = with_decode_kernels(fused_crq_projections(stack))
-        counters = triton_linear.split_k_counters_for(stack_config, "cuda")
-        cache, mask, x, positions = _prefilled_decode_inputs(stack, rows, cache_length, written)
-        stack.config._attn_implementation = attention
-
-        def call():
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(written)
-            return step(stack, projections, x, mask, positions, cache, split_k_counters=counters)
-
-        times = {name: [] for name, _ in variants}
-        outputs = {}
+    original = getattr(module, name)
+    times = {variant: [] for variant in variants}
+    outputs = {}
+    try:
         with torch.no_grad():
             for _ in range(rounds):
-                for name, tiles in variants:
-                    triton_linear.ROWS_TUNED_TILES = tiles
-                    outputs[name] = call().float()
+                for variant, value in variants.items():
+                    setattr(module, name, value)
+                    outputs[variant] = call().float()
                     torch.cuda.synchronize()
-                    times[name].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
-        triton_linear.ROWS_TUNED_TILES = tuned
-        difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
-        cells = " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
-        print(f"| {stack_name} | {cells} | (max difference {difference:.3f})", flush=True)
+                    times[variant].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
+    finally:
+        setattr(module, name, original)
+    return times, outputs
+
+
+def _median_cells(times: dict) -> str:
+    import statistics
+
+    return " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
 
 
 def main(argv: list[str] | None = None) -> None:
