@@ -20,6 +20,14 @@ as three weights (`part_weights`), its gate and up as two; the torch column runs
 
 With `--rows N` (N from 2 to 16) the table's kernel column is the several-row kernel.
 
+`--attention-share`: the same steps at each of `--rows` with the attention kernels and with the attention operator
+returning an empty tensor (outputs garbage, timing only), and the attention's µs per layer.
+
+`--stack-ab VARIANT [VARIANT ...]`: whole compiled decode steps of the CRQ (a sub-step) and of the LLM's 36 layers at
+each of `--rows`, once per variant, in `--rounds` interleaved rounds; a variant sets package constants read when a
+kernel is launched, as benchmark.py's `--set` (`''` keeps the shipped ones), e.g.
+`--stack-ab '' 'triton_attention_funaudiochat.SPLIT_NUM_WARPS=8' --rows 16,1`.
+
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
 with cuBLAS projections and with the kernels (`with_decode_kernels`), each replayed as a CUDA graph, and their largest
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 
@@ -314,6 +323,29 @@ def _wide_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[t
     return tiles
 
 
+def _prefetch_rows_tiles(out_features: int, in_features: int, gated: bool) -> list[tuple]:
+    """`--prefetch`: `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab)` candidates whose split is a single
+    chunk of 512 to 2,048 inputs, which a program fetches whole before waiting for the previous kernel (the kernel
+    fetches its first chunk early): no weight read left after the wait. 16 to 64 columns, 4 or 8 warps (at most 256
+    bytes of weights per thread), grids of 64 to 1,100 programs."""
+    import triton
+
+    tiles = []
+    for block_n in (16, 32, 64):
+        for block_k in (512, 1024, 2048):
+            if block_k > max(512, triton.next_power_of_2(in_features)):
+                continue
+            split = triton.cdiv(in_features, block_k)
+            if not 64 <= triton.cdiv(out_features, block_n) * split <= 1100:
+                continue
+            for warps in (4, 8):
+                if block_n * block_k * 2 * (1 + gated) > warps * 32 * 256:  # at most 256 bytes per thread held
+                    continue
+                for swap_ab in (False, True) if block_n >= 64 else (False,):
+                    tiles.append((block_n, block_k, split, warps, 2, swap_ab))
+    return tiles
+
+
 def _compile_worker(stack: str, tiles_by_name: dict, rows: int) -> int:
     """One process of `--jobs`: launches every tile of `tiles_by_name` once on zero inputs, so Triton's disk cache
     holds its kernel for the timing process; returns how many compiled."""
@@ -394,11 +426,13 @@ def _rows_projections(stack: str, layers: int):
         yield name, out_features, in_features, norm, gated, residual, tiles, make
 
 
-def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, jobs: int = 0) -> dict:
+def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, jobs: int = 0, prefetch: bool = False
+                     ) -> dict:  # fmt: skip
     """The CRQ's (or the LLM's) projections at `rows` rows: µs per call of the compiled torch composition and of the
     several-row kernel with each candidate tile (a chain of 28 / 36 distinct weights per CUDA graph), and the
     fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `ROWS_TUNED_TILES` keys them.
-    `wide`: the candidates of `_wide_rows_tiles` (pipeline depths, SWAP_AB) and each shape's tuned tile; `jobs` > 1:
+    `wide`: the candidates of `_wide_rows_tiles` (pipeline depths, SWAP_AB) and each shape's tuned tile; `prefetch`:
+    those of `_prefetch_rows_tiles` (whole splits fetched before the wait) and the tuned tile; `jobs` > 1:
     compiled first in that many processes. A tile that does not fit the GPU (shared memory) is skipped."""
     import triton
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -414,12 +448,14 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
     tuned = triton_linear.ROWS_TUNED_TILES
     fastest_tiles = {}
     projections = list(_rows_projections(stack, layers))
-    if wide:
+    if wide or prefetch:
+        candidates = _prefetch_rows_tiles if prefetch else _wide_rows_tiles
         projections = [
             (*p[:6], [*([tuned[p[1], p[2], p[4]]] if (p[1], p[2], p[4]) in tuned else []),
-                      *_wide_rows_tiles(p[1], p[2], p[4])], p[7])
+                      *candidates(p[1], p[2], p[4])], p[7])
             for p in projections
         ]  # fmt: skip
+        wide = True  # the ranked report
     if jobs > 1:
         _precompile_rows_tiles(stack, {p[0]: p[6] for p in projections}, rows, jobs)
     for name, out_features, in_features, norm, gated, residual, tiles, make in projections:
@@ -484,10 +520,11 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
     weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 
+    variants = {"tuned": [(triton_linear, "TUNED_TILES", triton_linear.TUNED_TILES)],
+                "default": [(triton_linear, "TUNED_TILES", {})]}  # fmt: skip
     print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
     for stack_name, call in _decode_stack_steps(1):
-        times, _ = _interleaved_rounds(call, triton_linear, "TUNED_TILES", {"tuned": triton_linear.TUNED_TILES,
-                                                                           "default": {}}, rounds)  # fmt: skip
+        times, _ = _interleaved_rounds(call, variants, rounds)
         print(f"| {stack_name} | {_median_cells(times)} |", flush=True)
 
 
@@ -498,38 +535,81 @@ def rows_tiles_ab(candidate: dict, rows: int = 16, rounds: int = 5) -> None:
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 
     tuned = triton_linear.ROWS_TUNED_TILES
-    variants = {"tuned": tuned, "candidate": {**tuned, **candidate}}
+    variants = {"tuned": [(triton_linear, "ROWS_TUNED_TILES", tuned)],
+                "candidate": [(triton_linear, "ROWS_TUNED_TILES", {**tuned, **candidate})]}  # fmt: skip
     print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
     for stack_name, call in _decode_stack_steps(rows, split_k_counters=True):
-        times, outputs = _interleaved_rounds(call, triton_linear, "ROWS_TUNED_TILES", variants, rounds)
+        times, outputs = _interleaved_rounds(call, variants, rounds)
         difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
         print(f"| {stack_name} | {_median_cells(times)} | (max difference {difference:.3f})", flush=True)
 
 
-def _interleaved_rounds(call, module, name: str, variants: dict, rounds: int):
+def stack_settings_ab(variants: list[str], rows: list[int], rounds: int = 5) -> None:
+    """Compiled decode steps of the CRQ and of the LLM ([`_decode_stack_steps`], the several-row kernel's counters
+    given) at each of `rows`, once per variant: a variant is `;`-separated `MODULE.NAME=VALUE` settings of package
+    constants (benchmark.py's `--set`; "" keeps the shipped values), applied around its calls only. µs per step,
+    median (range) of interleaved rounds, and each variant's largest difference from the first's output."""
+    from benchmark import parse_setting
+
+    settings = {variant or "shipped": [parse_setting(s) for s in variant.split(";") if s.strip()]
+                for variant in variants}  # fmt: skip
+    print(f"| stack | rows | {' | '.join(f'{name} (µs)' for name in settings)} | max difference from the first |")
+    print(f"|---|---|{'---|' * len(settings)}---|")
+    for batch in rows:
+        for stack_name, call in _decode_stack_steps(batch, split_k_counters=True):
+            times, outputs = _interleaved_rounds(call, settings, rounds)
+            first = next(iter(outputs.values()))
+            difference = max((output - first).abs().max().item() for output in outputs.values())
+            print(f"| {stack_name} | {batch} | {_median_cells(times)} | {difference:.3g} |", flush=True)
+
+
+def attention_share(rows: list[int], rounds: int = 3) -> None:
+    """Both stacks' compiled decode steps ([`_decode_stack_steps`]) at each of `rows`, with the attention kernels and
+    with the attention operator returning an empty tensor (outputs garbage; timing only): µs per step, median (range)
+    of interleaved rounds, and the attention's µs per layer."""
+    from funaudiochat_hf import triton_attention_inputs_funaudiochat as attention_inputs
+
+    def no_attention(query, key, value, mask, scaling, inputs=None):
+        heads = query.shape[1] if inputs is None else query.shape[1] // key.shape[-1]
+        return query.new_empty(key.shape[0], 1, heads, key.shape[-1])
+
+    variants = {"with": [], "without": [(attention_inputs, "launch_decode_attention", no_attention)]}
+    print("| stack | rows | with the attention (µs) | without (µs) | attention per layer (µs) |\n|---|---|---|---|---|")
+    for batch in rows:
+        for stack_name, call in _decode_stack_steps(batch, split_k_counters=True):
+            times, _ = _interleaved_rounds(call, variants, rounds)
+            layers = 28 if stack_name.startswith("CRQ") else 36
+            share = (statistics.median(times["with"]) - statistics.median(times["without"])) / layers
+            print(f"| {stack_name} | {batch} | {_median_cells(times)} | {share:.1f} |", flush=True)
+
+
+def _interleaved_rounds(call, variants: dict, rounds: int):
     """`({variant: [µs per call, one per round]}, {variant: float32 output})`: `call` replayed as a CUDA graph with
-    `module.name` set to each variant's value in turn, `rounds` times; `module.name` restored after."""
+    each variant's `(module, NAME, value)` settings applied in turn, `rounds` times; the constants restored after.
+    Only for constants read when a kernel is launched or a graph is recorded: every timing records a new graph."""
     import triton
 
-    original = getattr(module, name)
+    originals = {(module, name): getattr(module, name) for settings in variants.values() for module, name, _ in settings}
     times = {variant: [] for variant in variants}
     outputs = {}
     try:
         with torch.no_grad():
             for _ in range(rounds):
-                for variant, value in variants.items():
-                    setattr(module, name, value)
+                for variant, settings in variants.items():
+                    for (module, name), value in originals.items():
+                        setattr(module, name, value)
+                    for module, name, value in settings:
+                        setattr(module, name, value)
                     outputs[variant] = call().float()
                     torch.cuda.synchronize()
                     times[variant].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
     finally:
-        setattr(module, name, original)
+        for (module, name), value in originals.items():
+            setattr(module, name, value)
     return times, outputs
 
 
 def _median_cells(times: dict) -> str:
-    import statistics
-
     return " | ".join(f"{statistics.median(t):.0f} ({min(t):.0f}-{max(t):.0f})" for t in times.values())
 
 
@@ -550,11 +630,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wide", action="store_true",
                         help="--sweep-rows-tiles: also sweep pipeline depths and SWAP_AB, then time both stacks' "
                         "decode steps with the fastest tiles against ROWS_TUNED_TILES")  # fmt: skip
+    parser.add_argument("--prefetch", action="store_true",
+                        help="--sweep-rows-tiles: sweep tiles whose whole split is fetched before the wait instead, "
+                        "then time both stacks' decode steps with the fastest against ROWS_TUNED_TILES")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=0, help="--sweep-rows-tiles: compile candidates in N processes")
     parser.add_argument("--rows-ab", default=None, metavar="TILES",
                         help="time both stacks' 16-row decode steps with ROWS_TUNED_TILES updated by TILES (a Python "
                         "dict literal) against ROWS_TUNED_TILES")  # fmt: skip
+    parser.add_argument("--stack-ab", nargs="+", default=None, metavar="VARIANT",
+                        help="time both stacks' compiled decode steps at each --rows once per VARIANT, a ';'-separated "
+                        "list of MODULE.NAME=VALUE constant settings ('' = shipped), interleaved rounds")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=5, help="--stack-ab, --attention-share: interleaved rounds")
+    parser.add_argument("--attention-share", action="store_true",
+                        help="time both stacks' compiled decode steps at each --rows with and without the attention")
     args = parser.parse_args(argv)
+    if args.attention_share:
+        attention_share([int(r) for r in args.rows.split(",")], args.rounds)
+        return
+    if args.stack_ab:
+        stack_settings_ab(args.stack_ab, [int(r) for r in args.rows.split(",")], args.rounds)
+        return
     if args.rows_ab:
         import ast
 
@@ -563,9 +658,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep_rows_tiles:
         fastest = {}
         for stack in args.sweep_rows_tiles.split(","):
-            fastest.update(sweep_rows_tiles(stack=stack, wide=args.wide, jobs=args.jobs))
+            fastest.update(sweep_rows_tiles(stack=stack, wide=args.wide, jobs=args.jobs, prefetch=args.prefetch))
         print(f"fastest: {fastest!r}", flush=True)
-        if args.wide:
+        if args.wide or args.prefetch:
             rows_tiles_ab(fastest)
         return
     if args.sweep_tiles:

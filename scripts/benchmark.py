@@ -1480,24 +1480,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def parse_setting(setting: str) -> tuple[object, str, object]:
+    """`(module, NAME, value)` of a `--set` setting `MODULE.NAME=VALUE`: the existing constant NAME of
+    `funaudiochat_hf.MODULE` and the Python literal VALUE. Raises ValueError naming the setting that is malformed or
+    names no such constant."""
+    target, equals, text = setting.partition("=")
+    module_name, dot, name = target.strip().rpartition(".")
+    if not equals or not dot or not name:
+        raise ValueError(f"--set takes MODULE.NAME=VALUE, got {setting!r}")
+    try:
+        module = importlib.import_module(f"funaudiochat_hf.{module_name}")
+    except ImportError as error:
+        raise ValueError(f"--set {setting!r}: no module funaudiochat_hf.{module_name} ({error})") from None
+    if not hasattr(module, name):
+        raise ValueError(f"--set {setting!r}: funaudiochat_hf.{module_name} has no {name}")
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--set {setting!r}: {text!r} is not a Python literal (True, 0.5, 'torch', ...)") from None
+    return module, name, value
+
+
 def apply_settings(settings: list[str]) -> None:
     """`--set`: each `MODULE.NAME=VALUE` sets the existing constant NAME of `funaudiochat_hf.MODULE` to the Python
-    literal VALUE. Raises ValueError naming the setting that is malformed or names no such constant."""
+    literal VALUE ([`parse_setting`])."""
     for setting in settings:
-        target, equals, text = setting.partition("=")
-        module_name, dot, name = target.strip().rpartition(".")
-        if not equals or not dot or not name:
-            raise ValueError(f"--set takes MODULE.NAME=VALUE, got {setting!r}")
-        try:
-            module = importlib.import_module(f"funaudiochat_hf.{module_name}")
-        except ImportError as error:
-            raise ValueError(f"--set {setting!r}: no module funaudiochat_hf.{module_name} ({error})") from None
-        if not hasattr(module, name):
-            raise ValueError(f"--set {setting!r}: funaudiochat_hf.{module_name} has no {name}")
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            raise ValueError(f"--set {setting!r}: {text!r} is not a Python literal (True, 0.5, 'torch', ...)") from None
+        module, name, value = parse_setting(setting)
         setattr(module, name, value)
 
 

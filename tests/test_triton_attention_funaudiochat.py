@@ -166,6 +166,30 @@ def test_programmatic_launch_needs_a_hopper_gpu(monkeypatch):
     assert not triton_attention.programmatic_launch(torch.device("cuda", 0))
 
 
+def test_split_kernel_warps_follow_the_batch_size(monkeypatch):
+    """The split kernel runs with `SPLIT_NUM_WARPS` warps at the batch sizes it names (8 at batch 1, faster on an
+    H200), `SPLIT_DEFAULT_NUM_WARPS` at others (4: 8 was slower at batch 16)."""
+    pytest.importorskip("triton")
+    launches = []
+
+    class Recorder:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kind, kwargs.get("num_warps")))
+
+    monkeypatch.setattr(triton_attention, "_split_kernel", Recorder("split"))
+    monkeypatch.setattr(triton_attention, "_combine_kernel", Recorder("combine"))
+    for batch in (1, 2, 16):
+        query, key, value, _ = _case_tensors(batch, 4, 2, 70, 16, None)
+        triton_attention.launch_decode_attention(query, key, value, None, 0.25)
+    split_warps = [warps for kind, warps in launches if kind == "split"]
+    assert split_warps == [8, 4, 4] == [triton_attention.split_warps(batch) for batch in (1, 2, 16)]
+    monkeypatch.setattr(triton_attention, "SPLIT_NUM_WARPS", {})
+    assert triton_attention.split_warps(1) == triton_attention.SPLIT_DEFAULT_NUM_WARPS == 4
+
+
 def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
     """On CPU (and for float masks or several query positions) the function is `gqa_decode_attention`, bit for bit."""
     query, key, value, mask = _case_tensors(3, 4, 2, 70, 64, "padding")

@@ -433,7 +433,8 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
-                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False)  # fmt: skip
+                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False,
+                      EARLY_RESIDUAL=True)  # fmt: skip
     names = triton_linear._decode_rows_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
     types.update(partials_ptr="*fp32", counters_ptr="*i32")
@@ -448,6 +449,28 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
         return
     assert len(atomics) == 1 and "acq_rel" in lines[atomics[0]] and "gpu" in lines[atomics[0]], atomics
     assert any("bar.sync" in line for line in lines[wait : atomics[0]])
+
+
+def test_rows_kernel_fetches_its_residual_before_counting_in():
+    """EARLY_RESIDUAL (`ROWS_EARLY_RESIDUAL`): with a split reduction, every program reads its residual tile after
+    `griddepcontrol.wait` and before the atomic that counts it in, so the tile's last program has one read fewer left
+    after the atomic (sm_90 PTX; a CRQ sub-step at 16 rows 1,376 against 1,391 µs on an H200)."""
+    pytest.importorskip("triton")
+    names = triton_linear._decode_rows_kernel.arg_names
+    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    types.update(partials_ptr="*fp32", counters_ptr="*i32")
+    reads_after_atomic = {}
+    for early in (True, False):
+        constexprs = dict(N=1024, K=2048, EPS=1e-6, HAS_BIAS=False, HAS_NORM=False, HAS_RESIDUAL=True, GATED=False,
+                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, K_SPLIT=256, PRECISION="tf32",
+                          NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=2, SWAP_AB=False,
+                          EARLY_RESIDUAL=early)  # fmt: skip
+        lines = hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        atomic = next(i for i, line in enumerate(lines) if "atom." in line)
+        assert wait < atomic
+        reads_after_atomic[early] = sum("ld.global" in line for line in lines[atomic:])
+    assert reads_after_atomic[True] < reads_after_atomic[False], reads_after_atomic
 
 
 def _tiny_model():

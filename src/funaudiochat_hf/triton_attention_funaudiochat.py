@@ -78,6 +78,12 @@ PROGRAMS_PER_MULTIPROCESSOR = 2
 # 16; every block of the cache pipelined, without the trip count: 1,727 µs). False: the block loop (for comparisons).
 PIPELINED_BLOCKS = True
 PIPELINE_STAGES = 2
+# Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
+# 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
+# against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
+# 1,576 against 1,474 and 4,974 against 4,779 (slower).
+SPLIT_NUM_WARPS = {1: 8}
+SPLIT_DEFAULT_NUM_WARPS = 4
 # Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
 # have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
 # what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
@@ -308,6 +314,11 @@ def programmatic_launch(device: torch.device) -> bool:
     return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def split_warps(batch: int) -> int:
+    """The split kernel's warps at this batch size: `SPLIT_NUM_WARPS`, else `SPLIT_DEFAULT_NUM_WARPS`."""
+    return SPLIT_NUM_WARPS.get(batch, SPLIT_DEFAULT_NUM_WARPS)
+
+
 def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
     """`(splits, blocks per split)`: about `PROGRAMS_PER_MULTIPROCESSOR` programs per multiprocessor, at least one
     block per split."""
@@ -394,7 +405,8 @@ def launch_decode_attention(
         *query_strides, *key.stride(), *value.stride(), *mask_strides, *prepare_strides,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
-        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES, launch_pdl=pdl,
+        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES, num_warps=split_warps(batch),
+        launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
         part_acc, part_max, part_sum, out, part_max if inputs is None else inputs.length,

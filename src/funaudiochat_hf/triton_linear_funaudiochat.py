@@ -76,11 +76,20 @@ GROUPED_QKV = True
 # (27.98 / 31.74). Whole compiled 16-row decode steps, interleaved rounds: a CRQ sub-step 1,386 against 1,463 µs, the
 # LLM's 36 layers 4,709 against 4,982 µs. Without the split (one program per column tile over the whole reduction),
 # the 1,024-output projections had 64 programs at most, too few to stream their weights (2026-12-01 18:15–18:50).
+# The CRQ's down_proj then took a tile whose every split is one 512-input chunk, which the kernel fetches before its
+# wait (`--sweep-rows-tiles CRQ --prefetch`, BENCHMARKS.md 2026-12-02 15:15): 4.71 against 5.16 µs per call; a CRQ
+# sub-step 1,351 against 1,378 µs. Such tiles were slower for the three other shapes.
 ROWS_KERNEL_MAX_ROWS = 16
 USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
 MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
 ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_NUM_WARPS = 32, 128, 4
 ROWS_NUM_STAGES = 3  # weight tiles in flight in the reduction loop (Triton's default) where a tile names none
+# The several-row kernel's programs fetch their residual tile right after waiting for the previous kernel, not in
+# the epilogue (with the reduction split, only the tile's last program adds it, after the others' partials: one L2
+# round trip less on its path). Measured on an H200 (BENCHMARKS.md, 2026-12-02 15:15, compiled 16-row decode
+# steps, interleaved rounds): a CRQ sub-step 1,376 against 1,391 µs, the LLM's 36 layers 4,684 against 4,694. False:
+# read in the epilogue (for comparisons).
+ROWS_EARLY_RESIDUAL = True
 ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
@@ -88,7 +97,7 @@ ROWS_TUNED_TILES = {
     (4096, 1024, False): (128, 256, 4, 8, 4, False),  # CRQ q/k/v (fused)
     (1024, 2048, False): (64, 256, 8, 8, 2, False),  # CRQ o_proj
     (3072, 1024, True): (128, 256, 4, 8, 2, True),  # CRQ gate/up (fused)
-    (1024, 3072, False): (32, 128, 8, 4, 2, False),  # CRQ down_proj
+    (1024, 3072, False): (32, 512, 6, 4, 2, False),  # CRQ down_proj: each split one chunk, fetched before the wait
     (6144, 4096, False): (128, 128, 2, 8, 4, True),  # LLM q, k and v (`part_weights`)
     (4096, 4096, False): (128, 128, 4, 8, 4, True),  # LLM o_proj
     (12288, 4096, True): (64, 128, 1, 8),  # LLM gate/up (two weights)
@@ -253,9 +262,10 @@ if triton is not None:
     @triton.jit
     def _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col, col_ok,
                        stride_residual, stride_out, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       GATED: tl.constexpr):  # fmt: skip
+                       GATED: tl.constexpr, residual, EARLY_RESIDUAL: tl.constexpr):  # fmt: skip
         """Bias, SiLU(gate) * up and residual, rounded as `_decode_linear_kernel` rounds them; stores the tile of
-        output columns `col` (`weight_col` within the program's weight)."""
+        output columns `col` (`weight_col` within the program's weight). EARLY_RESIDUAL: `residual` is the residual
+        tile, loaded by the caller; else it is read here."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + weight_col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -267,7 +277,10 @@ if triton is not None:
             out = (gate * tl.sigmoid(gate)).to(dtype) * acc_up.to(dtype)
         tile_ok = row_ok[:, None] & col_ok[None, :]
         if HAS_RESIDUAL:
-            out += tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=tile_ok, other=0.0)
+            if not EARLY_RESIDUAL:
+                residual = tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=tile_ok,
+                                   other=0.0)  # fmt: skip
+            out += residual
         tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out.to(dtype), mask=tile_ok)
 
     @triton.jit
@@ -279,7 +292,7 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
-        NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False,
+        NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False, EARLY_RESIDUAL: tl.constexpr = False,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
@@ -320,6 +333,13 @@ if triton is not None:
             w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
+        # EARLY_RESIDUAL: every program fetches its residual tile (an earlier kernel's output) now, with x, so the
+        # epilogue of the tile's last program does not wait for one more L2 round trip.
+        residual = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            if EARLY_RESIDUAL:
+                residual = tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :],
+                                   mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         inverse_rms = tl.zeros([BLOCK_M, 1], tl.float32)
         if HAS_NORM:  # each program computes its rows' RMS over the whole K, not only its split's share
             # In wide chunks, unrolled: every load of the input in flight at once (one L2 round trip for K <= 4096).
@@ -351,7 +371,8 @@ if triton is not None:
             acc_up = tl.trans(acc_up)
         if SPLIT_K == 1:
             _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col,
-                           col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED)  # fmt: skip
+                           col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED, residual,
+                           EARLY_RESIDUAL)  # fmt: skip
         else:
             PARTS: tl.constexpr = 2 if GATED else 1
             TILE: tl.constexpr = BLOCK_M * BLOCK_N
@@ -375,8 +396,8 @@ if triton is not None:
                     if GATED:
                         acc_up += tl.load(tile_ptr + s * (PARTS * TILE) + TILE, cache_modifier=".cg")
                 _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col,
-                               weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL,
-                               GATED)  # fmt: skip
+                               weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED,
+                               residual, EARLY_RESIDUAL)  # fmt: skip
                 # Zero again for the next launch, which touches the counters only after waiting for this grid.
                 tl.store(counters_ptr + tile, 0)
 
@@ -458,7 +479,8 @@ def _launch_rows_kernel(
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
-        NUM_STAGES=num_stages, SWAP_AB=swap_ab, num_warps=num_warps, launch_pdl=pdl,
+        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, num_warps=num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 
