@@ -448,14 +448,14 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
     tuned = triton_linear.ROWS_TUNED_TILES
     fastest_tiles = {}
     projections = list(_rows_projections(stack, layers))
-    if wide or prefetch:
+    ranked_report = wide or prefetch  # the fastest tiles and the tuned one, not every candidate
+    if ranked_report:
         candidates = _prefetch_rows_tiles if prefetch else _wide_rows_tiles
         projections = [
             (*p[:6], [*([tuned[p[1], p[2], p[4]]] if (p[1], p[2], p[4]) in tuned else []),
                       *candidates(p[1], p[2], p[4])], p[7])
             for p in projections
         ]  # fmt: skip
-        wide = True  # the ranked report
     if jobs > 1:
         _precompile_rows_tiles(stack, {p[0]: p[6] for p in projections}, rows, jobs)
     for name, out_features, in_features, norm, gated, residual, tiles, make in projections:
@@ -503,10 +503,10 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
             times[tile] = triton.testing.do_bench_cudagraph(run_kernel, rep=60) * 1e3 / layers
         triton_linear.ROWS_TUNED_TILES = tuned
         ranked = sorted(times, key=times.get)
-        cells = ", ".join(f"{tile}: {times[tile]:.2f}" for tile in (ranked[:8] if wide else times))
+        cells = ", ".join(f"{tile}: {times[tile]:.2f}" for tile in (ranked[:8] if ranked_report else times))
         fastest = ranked[0]
         tuned_cell = ""
-        if wide and (out_features, in_features, gated) in tuned:
+        if ranked_report and (out_features, in_features, gated) in tuned:
             tuned_tile = tuned[out_features, in_features, gated]
             tuned_cell = f" (tuned {tuned_tile}: {times.get(tuned_tile, float('nan')):.2f}; {len(times)} tiles)"
         print(f"| {name} | {torch_us:.2f} | {cells} | {fastest}: {times[fastest]:.2f}{tuned_cell} |", flush=True)
@@ -523,8 +523,7 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
     variants = {"tuned": [(triton_linear, "TUNED_TILES", triton_linear.TUNED_TILES)],
                 "default": [(triton_linear, "TUNED_TILES", {})]}  # fmt: skip
     print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
-    for stack_name, call in _decode_stack_steps(1):
-        times, _ = _interleaved_rounds(call, variants, rounds)
+    for stack_name, _, times, _ in _stack_rounds(variants, [1], rounds):
         print(f"| {stack_name} | {_median_cells(times)} |", flush=True)
 
 
@@ -538,8 +537,7 @@ def rows_tiles_ab(candidate: dict, rows: int = 16, rounds: int = 5) -> None:
     variants = {"tuned": [(triton_linear, "ROWS_TUNED_TILES", tuned)],
                 "candidate": [(triton_linear, "ROWS_TUNED_TILES", {**tuned, **candidate})]}  # fmt: skip
     print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
-    for stack_name, call in _decode_stack_steps(rows, split_k_counters=True):
-        times, outputs = _interleaved_rounds(call, variants, rounds)
+    for stack_name, _, times, outputs in _stack_rounds(variants, [rows], rounds):
         difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
         print(f"| {stack_name} | {_median_cells(times)} | (max difference {difference:.3f})", flush=True)
 
@@ -555,12 +553,10 @@ def stack_settings_ab(variants: list[str], rows: list[int], rounds: int = 5) -> 
                 for variant in variants}  # fmt: skip
     print(f"| stack | rows | {' | '.join(f'{name} (µs)' for name in settings)} | max difference from the first |")
     print(f"|---|---|{'---|' * len(settings)}---|")
-    for batch in rows:
-        for stack_name, call in _decode_stack_steps(batch, split_k_counters=True):
-            times, outputs = _interleaved_rounds(call, settings, rounds)
-            first = next(iter(outputs.values()))
-            difference = max((output - first).abs().max().item() for output in outputs.values())
-            print(f"| {stack_name} | {batch} | {_median_cells(times)} | {difference:.3g} |", flush=True)
+    for stack_name, batch, times, outputs in _stack_rounds(settings, rows, rounds):
+        first = next(iter(outputs.values()))
+        difference = max((output - first).abs().max().item() for output in outputs.values())
+        print(f"| {stack_name} | {batch} | {_median_cells(times)} | {difference:.3g} |", flush=True)
 
 
 def attention_share(rows: list[int], rounds: int = 3) -> None:
@@ -575,12 +571,18 @@ def attention_share(rows: list[int], rounds: int = 3) -> None:
 
     variants = {"with": [], "without": [(attention_inputs, "launch_decode_attention", no_attention)]}
     print("| stack | rows | with the attention (µs) | without (µs) | attention per layer (µs) |\n|---|---|---|---|---|")
+    for stack_name, batch, times, _ in _stack_rounds(variants, rows, rounds):
+        layers = 28 if stack_name.startswith("CRQ") else 36
+        share = (statistics.median(times["with"]) - statistics.median(times["without"])) / layers
+        print(f"| {stack_name} | {batch} | {_median_cells(times)} | {share:.1f} |", flush=True)
+
+
+def _stack_rounds(variants: dict, rows: list[int], rounds: int):
+    """`(stack name, rows, times, outputs)` of [`_interleaved_rounds`] over both stacks' decode steps
+    ([`_decode_stack_steps`], the several-row kernel's counters given) at each of `rows`."""
     for batch in rows:
         for stack_name, call in _decode_stack_steps(batch, split_k_counters=True):
-            times, _ = _interleaved_rounds(call, variants, rounds)
-            layers = 28 if stack_name.startswith("CRQ") else 36
-            share = (statistics.median(times["with"]) - statistics.median(times["without"])) / layers
-            print(f"| {stack_name} | {batch} | {_median_cells(times)} | {share:.1f} |", flush=True)
+            yield stack_name, batch, *_interleaved_rounds(call, variants, rounds)
 
 
 def _interleaved_rounds(call, variants: dict, rounds: int):
