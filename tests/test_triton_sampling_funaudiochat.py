@@ -26,6 +26,8 @@ CASES = [
     (300, 2, True, 0, 0.5, 1.2),
     (1500, 2, True, 0, 0.9, 1.2),
     (6565, 2, True, 0, 0.9, 1.2),
+    # 1 - top_p rounds to 1 in float32: the kernel kept no token and picked id 0 (a bug of 2026-12-01, fixed)
+    (40, 4, True, 0, 1e-9, 1.0),
 ]
 GPU_CASES = [(6565, 16, True, 0, 0.9, 1.2), (6565, 4, False, 0, 1.0, 1.2), (6565, 3, True, 0, 0.99, 1.0)]
 

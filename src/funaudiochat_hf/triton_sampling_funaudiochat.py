@@ -11,9 +11,11 @@ step 8.40 -> 8.23-8.26 ms side by side.
 Top-p without a sort: the tokens `TopPLogitsWarper` removes are the longest prefix of the ascending order whose
 cumulative probability is at most `1 - top_p` (never the most likely token). With `g(t)` the probability of the tokens
 whose score key (the float's bits, ordered as the floats) is below `t`, the first token it keeps has the largest key
-`t*` with `g(t*) <= 1 - top_p`: found bit by bit, 32 masked sums. Among the tokens tied at `t*` (equal scores, equal
-probabilities `p*`), the first `floor((1 - top_p - g(t*)) / p*)` by id are removed too: the order of PyTorch's CUDA sort
-of such a row (a stable radix sort); their id boundary is found bit by bit as well.
+`t*` with `g(t*) <= 1 - top_p`, at most the most likely token's key: found bit by bit, 32 masked sums. Among the
+tokens tied at `t*` (equal scores, equal probabilities `p*`), the first `floor((1 - top_p - g(t*)) / p*)` by id are
+removed too: the order of PyTorch's CUDA sort of such a row (a stable radix sort); their id boundary is found bit by
+bit as well. (Settling 2-4 bits per pass, one 2-D masked sum for all its candidates, was slower on an H200: 28-76
+against 17.7 µs per call, BENCHMARKS.md 2026-12-02 17:55–18:30.)
 
 The result is that of `select_tokens` up to float rounding (sums in another order, the GPU's `exp`): penalty
 `where(seen, where(s < 0, s * p, s / p), s)` and `s / temperature` in float32 as transformers, then the exponential
@@ -68,18 +70,22 @@ if triton is not None:
             scores = tl.where(seen, tl.where(scores < 0, scores * penalty, scores / penalty), scores)
         if DO_SAMPLE:
             scores = scores / tl.load(temperature_ptr).to(tl.float32)
-            exps = tl.exp(scores - tl.max(scores, 0))
+            top = tl.max(scores, 0)
+            exps = tl.exp(scores - top)
             probs = exps / tl.sum(exps, 0)
             if USES_TOP_P:
                 removed_mass = (1.0 - tl.load(top_p_ptr)).to(tl.float32)
                 key = _ordered_key(scores)
-                # The largest key t with g(t) <= removed_mass, g(t) the probability below key t.
+                # The largest key t with g(t) <= removed_mass, g(t) the probability below key t, at most the most
+                # likely tokens' key: they weigh infinitely here, since where 1 - top_p rounds to 1 in float32, g of
+                # every key can be within it (the search then passed them and kept no token).
+                weights = tl.where(scores == top, float("inf"), probs)
                 one = tl.full([], 1, tl.uint32)
                 boundary = tl.zeros([], tl.uint32)
                 below = tl.zeros([], tl.float32)
                 for bit in tl.static_range(31, -1, -1):
                     candidate = boundary | (one << bit)
-                    mass = tl.sum(tl.where(key < candidate, probs, 0.0), 0)
+                    mass = tl.sum(tl.where(key < candidate, weights, 0.0), 0)
                     boundary = tl.where(mass <= removed_mass, candidate, boundary)
                     below = tl.where(mass <= removed_mass, mass, below)
                 tied = in_vocab & (key == boundary)
