@@ -57,6 +57,10 @@ PROJECTIONS = [
     # Around the CRQ stack, once per sub-step (5 per LLM step): the 6,565-way speech head; input_matching (1024 x
     # 4096) and output_matching (4096 x 1024, the final norm folded in) have the shapes of projections above.
     ("CRQ head", "lm_head", 6565, 4096, False, False, False, False, 5),
+    # With `fold_crq_matching` (the default of a compiled loop): lm_head ∘ output_matching (its padded copy, the final
+    # norm folded in) per sub-step, and input_matching ∘ pre_matching once per LLM step.
+    ("CRQ head", "folded head", 6568, 1024, True, False, False, False, 5),
+    ("CRQ head", "folded sub-inputs", 5120, 4096, False, False, False, False, 5),
 ]
 
 

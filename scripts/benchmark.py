@@ -161,6 +161,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "chat_compile": (
             f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
             f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
+            f"fold_crq_matching={args.fold_crq_matching!r}, "
             f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}, "
             f"text_head={args.text_head!r}"
             + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
@@ -535,6 +536,7 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "compile_attention": args.compile_attention,
         "compile_prefill": None,  # default: compiled with the loop; --eager-prefill adds a TTFA row without
         "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
+        "fold_crq_matching": {"auto": None, "on": True, "off": False}[args.fold_crq_matching],
         "crq_linear": args.crq_linear,
         "llm_linear": args.llm_linear,
         "speech_sampler": args.speech_sampler,
@@ -1395,6 +1397,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--fuse-crq-projections", default="auto", choices=["auto", "on", "off"],
         help="generate_speech(fuse_crq_projections=None | True | False)",
+    )
+    p.add_argument(
+        "--fold-crq-matching", default="auto", choices=["auto", "on", "off"],
+        help="generate_speech(fold_crq_matching=None | True | False)",
     )
     p.add_argument(
         "--crq-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(crq_linear=...)"

@@ -157,3 +157,25 @@ def inputs():
     data = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
     data.pop("waveform_16k")
     return data
+
+
+def assert_batch_rows_equal_single_runs(model, inputs, kwargs: dict, audio_token: int = 346, pad: int = 320) -> None:
+    """`generate_speech(**kwargs)` on a left-padded batch (the golden prompt with its audio, and its last 40 text ids)
+    gives each row the tokens and speech of that prompt run alone."""
+    long_ids = inputs["input_ids"]
+    ids = long_ids[0][long_ids[0] != audio_token]
+    short_ids = ids[-40:][None]
+    batch_ids = torch.full((2, long_ids.shape[1]), pad)
+    batch_ids[0] = long_ids[0]
+    batch_ids[1, -40:] = short_ids[0]
+    mask = torch.ones_like(batch_ids)
+    mask[1, :-40] = 0
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+
+    batch = model.generate_speech(batch_ids, mask, **audio, **kwargs)
+    singles = [model.generate_speech(long_ids, **audio, **kwargs), model.generate_speech(short_ids, **kwargs)]
+    for row, (single, prompt_len) in enumerate(zip(singles, (long_ids.shape[1], 40))):
+        new = single.sequences[0, prompt_len:]
+        assert torch.equal(batch.sequences[row, long_ids.shape[1] : long_ids.shape[1] + len(new)], new)
+        groups = single.speech_ids.shape[1]
+        assert torch.equal(batch.speech_ids[row, :groups], single.speech_ids[0])

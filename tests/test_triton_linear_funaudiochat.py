@@ -276,7 +276,7 @@ from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
 from funaudiochat_hf import triton_attention_funaudiochat, triton_attention_inputs_funaudiochat
-from funaudiochat_hf import triton_sampling_funaudiochat, triton_text_head_funaudiochat
+from funaudiochat_hf import fused_crq_funaudiochat, triton_sampling_funaudiochat, triton_text_head_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
 # Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
@@ -291,8 +291,12 @@ head = {m.weight.data_ptr() for m in (tower.input_matching, tower.output_matchin
 calls = []
 launch = triton_linear_funaudiochat.launch_decode_linear
 def counted(*args):
+    folded = fused_crq_funaudiochat._FOLDED.get(tower)  # the compiled loop folds the head's linears
+    folded = () if folded is None else (folded.head.weight.data_ptr(), folded.sub_inputs.weight.data_ptr())
     if args[1].data_ptr() in head:
         calls.append("head")
+    elif args[1].data_ptr() in folded:
+        calls.append("folded")
     elif args[9]:  # part weights: the LLM's q, k and v in one kernel
         calls.append("grouped_qkv")
     else:
@@ -333,7 +337,7 @@ for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {
         and torch.equal(out.sequences, golden["sequences"][:, :length]),
         "speech_ids": speech >= 5 * (steps - 2) and torch.equal(out.speech_ids, golden["speech_ids"][:, :speech]),
         **{kind: calls.count(kind) for kind in ("plain", "grouped_qkv", "crq_mlp", "llm_mlp", "attention_inputs",
-                                                 "attention", "head", "sampler", "text_head")},
+                                                 "attention", "head", "folded", "sampler", "text_head")},
     }
 result["crq_layers"] = tower.crq_transformer.config.num_hidden_layers
 result["decode_steps"] = steps - 1
@@ -347,8 +351,9 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     `llm_linear="triton"` adds the LLM's decode steps (4 per layer and step: q, k and v in one kernel over the three
     weights, the gate and up weights unfused; and the attention inputs). The compiled run also picks its speech tokens
     with the sampler kernel, and its decode steps' text logits with the text head kernel (`text_head="auto"`: in a
-    loop compiled in parts; inline here, off CUDA). The greedy tokens of the first 8 steps equal the official
-    implementation's either way, also with the loop compiled whole."""
+    loop compiled in parts; inline here, off CUDA), and folds the linears around the CRQ stack (`fold_crq_matching`:
+    one folded head per sub-step, one folded sub-input projection per decode step). The greedy tokens of the first 8
+    steps equal the official implementation's either way, also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
     crq_layers = result.pop("crq_layers")
     decode_steps = result.pop("decode_steps")
@@ -357,7 +362,10 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     crq_only, both, compiled = result["torch"], result["triton"], result["compiled"]
     # Per decode sub-step the three head projections; the prefill's CRQ pass (several positions) only its last two.
     sub_steps = crq_only["crq_mlp"] // crq_layers
-    assert crq_only["head"] == both["head"] == compiled["head"] == 3 * sub_steps + 2, result
+    assert crq_only["head"] == both["head"] == 3 * sub_steps + 2, result
+    assert crq_only["folded"] == both["folded"] == compiled["head"] == 0, result
+    # The prefill's sub-inputs are several rows (cuBLAS); its first sub-step's head is one row, as every other's.
+    assert compiled["folded"] == sub_steps + 1 + decode_steps, result
     assert crq_only["sampler"] == both["sampler"] == 0, result  # "auto": the sampler kernel only in a compiled loop
     assert compiled["sampler"] == sub_steps + 1, result
     assert crq_only["text_head"] == both["text_head"] == 0 and compiled["text_head"] == decode_steps, result
@@ -537,7 +545,10 @@ def test_speech_head_is_padded_only_where_cublas_runs_it(monkeypatch, inputs):
     model = _tiny_model()
     ids = inputs["input_ids"]
     monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    compiled = {"compile": {"backend": "eager", "fullgraph": True}, "fuse_crq_projections": True}
+    # Folded (the compiled default), the head is a padded product of its own: no copy of the unfolded head.
+    folded = {"compile": {"backend": "eager", "fullgraph": True}, "fuse_crq_projections": True}
+    assert not model._speech_run(ids.repeat(2, 1), None, {}, {**folded, "crq_linear": "torch"}).cfg.pad_speech_head
+    compiled = {**folded, "fold_crq_matching": False}
     kernels = {**compiled, "crq_linear": "triton"}
     assert not model._speech_run(ids, None, {}, kernels).cfg.pad_speech_head  # one row: the GEMV kernel
     assert model._speech_run(ids.repeat(2, 1), None, {}, kernels).cfg.pad_speech_head  # two rows: cuBLAS

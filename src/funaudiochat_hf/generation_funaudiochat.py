@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
+from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, StaticCache
 from transformers.utils import ModelOutput, logging
@@ -35,7 +36,9 @@ from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import (
     PaddedLinear,
+    can_fold_crq_matching,
     can_fuse_crq_projections,
+    folded_crq_matching,
     fused_crq_projections,
     padded_output_linear,
     with_decode_kernels,
@@ -142,6 +145,7 @@ class _StepConfig:
     pad_token_id: int
     output_logits: bool
     fuse_crq_projections: bool = False
+    fold_crq_matching: bool = False  # the linear maps around the CRQ stack multiplied out (`FoldedCRQMatching`)
     crq_linear: bool = False  # the fused projections' decode steps through `triton_linear_funaudiochat`
     llm_linear: bool = False  # the LLM's decode steps through `triton_linear_funaudiochat`
     crq_head_linear: bool = False  # the CRQ's input / output matching and speech head too (one-row steps)
@@ -190,7 +194,7 @@ class _DecodeWorkspace:
         self.crq_position = torch.zeros(b, **long)
         self.next_embeds = torch.zeros(b, 1, hidden, dtype=self.dtype, device=dev)
         self.next_ids = torch.zeros(b, **long)
-        self.prev_speech_embed = torch.zeros(b, hidden, dtype=self.dtype, device=dev)
+        self.prev_speech_token = torch.zeros(b, **long)  # the last speech token sampled (the CRQ's next input)
         self.speaking = torch.zeros(b, dtype=torch.bool, device=dev)
         self.done = torch.zeros(b, dtype=torch.bool, device=dev)
         self.finish_step = torch.zeros(b, **long)
@@ -207,6 +211,9 @@ class _DecodeWorkspace:
         # `overlap_text_head`: the LLM's last hidden state, read by the text head on its own stream.
         self.text_head_input = torch.zeros(b, hidden, dtype=self.dtype, device=dev)
         self.sub_inputs = torch.zeros(b, k, hidden, dtype=self.dtype, device=dev)
+        # `fold_crq_matching`: the K sub-position inputs already in the CRQ's width.
+        crq_hidden = crq_config.hidden_size if crq_config else 1
+        self.folded_sub_inputs = torch.zeros(b, k, crq_hidden, dtype=self.dtype, device=dev)
         self.sub_step = torch.zeros((), **long)
         self.group = torch.zeros(b, k, **long)
         self.group_logits = torch.zeros(b, k, codebook, dtype=torch.float32, device=dev)
@@ -220,6 +227,8 @@ class _DecodeWorkspace:
         self.fused_crq = None
         # `pad_speech_head`: the speech head's `PaddedLinear` (or None), set by the run using the workspace.
         self.speech_head = None
+        # `fold_crq_matching`: the `FoldedCRQMatching` copies, set by the run using the workspace.
+        self.folded = None
         # `llm_linear`: the LLM's `OwnWeightKernels` (decode steps through the Triton kernels), set by the run.
         self.llm_kernels = None
         # `overlap_text_head`: the `OverlappedTextHead` (its stream), made by the first run that needs it.
@@ -318,11 +327,12 @@ def _stack_forward(
 
 
 def _matching(linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None) -> torch.Tensor:
-    """`linear(norm(x))` for one of the CRQ's plain linears around its stack (`norm`: an RMSNorm module or None),
-    through the GEMV kernel of `triton_linear_funaudiochat` when `kernels` and x is one CUDA row, else through
-    `padded` (the linear's `PaddedLinear`) when given."""
+    """`linear(norm(x))` for one of the CRQ's plain linears around its stack or their folded copies (`linear`: an
+    `nn.Linear` or a `PaddedLinear`; `norm`: an RMSNorm module or None), through the GEMV kernel of
+    `triton_linear_funaudiochat` when `kernels` and x is one CUDA row (a padded copy's extra outputs dropped), else
+    through `padded` (the linear's `PaddedLinear`) when given."""
     if kernels and use_decode_kernels(x):
-        return decode_linear(x, linear.weight, linear.bias, norm)
+        return decode_linear(x, linear.weight, linear.bias, norm)[..., : linear.out_features]
     return (linear if padded is None else padded)(x if norm is None else norm(x))
 
 
@@ -334,7 +344,8 @@ def _run_crq(
     positions: torch.Tensor,
     halves: DecoderLayerHalves | None = None,
 ) -> None:
-    """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`.
+    """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with
+    `fold_crq_matching`, `(batch, n, crq_hidden)`: the sub-positions through `input_matching` already.
 
     The embedding of the previous speech token is added to every input sub-position (n > 1 only for sub-step 0 of the
     prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
@@ -345,7 +356,14 @@ def _run_crq(
     crq = tower.crq_transformer
     k = ws.sub_step.view(1)
     kernels = cfg.crq_head_linear
-    inputs_embeds = _matching(tower.input_matching, sub_inputs + ws.prev_speech_embed[:, None], kernels)
+    folded = ws.folded if cfg.fold_crq_matching else None
+    if folded is None:
+        previous = model.audio_tower.embed_tokens(ws.prev_speech_token).to(sub_inputs.device)
+        inputs_embeds = _matching(tower.input_matching, sub_inputs + previous[:, None], kernels)
+    else:  # input_matching is linear: its image of the previous token's embedding, gathered
+        table = folded.speech_inputs  # on the CRQ's device (a dispatched model: maybe not the workspace's)
+        previous = F.embedding(ws.prev_speech_token.to(table.device), table)
+        inputs_embeds = sub_inputs.to(table.device) + previous[:, None]
     fused = ws.fused_crq if cfg.fuse_crq_projections else None
     # With the kernels, the final norm is folded into output_matching's (one row: the batch-1 decode sub-step).
     fold_norm = kernels and use_decode_kernels(sub_inputs[:, -1])
@@ -354,8 +372,13 @@ def _run_crq(
     hidden = _stack_forward(
         crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters
     )
-    features = _matching(tower.output_matching, hidden[:, -1], kernels, crq.norm if fold_norm else None)
-    logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head).float().to(ws.device)
+    norm = crq.norm if fold_norm else None
+    if folded is None:
+        features = _matching(tower.output_matching, hidden[:, -1], kernels, norm)
+        logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head)
+    else:  # lm_head ∘ output_matching as one linear
+        logits = _matching(folded.head, hidden[:, -1], kernels, norm)
+    logits = logits.float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
     if cfg.speech_sampler and use_sampler_kernel(logits):
@@ -364,8 +387,9 @@ def _run_crq(
         token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
         ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
-    # The CRQ's output matrix is tied to the speech embedding, so this is the reference's `lm_head.weight[token]`.
-    ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(token).to(ws.device))
+    # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
+    # reference's `lm_head.weight[token]`.
+    ws.prev_speech_token.copy_(token)
     ws.crq_position.copy_(positions[:, -1] + 1)
     ws.group.index_copy_(1, k, token[:, None])
     ws.group_logits.index_copy_(1, k, logits[:, None])
@@ -373,8 +397,9 @@ def _run_crq(
 
 
 def _crq_part(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
-    """Next CRQ sub-step of a decode step: one sub-position, `ws.sub_inputs[:, ws.sub_step]`."""
-    sub_inputs = ws.sub_inputs.index_select(1, ws.sub_step.view(1))
+    """Next CRQ sub-step of a decode step: one sub-position, `ws.sub_inputs[:, ws.sub_step]` (or the folded ones)."""
+    all_sub_inputs = ws.folded_sub_inputs if cfg.fold_crq_matching else ws.sub_inputs
+    sub_inputs = all_sub_inputs.index_select(1, ws.sub_step.view(1))
     _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None])
 
 
@@ -382,11 +407,20 @@ def _start_group(model, ws: _DecodeWorkspace, cfg: _StepConfig, hidden: torch.Te
     """Speech-head inputs of the positions just fed: `pre_matching(h + embed(input ids))` split in K sub-positions.
 
     Returns all `(batch, L * K, hidden)` sub-positions and keeps the last K (those of the newest position) in
-    `ws.sub_inputs`. The text embedding is the raw embedding of the input ids (`<|AUDIO|>` included).
+    `ws.sub_inputs`; with `fold_crq_matching`, `(batch, L * K, crq_hidden)`: through `input_matching` too, in
+    `ws.folded_sub_inputs`. The text embedding is the raw embedding of the input ids (`<|AUDIO|>` included).
     """
     text_embeds = model.language_model.get_input_embeddings()(input_ids).to(ws.device)
-    sub_positions = model.audio_invert_tower.split_positions(hidden + text_embeds)
-    ws.sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
+    conditioning = hidden + text_embeds
+    if cfg.fold_crq_matching:
+        batch, length, _ = conditioning.shape
+        weight = ws.folded.sub_inputs.weight
+        sub_positions = _matching(ws.folded.sub_inputs, conditioning.to(weight.device), cfg.crq_head_linear)
+        sub_positions = sub_positions.reshape(batch, length * cfg.group_size, -1)
+        ws.folded_sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
+    else:
+        sub_positions = model.audio_invert_tower.split_positions(conditioning)
+        ws.sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
     ws.sub_step.zero_()
     ws.group_seen.copy_(ws.speech_seen)
     return sub_positions
@@ -458,7 +492,12 @@ def _finish_part(model, ws: _DecodeWorkspace, cfg: _StepConfig, force_token: int
     # Next LLM input: the text embedding, averaged with the last speech group's encoding while speaking.
     embeds = model.language_model.get_input_embeddings()(token[:, None]).to(ws.device)
     if speaking is not None:
-        feedback = model.audio_tower.encode_groups(ws.last_group).to(ws.device)
+        if cfg.fold_crq_matching:  # the mean of the group's rows of the folded table (`FoldedCRQMatching`)
+            table = ws.folded.feedback
+            feedback = F.embedding(ws.last_group.to(table.device), table).mean(dim=1, keepdim=True)
+        else:
+            feedback = model.audio_tower.encode_groups(ws.last_group)
+        feedback = feedback.to(ws.device)
         use_feedback = speaking & (ws.groups > 0)
         embeds = torch.where(use_feedback[:, None, None], (embeds + feedback) / 2, embeds)
     ws.next_embeds.copy_(embeds)
@@ -831,6 +870,15 @@ class _SpeechRun:
             # fuse them when the projections are plain linears (not LoRA-wrapped / quantized).
             fuse = compiled and crq is not None and can_fuse_crq_projections(crq)
         fuse = bool(fuse) and crq is not None
+        fold = options["fold_crq_matching"]
+        if fold is None:
+            # Auto: where the linears around the CRQ stack are plain, a compiled loop reads 0.44 GB less per step at
+            # full size in 11 fewer GEMMs: on an H200 (BENCHMARKS.md, 2026-12-02 18:01-18:07, side by side) batch 1
+            # 7.70 against 7.86 ms per step, batch 16 11.75 against 11.91 ms.
+            fold = compiled and crq is not None and can_fold_crq_matching(model)
+        elif fold and crq is not None:
+            folded_crq_matching(model)  # builds the copies now, or raises the reason they cannot be
+        fold = bool(fold) and crq is not None
         # The CRQ's kernels read its fused copies: unfused, there is nothing for them to run.
         crq_linear = crq is not None and self._pick_linear_kernels(
             "crq_linear", options["crq_linear"], compiled, crq if fuse else None, device
@@ -851,7 +899,9 @@ class _SpeechRun:
             llm_linear=llm_linear,
             crq_head_linear=crq_head_linear,
             speech_sampler=speech_sampler,
-            pad_speech_head=compiled and not disable_speech and not head_on_kernel,
+            fold_crq_matching=fold,
+            # The folded speech head is padded itself.
+            pad_speech_head=compiled and not disable_speech and not head_on_kernel and not fold,
             overlap_text_head=overlap_text_head,
         )
         self.attention = attention = self._pick_attention(options["compile_attention"], compiled, device)
@@ -1027,7 +1077,7 @@ class _SpeechRun:
         ws = getattr(self, "ws", None)
         if ws is not None:
             # A cached workspace must not keep stale copies alive after the weights change.
-            ws.fused_crq = ws.speech_head = None
+            ws.fused_crq = ws.speech_head = ws.folded = None
         if self._owned_lock is not None:
             self._owned_lock.release()
             self._owned_lock = None
@@ -1066,9 +1116,9 @@ class _SpeechRun:
         if cfg.overlap_text_head and ws.text_head is None:
             ws.text_head = OverlappedTextHead(ws.device)
         ws.speech_head = padded_output_linear(model.audio_invert_tower.lm_head) if cfg.pad_speech_head else None
+        ws.folded = folded_crq_matching(model) if cfg.fold_crq_matching else None
         if not cfg.disable_speech:
-            bos = torch.full((ws.batch_size,), cfg.speech_bos_id, dtype=torch.long, device=ws.device)
-            ws.prev_speech_embed.copy_(model.audio_tower.embed_tokens(bos).to(ws.device))
+            ws.prev_speech_token.fill_(cfg.speech_bos_id)
             ws.speaking.copy_(self.input_ids[:, -1] == cfg.audio_bos_index)
         if cfg.text.uses_history:
             # The text repetition penalty covers the prompt too (as the reference), but not the left padding.
@@ -1185,7 +1235,13 @@ class FunAudioChatSpeechGenerationMixin:
                 `fuse_crq_projections` (None, default: True when compiled and the CRQ projections are plain
                 linears, else False; True: the CRQ layers run with their q/k/v and gate/up projections fused into
                 one GEMM each, 4 instead of 7 per layer, compiled or eager; costs one extra copy of those weights,
-                ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly), `crq_linear`
+                ~0.6 GB in bfloat16 at full size; same math, float rounding may differ slightly),
+                `fold_crq_matching` (None, default: True when compiled and the linears around the CRQ stack are plain,
+                else False; True: those linear maps multiplied out once, compiled or eager, `FoldedCRQMatching`:
+                `input_matching ∘ pre_matching` as one GEMM per LLM position, `lm_head ∘ output_matching` as one per
+                CRQ sub-step, the previous speech token's input and the speech fed back to the LLM as gathered rows;
+                0.11 instead of 0.55 GB read per step and 11 fewer GEMMs at full size, for 0.12 GB of copies; same
+                math, float rounding may differ slightly), `crq_linear`
                 ("auto", default: "triton" when the fused CRQ projections are on in a compiled loop on a CUDA GPU
                 of compute capability >= 8.0 with Triton installed, else "torch"; "triton": a batch-1 CRQ decode
                 step runs each layer's projections as 4 Triton GEMV kernels with the norms, the SiLU and the
@@ -1376,6 +1432,7 @@ _DEFAULTS = {
     "compile_prefill": None,
     "compile_attention": "auto",
     "fuse_crq_projections": None,
+    "fold_crq_matching": None,
     "crq_linear": "auto",
     "llm_linear": "auto",
     "speech_sampler": "auto",

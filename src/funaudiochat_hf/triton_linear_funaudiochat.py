@@ -118,6 +118,11 @@ TUNED_TILES = {
     (12288, 4096, True): (4, 256, 2),  # LLM gate/up
     (4096, 12288, False): (8, 2048, 4),  # LLM down_proj (the CRQ's down_proj keeps the defaults)
     (6565, 4096, False): (2, 2048, 4),  # CRQ speech head (lm_head): 14.4 against 20.1 µs with the defaults
+    # `fold_crq_matching` (BENCHMARKS.md, 2026-12-02 18:07): the folded speech head, padded (lm_head ∘
+    # output_matching, the final norm folded in), 5.11 against 5.39 µs with the defaults; input_matching ∘
+    # pre_matching, 11.26 against 12.69 µs
+    (6568, 1024, False): (8, 512, 4),
+    (5120, 4096, False): (4, 2048, 8),
 }
 
 
