@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--prefill", action="store_true", help="profile a max_new_tokens=1 call (the prefill)")
     parser.add_argument("--eager-prefill", action="store_true", help="generate_speech(compile_prefill=False)")
+    parser.add_argument("--timeline", default=None, metavar="CSV",
+                        help="also write every GPU kernel of the profiled call (name, start and duration in us) to CSV, "
+                             "in start order, and print the GPU's idle share between kernels")
     args = parser.parse_args()
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
@@ -78,6 +81,36 @@ def main() -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
     if args.prefill:
         print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=70))
+    if args.timeline:
+        write_timeline(prof, args.timeline)
+
+
+def write_timeline(prof, path: str) -> None:
+    """Every GPU kernel of the profile in start order to `path` (CSV: name, start_us, duration_us, the start relative
+    to the first kernel), and the GPU's busy and idle time over the span they cover."""
+    import csv
+
+    from torch.autograd import DeviceType
+
+    kernels = sorted(
+        (event for event in prof.events() if event.device_type == DeviceType.CUDA),
+        key=lambda event: event.time_range.start,
+    )
+    if not kernels:
+        print("timeline: no GPU kernels recorded")
+        return
+    origin = kernels[0].time_range.start
+    busy, end = 0.0, origin
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["name", "start_us", "duration_us"])
+        for event in kernels:
+            start, stop = event.time_range.start, event.time_range.end
+            busy += max(0.0, stop - max(start, end))  # overlapping kernels (other streams) counted once
+            end = max(end, stop)
+            writer.writerow([event.name, f"{start - origin:.3f}", f"{stop - start:.3f}"])
+    span = end - origin
+    print(f"timeline: {len(kernels)} kernels over {span / 1e3:.2f} ms, GPU busy {busy / span:.1%} -> {path}")
 
 
 if __name__ == "__main__":

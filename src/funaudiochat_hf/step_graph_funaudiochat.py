@@ -1,0 +1,101 @@
+"""`generate_speech`'s decode step replayed as one CUDA graph (`generate_speech(step_graph=...)`).
+
+With `torch.compile(mode="reduce-overhead")` every compiled part of a step (the LLM part, each of the K CRQ
+sub-steps, the bookkeeping) replays a CUDA graph of its own, and before each replay torch checks in Python that every
+tensor the part reads (each weight of the LLM's 36 layers, of the CRQ's 28) is still where it was recorded. At full
+size that host work is about as long as the GPU's step, so the GPU never gets far ahead, and after each "all rows
+done?" sync of the loop it idles until the host has launched the next LLM part (an H200 profile, BENCHMARKS.md
+2026-12-02 21:50: 1.5 ms idle at batch 1 and 2.1 ms at batch 16, once every `sync_every=8` steps).
+
+Here the parts are compiled without CUDA graphs of their own, and [`CapturedStep`] records the whole step (LLM part,
+the text head on its side stream, K CRQ sub-steps, bookkeeping) as one CUDA graph per workspace and configuration:
+one launch per step. The step only reads and writes fixed-address tensors (the workspace's buffers and caches, the
+weights and the run's weight copies), so the graph stays valid as long as they stay where they are; that is checked
+once per call instead of once per replay ([`StepGraphs.check`] on [`tensor_addresses`]): if any moved (weights
+replaced, copies rebuilt), the workspace's graphs are dropped and recorded again.
+"""
+
+import dataclasses
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import nn
+
+
+def tensor_addresses(*objects) -> tuple[tuple, ...]:
+    """`(data_ptr, dtype, shape)` of every tensor in `objects`, in a fixed order: tensors, modules (their parameters
+    and buffers), dataclasses, lists, tuples and dicts of them; anything else (ints, None, ...) is skipped. Each object
+    is visited once."""
+    addresses: list[tuple] = []
+    seen: set[int] = set()
+    pending = list(reversed(objects))
+    while pending:
+        item = pending.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            addresses.append((item.data_ptr(), item.dtype, tuple(item.shape)))
+        elif isinstance(item, nn.Module):
+            tensors = (*item.parameters(), *item.buffers())
+            addresses.extend((tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)) for tensor in tensors)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pending.extend(reversed([getattr(item, field.name) for field in dataclasses.fields(item)]))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(reversed(item))
+        elif isinstance(item, dict):
+            pending.extend(reversed(list(item.values())))
+    return tuple(addresses)
+
+
+class StepGraphs:
+    """The CUDA graphs recorded on one decode workspace, by key, and the tensor addresses they were recorded with."""
+
+    def __init__(self):
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.warm: set[Hashable] = set()  # keys whose function has run once outside a capture
+        self.addresses: tuple[tuple, ...] | None = None
+
+    def check(self, addresses: tuple[tuple, ...]) -> None:
+        """Keep the graphs if they read tensors at these `addresses` (see [`tensor_addresses`]), else drop them (and
+        their memory pools): the next calls warm up and record again."""
+        if addresses != self.addresses:
+            self.graphs.clear()
+            self.warm.clear()
+            self.addresses = addresses
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+
+class CapturedStep:
+    """`function(model, ws, cfg)` (a decode step, or one CRQ sub-step) replayed as a CUDA graph recorded on the
+    workspace (`ws.step_graphs`, a [`StepGraphs`]) under `key`.
+
+    The function must only enqueue GPU work on fixed-address tensors (no host syncs, no allocations that outlive it)
+    and depend on nothing but those tensors and `key` (which names its configuration). Its first call for a key runs
+    it directly: `torch.compile` compiles it or checks its guards and Triton builds its kernels, none of which may
+    happen while capturing. The second records it (recording runs nothing) and replays the recording; later calls
+    only replay, one launch each.
+    """
+
+    def __init__(self, function: Callable, key: Hashable):
+        self.function, self.key = function, key
+
+    def __call__(self, model, ws, cfg) -> None:
+        graphs: StepGraphs = ws.step_graphs
+        graph = graphs.graphs.get(self.key)
+        if graph is None:
+            if self.key not in graphs.warm:
+                self.function(model, ws, cfg)
+                graphs.warm.add(self.key)
+                return
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's unrelated CUDA calls during the capture do not invalidate it.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.function(model, ws, cfg)
+            graphs.graphs[self.key] = graph
+        graph.replay()
+
+
+__all__ = ["CapturedStep", "StepGraphs", "tensor_addresses"]

@@ -1,0 +1,156 @@
+"""Tests of `step_graph_funaudiochat`: `generate_speech`'s decode step recorded and replayed as one CUDA graph."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModel
+
+from funaudiochat_hf import step_graph_funaudiochat
+from funaudiochat_hf.generation_funaudiochat import _WORKSPACES
+from funaudiochat_hf.step_graph_funaudiochat import CapturedStep, StepGraphs, tensor_addresses
+
+from conftest import FUNAUDIOCHAT_TINY
+
+
+GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
+
+
+@dataclass
+class _Copies:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    rows: int
+
+
+def test_tensor_addresses_cover_modules_dataclasses_and_containers():
+    module = nn.Linear(3, 2)
+    copies = _Copies(torch.zeros(4), None, 7)
+    extra = torch.ones(2, 2, dtype=torch.float16)
+    addresses = tensor_addresses(module, [copies, {"x": extra}], None, module)
+    expected = [(t.data_ptr(), t.dtype, tuple(t.shape)) for t in (module.weight, module.bias, copies.weight, extra)]
+    assert list(addresses) == expected  # in order, the module once, ints and None skipped
+
+    with torch.no_grad():
+        module.weight.mul_(2)  # in place: a recording still reads the right tensor
+    assert tensor_addresses(module, [copies, {"x": extra}]) == addresses
+    module.weight = nn.Parameter(module.weight.detach().clone())  # replaced: recordings are stale
+    assert tensor_addresses(module, [copies, {"x": extra}]) != addresses
+    assert tensor_addresses(extra.view(4)) != tensor_addresses(extra)  # a shape is part of what a recording reads
+
+
+class _FakeGraph:
+    """Stands in for `torch.cuda.CUDAGraph` on a CPU: counts replays."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class _Capturing:
+    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded."""
+
+    active = False
+
+    def __init__(self, graph, capture_error_mode):
+        assert isinstance(graph, _FakeGraph) and capture_error_mode == "thread_local"
+
+    def __enter__(self):
+        _Capturing.active = True
+
+    def __exit__(self, *exc):
+        _Capturing.active = False
+
+
+def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
+    calls = []
+    step = CapturedStep(lambda model, ws, cfg: calls.append(("recorded" if _Capturing.active else "ran", cfg)), "key")
+    ws = type("Workspace", (), {})()
+    ws.step_graphs = StepGraphs()
+    ws.step_graphs.check(((1, torch.float32, (2,)),))
+
+    step(None, ws, "cfg")  # compiles / builds its kernels: run for real, nothing recorded
+    assert calls == [("ran", "cfg")] and len(ws.step_graphs) == 0
+    step(None, ws, "cfg")  # recorded (which runs nothing), then replayed
+    assert calls[1:] == [("recorded", "cfg")] and ws.step_graphs.graphs["key"].replays == 1
+    for _ in range(3):
+        step(None, ws, "cfg")
+    assert len(calls) == 2 and ws.step_graphs.graphs["key"].replays == 4
+
+    other = CapturedStep(lambda model, ws, cfg: calls.append(("other", cfg)), "other key")
+    other(None, ws, "cfg")  # another configuration keeps its own graph
+    assert calls[-1] == ("other", "cfg") and list(ws.step_graphs.graphs) == ["key"]
+
+    ws.step_graphs.check(((1, torch.float32, (2,)),))  # same tensors: the graphs stay
+    assert len(ws.step_graphs) == 1
+    ws.step_graphs.check(((2, torch.float32, (2,)),))  # a tensor moved: dropped, warmed up again
+    assert len(ws.step_graphs) == 0
+    step(None, ws, "cfg")
+    assert calls[-1] == ("ran", "cfg")
+
+
+def test_step_graph_needs_a_compiled_cuda_loop(model, inputs):
+    with pytest.raises(ValueError, match="step_graph=True.*CUDA"):
+        model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, step_graph=True)
+    with pytest.raises(ValueError, match="step_graph=True.*compiled loop"):
+        model.generate_speech(**inputs, **GOLDEN_KWARGS, step_graph=True)
+    with pytest.raises(ValueError, match="`step_graph` must be"):
+        model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, step_graph="yes")
+    # Off (and auto, on a CPU) the compiled loop runs as before.
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile={"backend": "aot_eager"}, step_graph=False)
+    assert out.sequences.shape[1] > inputs["input_ids"].shape[1]
+
+
+def _workspace(model):
+    (workspace,) = _WORKSPACES[model].values()
+    return workspace
+
+
+@pytest.mark.gpu
+def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(inputs):
+    """On CUDA the compiled loop records its decode step and CRQ sub-step as one CUDA graph each: the golden tokens
+    and per-step logits of the eager loop, the same as torch.compile's own graphs per part, every call; a replaced
+    weight is read after the next call records again."""
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    kwargs = dict(GOLDEN_KWARGS, output_logits=True)
+
+    def check(reference, compiled):
+        assert torch.equal(compiled.sequences, reference.sequences)
+        assert torch.equal(compiled.speech_ids, reference.speech_ids)
+        torch.testing.assert_close(compiled.text_logits, reference.text_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(compiled.speech_logits, reference.speech_logits, atol=1e-4, rtol=1e-4)
+
+    eager = model.generate_speech(**inputs, **kwargs)
+    check(eager, model.generate_speech(**inputs, **kwargs, compile=True, step_graph=False))
+    _WORKSPACES.pop(model)
+    for _ in range(3):  # warm-up and recording in the first call, replays only in the next ones
+        check(eager, model.generate_speech(**inputs, **kwargs, compile=True))
+        graphs = _workspace(model).step_graphs
+        assert set(key[0] for key in graphs.graphs) == {"step", "crq_part"}
+    recorded = dict(graphs.graphs)
+    check(eager, model.generate_speech(**inputs, **kwargs, compile=True))
+    assert graphs.graphs == recorded  # replayed, not recorded again
+
+    down_proj = model.audio_invert_tower.crq_transformer.layers[0].mlp.down_proj
+    down_proj.weight = nn.Parameter(down_proj.weight.detach() * 3)
+    changed = model.generate_speech(**inputs, **kwargs)
+    assert not torch.equal(changed.speech_logits, eager.speech_logits)
+    for _ in range(2):
+        check(changed, model.generate_speech(**inputs, **kwargs, compile=True))
+    assert all(graph is not recorded.get(key) for key, graph in _workspace(model).step_graphs.graphs.items())
+
+
+@pytest.mark.gpu
+def test_step_graph_batch_rows_equal_single_runs_on_gpu(inputs):
+    from conftest import assert_batch_rows_equal_single_runs
+
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    for _ in range(2):  # the second time from recorded graphs
+        assert_batch_rows_equal_single_runs(model, inputs, dict(GOLDEN_KWARGS, compile=True, step_graph=True))
