@@ -111,6 +111,35 @@ def test_top_p_keeps_the_ties_a_stable_sort_keeps_in_the_triton_interpreter():
     assert result["got"] == result["expected"]
 
 
+_NOISE_INDEX_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import case_inputs
+from funaudiochat_hf.sampling_funaudiochat import SamplingParameters
+from funaudiochat_hf.triton_sampling_funaudiochat import launch_sample_tokens
+settings, scores, seen, _ = case_inputs(300, 3, True, 0, 0.8, 1.2)
+values = SamplingParameters(scores.device, settings)
+# Three draws per row, each making a different token win: the kernel must read the draw the index names.
+noise = torch.ones(3, 3, 300)
+for draw in range(3):
+    noise[:, draw, 7 * draw + 1] = 1e-30
+args = (values.temperature, values.top_p, values.repetition_penalty, True, True, True)
+scores[:, [1, 8, 15]] = scores.max() + 5  # kept by top-p whatever the penalty
+result = {"indexed": [], "copied": []}
+for draw in range(3):
+    index = torch.tensor(draw)
+    result["indexed"].append(launch_sample_tokens(scores, seen, noise, *args, noise_index=index).tolist())
+    result["copied"].append(launch_sample_tokens(scores, seen, noise[:, draw].contiguous(), *args).tolist())
+print(json.dumps(result))
+"""
+
+
+def test_kernel_reads_the_draw_noise_index_names_in_the_triton_interpreter():
+    """`noise_index`: the kernel takes the sub-step's draw of `(rows, draws, vocab)` noise in place of a copy."""
+    result = json.loads(run_in_triton_interpreter(_NOISE_INDEX_SCRIPT))
+    assert result["copied"] == [[1, 1, 1], [8, 8, 8], [15, 15, 15]]
+    assert result["indexed"] == result["copied"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES + GPU_CASES)
 def test_kernel_matches_select_tokens_on_gpu(case):
