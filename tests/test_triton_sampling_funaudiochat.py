@@ -12,7 +12,7 @@ import torch
 
 from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings, select_tokens
 
-from conftest import run_in_triton_interpreter
+from conftest import compile_for_hopper, run_in_triton_interpreter
 
 
 # (vocab, rows, do_sample, top_k, top_p, repetition_penalty): every switch of the kernel alone and together,
@@ -111,33 +111,27 @@ def test_top_p_keeps_the_ties_a_stable_sort_keeps_in_the_triton_interpreter():
     assert result["got"] == result["expected"]
 
 
-_NOISE_INDEX_SCRIPT = """
-import json, torch
-from test_triton_sampling_funaudiochat import case_inputs
-from funaudiochat_hf.sampling_funaudiochat import SamplingParameters
-from funaudiochat_hf.triton_sampling_funaudiochat import launch_sample_tokens
-settings, scores, seen, _ = case_inputs(300, 3, True, 0, 0.8, 1.2)
-values = SamplingParameters(scores.device, settings)
-# Three draws per row, each making a different token win: the kernel must read the draw the index names.
-noise = torch.ones(3, 3, 300)
-for draw in range(3):
-    noise[:, draw, 7 * draw + 1] = 1e-30
-args = (values.temperature, values.top_p, values.repetition_penalty, True, True, True)
-scores[:, [1, 8, 15]] = scores.max() + 5  # kept by top-p whatever the penalty
-result = {"indexed": [], "copied": []}
-for draw in range(3):
-    index = torch.tensor(draw)
-    result["indexed"].append(launch_sample_tokens(scores, seen, noise, *args, noise_index=index).tolist())
-    result["copied"].append(launch_sample_tokens(scores, seen, noise[:, draw].contiguous(), *args).tolist())
-print(json.dumps(result))
-"""
+# (do_sample, uses_history, uses_top_p)
+HOPPER_SWITCHES = [(True, True, True), (True, False, False), (False, True, False)]
 
 
-def test_kernel_reads_the_draw_noise_index_names_in_the_triton_interpreter():
-    """`noise_index`: the kernel takes the sub-step's draw of `(rows, draws, vocab)` noise in place of a copy."""
-    result = json.loads(run_in_triton_interpreter(_NOISE_INDEX_SCRIPT))
-    assert result["copied"] == [[1, 1, 1], [8, 8, 8], [15, 15, 15]]
-    assert result["indexed"] == result["copied"]
+@pytest.mark.parametrize("switches", HOPPER_SWITCHES)
+def test_kernel_compiles_for_hopper(switches):
+    """Every path of the kernel through Triton's compiler (sm_90, on the CPU). The interpreter tests run its Python
+    only: an edit once passed them and failed to compile on the GPU (a variable whose type changed in an `if`)."""
+    from funaudiochat_hf import triton_sampling_funaudiochat as sampling
+
+    do_sample, uses_history, uses_top_p = switches
+    pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out"]
+    types = ["*bf16", "*i1", "*fp32", "*fp64", "*fp64", "*fp64", "*i64"]
+    signature = {f"{name}_ptr": kind for name, kind in zip(pointers, types, strict=True)}
+    signature.update(dict.fromkeys(["stride_scores", "stride_seen", "stride_noise"], "i32"))
+    constexprs = {
+        "VOCAB": 6565, "BLOCK_V": 8192, "INDEX_BITS": 13, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
+        "USES_TOP_P": uses_top_p, "PDL": True,
+    }  # fmt: skip
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    compile_for_hopper(sampling._sample_kernel, signature, constexprs, sampling.NUM_WARPS)
 
 
 @pytest.mark.gpu

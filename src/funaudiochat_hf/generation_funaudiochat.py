@@ -217,6 +217,7 @@ class _DecodeWorkspace:
         self.folded_sub_inputs = torch.zeros(b, k, crq_hidden, dtype=self.dtype, device=dev)
         self.sub_step = torch.zeros((), **long)
         self.group = torch.zeros(b, k, **long)
+        self.group_logits = torch.zeros(b, k, codebook, dtype=torch.float32, device=dev)
         self.group_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
         self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
         self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
@@ -236,9 +237,8 @@ class _DecodeWorkspace:
         # `step_graph`: the CUDA graphs of the decode step and CRQ sub-step recorded on this workspace.
         self.step_graphs = StepGraphs()
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
-        self.text_logits = self.speech_logits = self.group_logits = None
+        self.text_logits = self.speech_logits = None
         if output_logits:
-            self.group_logits = torch.zeros(b, k, codebook, dtype=torch.float32, device=dev)
             self.text_logits = torch.zeros(b, max_length, vocab, dtype=torch.float32, device=dev)
             self.speech_logits = torch.zeros(b, max_length, k, codebook, dtype=torch.float32, device=dev)
         for tensor in self._buffers():
@@ -392,14 +392,12 @@ def _run_crq(
         logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head)
     else:  # lm_head ∘ output_matching as one linear
         logits = _matching(folded.head, hidden[:, -1], kernels, norm)
-    logits = logits.to(ws.device)
+    logits = logits.float().to(ws.device)
+    noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
     if cfg.speech_sampler and use_sampler_kernel(logits):
-        # The kernel reads the logits in their dtype (float32 inside) and this sub-step's noise in place.
-        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, ws.speech_noise, noise_index=k)
+        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise)
     else:
-        logits = logits.float()
-        noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
         token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
         ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
@@ -408,8 +406,7 @@ def _run_crq(
     ws.prev_speech_token.copy_(token)
     ws.crq_position.copy_(positions[:, -1] + 1)
     ws.group.index_copy_(1, k, token[:, None])
-    if cfg.output_logits:
-        ws.group_logits.index_copy_(1, k, logits[:, None].float())
+    ws.group_logits.index_copy_(1, k, logits[:, None])
     ws.sub_step.add_(1)
 
 

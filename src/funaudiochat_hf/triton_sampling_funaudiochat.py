@@ -14,18 +14,13 @@ whose score key (the float's bits, ordered as the floats) is below `t`, the firs
 `t*` with `g(t*) <= 1 - top_p`, at most the most likely token's key: found bit by bit, 32 masked sums. Among the
 tokens tied at `t*` (equal scores, equal probabilities `p*`), the first `floor((1 - top_p - g(t*)) / p*)` by id are
 removed too: the order of PyTorch's CUDA sort of such a row (a stable radix sort); their id boundary is found bit by
-bit as well, only when some of them go (mostly a single token sits at the boundary). (Settling 2-4 bits per pass, one
-2-D masked sum for all its candidates, was slower on an H200: 28-76 against 17.7 µs per call, BENCHMARKS.md
-2026-12-02 17:55–18:30.)
+bit as well. (Settling 2-4 bits per pass, one 2-D masked sum for all its candidates, was slower on an H200: 28-76
+against 17.7 µs per call, BENCHMARKS.md 2026-12-02 17:55–18:30.)
 
 The result is that of `select_tokens` up to float rounding (sums in another order, the GPU's `exp`): penalty
 `where(seen, where(s < 0, s * p, s / p), s)` and `s / temperature` in float32 as transformers, then the exponential
 race of `select_tokens` (`argmax(p / E)`, the caller's Exp(1) noise), or the first argmax when greedy. Top-k is not
 done here (`sample_tokens` leaves it to `select_tokens`; the official settings do not use it).
-
-The decode step hands the kernel its `(batch, K, vocab)` noise of the whole step and the sub-step counter
-(`noise_index`): the kernel reads the sub-step's draw in place, no copy kernel before it; and the CRQ's logits in their
-dtype (bfloat16), converted to float32 in registers, no conversion kernel either.
 
 The launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA
 graphs replay; on Hopper it is a programmatic dependent launch like the other decode kernels.
@@ -54,15 +49,14 @@ if triton is not None:
 
     @triton.jit
     def _sample_kernel(
-        scores_ptr, seen_ptr, noise_ptr, noise_index_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
-        stride_scores, stride_seen, stride_noise, stride_noise_draw,
+        scores_ptr, seen_ptr, noise_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
+        stride_scores, stride_seen, stride_noise,
         VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, INDEX_BITS: tl.constexpr, DO_SAMPLE: tl.constexpr,
-        USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, NOISE_INDEXED: tl.constexpr, PDL: tl.constexpr,
+        USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """The token of row `program_id(0)`: scores `(rows, VOCAB)` float, seen `(rows, VOCAB)` bool, noise `(rows,
-        VOCAB)` float32 Exp(1), or with NOISE_INDEXED `(rows, draws, VOCAB)` and the draw at `noise_index_ptr` (0-d
-        int64); 0-d temperature, top-p and penalty (float64); out `(rows,)` int64. Positions past the vocabulary hold
-        -inf scores and no probability."""
+        VOCAB)` float32 Exp(1); 0-d temperature, top-p and penalty (float64); out `(rows,)` int64. Positions past the
+        vocabulary hold -inf scores and no probability."""
         if PDL:  # the scores are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
@@ -101,19 +95,14 @@ if triton is not None:
                 # one tied token stays (the boundary's first kept token, or the most likely one).
                 room = tl.minimum((removed_mass - below) / tl.maximum(tied_prob, 1e-38), tied_count - 1.0)
                 tied_removed = tl.where(tied_prob > 0, tl.floor(room), tied_count - 1.0).to(tl.int32)
-                # The id of the tied token of rank `tied_removed`; 0 keeps every tied token. Searched only when some
-                # tied token goes: mostly one token is at the boundary (13 block-wide sums saved, a third of the time).
-                first_kept = tl.zeros([], tl.int32)
-                if tied_removed > 0:
-                    for bit in tl.static_range(INDEX_BITS - 1, -1, -1):
-                        id_candidate = first_kept | (1 << bit)
-                        tied_below = tl.sum((tied & (index < id_candidate)).to(tl.int32), 0)
-                        first_kept = tl.where(tied_below <= tied_removed, id_candidate, first_kept)
+                first_kept = tl.zeros([], tl.int32)  # the id of the tied token of rank `tied_removed`
+                for bit in tl.static_range(INDEX_BITS - 1, -1, -1):
+                    candidate = first_kept | (1 << bit)
+                    tied_below = tl.sum((tied & (index < candidate)).to(tl.int32), 0)
+                    first_kept = tl.where(tied_below <= tied_removed, candidate, first_kept)
                 keep = in_vocab & ((key > boundary) | (tied & (index >= first_kept)))
                 exps = tl.where(keep, exps, 0.0)  # the softmax of the kept scores (the maximum is kept)
                 probs = exps / tl.sum(exps, 0)
-            if NOISE_INDEXED:  # this sub-step's draw, read in place (no copy kernel before this one)
-                noise_ptr += tl.load(noise_index_ptr) * stride_noise_draw
             noise = tl.load(noise_ptr + row * stride_noise + index, mask=in_vocab, other=1.0)
             scores = tl.where(in_vocab, probs / noise, -1.0)
         if PDL:
@@ -142,31 +131,23 @@ def launch_sample_tokens(
     do_sample: bool,
     uses_history: bool,
     uses_top_p: bool,
-    noise_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`(rows, vocab)` scores -> `(rows,)` int64 token ids; the body of the `funaudiochat::sample_tokens` operator.
 
     seen: `(rows, vocab)` bool history (read with `uses_history`); noise: `(rows, vocab)` float32 Exp(1) samples (read
-    with `do_sample`), or `(rows, draws, vocab)` with `noise_index`, a 0-d / one-element int64 tensor naming the draw
-    (the decode step's sub-step counter: read on the GPU); the settings as the 0-d tensors of a `SamplingParameters`.
+    with `do_sample`); the settings as the 0-d tensors of a `SamplingParameters`.
     """
     rows, vocab = scores.shape
-    if noise is not None and noise.dim() != (2 if noise_index is None else 3):
-        expected = "(rows, vocab)" if noise_index is None else "(rows, draws, vocab) with `noise_index`"
-        raise ValueError(f"`noise` of shape {tuple(noise.shape)}: expected {expected}.")
     scores, seen, noise = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (scores, seen, noise))
     out = torch.empty(rows, dtype=torch.long, device=scores.device)
     block_v = triton.next_power_of_2(vocab)
     pdl = programmatic_launch(scores.device)
-    indexed = noise is not None and noise_index is not None
     _sample_kernel[(rows,)](
         scores, scores if seen is None else seen, scores if noise is None else noise,
-        noise_index if indexed else out, temperature, top_p, repetition_penalty, out,
+        temperature, top_p, repetition_penalty, out,
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
-        noise.stride(1) if indexed else 0,
         VOCAB=vocab, BLOCK_V=block_v, INDEX_BITS=max(1, (block_v - 1).bit_length()), DO_SAMPLE=do_sample,
-        USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, NOISE_INDEXED=indexed, PDL=pdl, num_warps=NUM_WARPS,
-        launch_pdl=pdl,
+        USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -176,8 +157,7 @@ if triton is not None:
     _sample_tokens_op = torch.library.custom_op("funaudiochat::sample_tokens", launch_sample_tokens, mutates_args=())
 
     @_sample_tokens_op.register_fake
-    def _(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p,
-          noise_index=None):  # fmt: skip
+    def _(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p):
         return scores.new_empty(scores.shape[0], dtype=torch.long)
 
 
@@ -187,21 +167,15 @@ def sample_tokens(
     parameters: SamplingParameters,
     seen: torch.Tensor | None = None,
     exponential_noise: torch.Tensor | None = None,
-    noise_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`select_tokens(scores, switches, seen, exponential_noise, parameters)` as one kernel: `(rows, vocab)` CUDA
-    scores (vocab at most `MAX_VOCAB`) -> `(rows,)` int64 token ids. With top-k on, `select_tokens` itself.
-
-    `noise_index`: `exponential_noise` is `(rows, draws, vocab)` and this one-element int64 tensor names the draw to use
-    (read by the kernel, no copy of the draw)."""
+    scores (vocab at most `MAX_VOCAB`) -> `(rows,)` int64 token ids. With top-k on, `select_tokens` itself."""
+    if switches.uses_top_k:
+        return select_tokens(scores, switches, seen, exponential_noise, parameters)
     if switches.uses_history and seen is None:
         raise ValueError("A repetition penalty needs the `seen` history mask.")
     if switches.do_sample and exponential_noise is None:
         raise ValueError("Sampling needs `exponential_noise` drawn from Exp(1).")
-    if switches.uses_top_k:
-        if switches.do_sample and noise_index is not None:
-            exponential_noise = exponential_noise.index_select(1, noise_index.view(1))[:, 0]
-        return select_tokens(scores, switches, seen, exponential_noise, parameters)
     return torch.ops.funaudiochat.sample_tokens(
         scores,
         seen if switches.uses_history else None,
@@ -212,7 +186,6 @@ def sample_tokens(
         switches.do_sample,
         switches.uses_history,
         switches.uses_top_p,
-        noise_index.view(()) if switches.do_sample and noise_index is not None else None,
     )
 
 
