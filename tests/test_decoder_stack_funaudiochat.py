@@ -194,3 +194,23 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["own_keys"]) and result["own_counters"] == 0, result
     assert result["own_launches"] == 3 * 4 * (len(result["own_steps"]) - 1), result
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "dynamic", "factor": 2.0}])
+def test_rotary_tables_equal_the_rotary_module(rope):
+    """`compat.rotary_tables`: the default rope's tables computed elementwise are the module's, exactly (bfloat16 out,
+    positions past 2,048); another rope type is left to the module (here dynamic scaling, whose forward recomputes
+    `inv_freq` for positions past `max_position_embeddings`: the default formula would use the stale one)."""
+    from funaudiochat_hf.compat import rotary_tables
+
+    config = Qwen3Config(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=1024, rope_parameters=rope
+    )
+    rotary = Qwen3Model(config).rotary_emb
+    positions = torch.tensor([[0, 1, 7, 2049], [3, 500, 4095, 12]])
+    x = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    ours = rotary_tables(rotary, x, positions)  # first: a dynamic rope's module call changes its `inv_freq`
+    reference = rotary(x, positions)
+    for table, expected in zip(ours, reference, strict=True):
+        assert table.dtype == torch.bfloat16 and table.shape == (2, 4, 16)
+        torch.testing.assert_close(table, expected, atol=0, rtol=0)

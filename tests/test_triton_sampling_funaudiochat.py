@@ -111,6 +111,40 @@ def test_top_p_keeps_the_ties_a_stable_sort_keeps_in_the_triton_interpreter():
     assert result["got"] == result["expected"]
 
 
+_RACE_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import kernel_tokens, stable_top_p_keep
+from funaudiochat_hf.sampling_funaudiochat import SamplingSettings
+generator = torch.Generator().manual_seed(0)
+rows, vocab = 48, 300
+scores = torch.randn(rows, vocab, generator=generator) * 2
+scores[:, ::3] = scores[:, ::3].round()  # ties, some of them at the top-p boundary
+result = []
+for top_p in (0.05, 0.3, 0.6, 0.9, 0.999):
+    settings = SamplingSettings(do_sample=True, temperature=1.0, top_p=top_p)
+    noise = torch.empty(rows, vocab).exponential_(generator=generator)
+    keep = stable_top_p_keep(scores, top_p)
+    probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    unfiltered_winner = (scores.softmax(-1) / noise).argmax(-1)
+    result.append({
+        "expected": (probs / noise).argmax(-1).tolist(),
+        "got": kernel_tokens(settings, scores, None, noise).tolist(),
+        "unfiltered_winner_removed": int((~keep.gather(1, unfiltered_winner[:, None])).sum()),
+    })
+print(json.dumps(result))
+"""
+
+
+def test_nucleus_race_goes_on_past_removed_winners_in_the_triton_interpreter():
+    """Where top-p removes the race's first winner, the kernel drops every token before it in the ascending order and
+    runs the race again: 48 rows with ties at each of five top-p values equal the race over the tokens a stable sort
+    keeps, also where many winners in a row are removed (top-p 0.05)."""
+    cases = json.loads(run_in_triton_interpreter(_RACE_SCRIPT))
+    for case in cases:
+        assert case["got"] == case["expected"]
+    assert cases[0]["unfiltered_winner_removed"] > 10  # the race really went on past removed winners
+
+
 # (do_sample, uses_history, uses_top_p)
 HOPPER_SWITCHES = [(True, True, True), (True, False, False), (False, True, False)]
 
@@ -127,7 +161,7 @@ def test_kernel_compiles_for_hopper(switches):
     signature = {f"{name}_ptr": kind for name, kind in zip(pointers, types, strict=True)}
     signature.update(dict.fromkeys(["stride_scores", "stride_seen", "stride_noise"], "i32"))
     constexprs = {
-        "VOCAB": 6565, "BLOCK_V": 8192, "INDEX_BITS": 13, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
+        "VOCAB": 6565, "BLOCK_V": 8192, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
         "USES_TOP_P": uses_top_p, "PDL": True,
     }  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))

@@ -33,7 +33,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, eager_attention_forward
 
-from .compat import attention_passes_kwargs_to_cache
+from .compat import attention_passes_kwargs_to_cache, rotary_tables
 from .triton_attention_inputs_funaudiochat import (
     decode_attention_inputs,
     decode_attention_with_inputs,
@@ -272,7 +272,7 @@ def decoder_stack_forward(
         if stack.has_sliding_layers:
             causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
     hidden_states = inputs_embeds
-    position_embeddings = stack.rotary_emb(hidden_states, position_ids)
+    position_embeddings = rotary_tables(stack.rotary_emb, hidden_states, position_ids)
     if cache is not None and _one_position_on_gpu(inputs_embeds):
         # The layers' kernels advance the cache length the masks were computed from: store them first; and the
         # rotary tables, which the compiled step would otherwise recompute for every few layers.

@@ -5,22 +5,24 @@ penalty over the speech history, temperature, top-p, then a draw. As PyTorch ops
 that is a radix sort of each row (6 cub kernels: a row of 6,565 is past Inductor's 512-element in-register sort), a
 cumulative sum, a scatter back and two softmaxes: 73 µs per sub-step compiled on an H200, 0.37 ms of a batch-1 step
 (BENCHMARKS.md, 2026-12-01). Here each row is one program that holds the whole row in registers and does it all
-without sorting, then writes the chosen id: 17.9 µs (`tl.sort` of the 8,192 scores alone took 108-172 µs); the batch-1
-step 8.40 -> 8.23-8.26 ms side by side.
+without sorting, then writes the chosen id: 4.6 µs at one row, 5.8 µs at 16 (H200, BENCHMARKS.md 2026-12-03; `tl.sort`
+of the 8,192 scores alone took 108-172 µs).
 
-Top-p without a sort: the tokens `TopPLogitsWarper` removes are the longest prefix of the ascending order whose
-cumulative probability is at most `1 - top_p` (never the most likely token). With `g(t)` the probability of the tokens
-whose score key (the float's bits, ordered as the floats) is below `t`, the first token it keeps has the largest key
-`t*` with `g(t*) <= 1 - top_p`, at most the most likely token's key: found bit by bit, 32 masked sums. Among the
-tokens tied at `t*` (equal scores, equal probabilities `p*`), the first `floor((1 - top_p - g(t*)) / p*)` by id are
-removed too: the order of PyTorch's CUDA sort of such a row (a stable radix sort); their id boundary is found bit by
-bit as well. (Settling 2-4 bits per pass, one 2-D masked sum for all its candidates, was slower on an H200: 28-76
-against 17.7 µs per call, BENCHMARKS.md 2026-12-02 17:55–18:30.)
+Top-p without a sort, as a race that goes on: the tokens `TopPLogitsWarper` removes are the longest prefix of the
+ascending order (tied scores by id, the order of PyTorch's CUDA sort of such a row, a stable radix sort) whose
+cumulative probability is at most `1 - top_p`, never the most likely token. The kernel runs the exponential race over
+every token; where top-p removes the winner (the probability up to it in that order, one masked sum, is at most `1 -
+top_p`), every token before it goes too, and the race goes on among the others. Top-p removes at most `1 - top_p` of
+the probability, so the first winner stays with probability `top_p` or more: two reductions per pass, ~1.1 passes at
+the official `top_p=0.9`. (Before: the boundary key found bit by bit, 32 masked sums, then the tied tokens' id
+boundary, 13 more: 18.1 / 18.2 µs per call at 1 / 16 rows; settling 2-4 bits per pass was slower still, 28-76 µs,
+BENCHMARKS.md 2026-12-02 17:55–18:30.)
 
-The result is that of `select_tokens` up to float rounding (sums in another order, the GPU's `exp`): penalty
-`where(seen, where(s < 0, s * p, s / p), s)` and `s / temperature` in float32 as transformers, then the exponential
-race of `select_tokens` (`argmax(p / E)`, the caller's Exp(1) noise), or the first argmax when greedy. Top-k is not
-done here (`sample_tokens` leaves it to `select_tokens`; the official settings do not use it).
+The result is that of `select_tokens` up to float rounding (sums in another order, the GPU's `exp`, the race's
+probabilities normalised over every token rather than the kept ones: the same winner but where two draws tie within a
+rounding): penalty `where(seen, where(s < 0, s * p, s / p), s)` and `s / temperature` in float32 as transformers, then
+the exponential race of `select_tokens` (`argmax(p / E)`, the caller's Exp(1) noise), or the first argmax when
+greedy. Top-k is not done here (`sample_tokens` leaves it to `select_tokens`; the official settings do not use it).
 
 The launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA
 graphs replay; on Hopper it is a programmatic dependent launch like the other decode kernels.
@@ -35,6 +37,8 @@ from .triton_attention_funaudiochat import programmatic_launch, triton
 # The largest vocabulary a program holds in registers (a row of scores, their keys and probabilities): the speech
 # codebook (6,565) fits; the text vocabulary (151,936) keeps the PyTorch sampler.
 MAX_VOCAB = 16384
+# Warps per row program: 8 (H200, 6,565 scores, BENCHMARKS.md 2026-12-03: 4.6 µs at one row against 6.1 with 4 warps
+# and 5.0 with 16).
 NUM_WARPS = 8
 
 
@@ -48,10 +52,40 @@ if triton is not None:
         return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
     @triton.jit
+    def _first_max_with_key(race_a, index_a, key_a, race_b, index_b, key_b):
+        """`tl.reduce` combine of `(race, index, key)`: the larger race, the smaller index among equal ones (the first
+        argmax), with its key."""
+        take_b = (race_b > race_a) | ((race_b == race_a) & (index_b < index_a))
+        return tl.where(take_b, race_b, race_a), tl.where(take_b, index_b, index_a), tl.where(take_b, key_b, key_a)
+
+    @triton.jit
+    def _nucleus_race_winner(scores, top, probs, race, index, in_vocab, top_p_ptr, VOCAB: tl.constexpr):
+        """The token of the exponential `race` among those top-p keeps: the race's winner among the tokens not yet
+        known to be removed; if top-p removes it, so it does every token before it in the ascending order (ties by
+        id, as PyTorch's CUDA sort orders them): they are dropped and the race goes on. The winner is kept where the
+        probability up to it in that order is above `1 - top_p`, or where it is the last token of the order (the most
+        likely, never removed). As top-p removes at most `1 - top_p` of the probability, the first winner is kept with
+        probability `top_p` or more: a few passes, not a search over every key."""
+        removed_mass = (1.0 - tl.load(top_p_ptr)).to(tl.float32)
+        key = _ordered_key(scores)
+        last = tl.max(tl.where(in_vocab & (scores == top), index, -1), 0)  # the last token of the ascending order
+        alive = in_vocab
+        token = tl.full([], -1, tl.int32)
+        passes = tl.zeros([], tl.int32)
+        while (token < 0) & (passes < VOCAB):  # bounded: each pass drops its winner (NaN scores cannot loop forever)
+            _, winner, winner_key = tl.reduce((tl.where(alive, race, -1.0), index, key), 0, _first_max_with_key)
+            up_to = (key < winner_key) | ((key == winner_key) & (index <= winner))
+            cumulative = tl.sum(tl.where(up_to, probs, 0.0), 0)
+            token = tl.where((cumulative > removed_mass) | (winner == last), winner, -1)
+            alive = alive & ~up_to
+            passes += 1
+        return tl.where(token < 0, last, token)
+
+    @triton.jit
     def _sample_kernel(
         scores_ptr, seen_ptr, noise_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
         stride_scores, stride_seen, stride_noise,
-        VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, INDEX_BITS: tl.constexpr, DO_SAMPLE: tl.constexpr,
+        VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, DO_SAMPLE: tl.constexpr,
         USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """The token of row `program_id(0)`: scores `(rows, VOCAB)` float, seen `(rows, VOCAB)` bool, noise `(rows,
@@ -73,41 +107,17 @@ if triton is not None:
             top = tl.max(scores, 0)
             exps = tl.exp(scores - top)
             probs = exps / tl.sum(exps, 0)
-            if USES_TOP_P:
-                removed_mass = (1.0 - tl.load(top_p_ptr)).to(tl.float32)
-                key = _ordered_key(scores)
-                # The largest key t with g(t) <= removed_mass, g(t) the probability below key t, at most the most
-                # likely tokens' key: they weigh infinitely here, since where 1 - top_p rounds to 1 in float32, g of
-                # every key can be within it (the search then passed them and kept no token).
-                weights = tl.where(scores == top, float("inf"), probs)
-                one = tl.full([], 1, tl.uint32)
-                boundary = tl.zeros([], tl.uint32)
-                below = tl.zeros([], tl.float32)
-                for bit in tl.static_range(31, -1, -1):
-                    candidate = boundary | (one << bit)
-                    mass = tl.sum(tl.where(key < candidate, weights, 0.0), 0)
-                    boundary = tl.where(mass <= removed_mass, candidate, boundary)
-                    below = tl.where(mass <= removed_mass, mass, below)
-                tied = in_vocab & (key == boundary)
-                tied_count = tl.sum(tied.to(tl.int32), 0)
-                tied_prob = tl.max(tl.where(tied, probs, 0.0), 0)
-                # The first tied tokens whose cumulative probability is still at most removed_mass go too; at least
-                # one tied token stays (the boundary's first kept token, or the most likely one).
-                room = tl.minimum((removed_mass - below) / tl.maximum(tied_prob, 1e-38), tied_count - 1.0)
-                tied_removed = tl.where(tied_prob > 0, tl.floor(room), tied_count - 1.0).to(tl.int32)
-                first_kept = tl.zeros([], tl.int32)  # the id of the tied token of rank `tied_removed`
-                for bit in tl.static_range(INDEX_BITS - 1, -1, -1):
-                    candidate = first_kept | (1 << bit)
-                    tied_below = tl.sum((tied & (index < candidate)).to(tl.int32), 0)
-                    first_kept = tl.where(tied_below <= tied_removed, candidate, first_kept)
-                keep = in_vocab & ((key > boundary) | (tied & (index >= first_kept)))
-                exps = tl.where(keep, exps, 0.0)  # the softmax of the kept scores (the maximum is kept)
-                probs = exps / tl.sum(exps, 0)
             noise = tl.load(noise_ptr + row * stride_noise + index, mask=in_vocab, other=1.0)
-            scores = tl.where(in_vocab, probs / noise, -1.0)
+            race = tl.where(in_vocab, probs / noise, -1.0)  # the exponential race of `select_tokens`
+            if USES_TOP_P:
+                token = _nucleus_race_winner(scores, top, probs, race, index, in_vocab, top_p_ptr, VOCAB)
+            else:
+                token = tl.argmax(race, 0)
+        else:
+            token = tl.argmax(scores, 0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(out_ptr + row, tl.argmax(scores, 0).to(tl.int64))
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def sampler_kernel_supported(vocab_size: int) -> bool:
@@ -146,7 +156,7 @@ def launch_sample_tokens(
         scores, scores if seen is None else seen, scores if noise is None else noise,
         temperature, top_p, repetition_penalty, out,
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
-        VOCAB=vocab, BLOCK_V=block_v, INDEX_BITS=max(1, (block_v - 1).bit_length()), DO_SAMPLE=do_sample,
+        VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample,
         USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
