@@ -131,18 +131,22 @@ for top_p in (0.05, 0.3, 0.6, 0.9, 0.999):
         "got": kernel_tokens(settings, scores, None, noise).tolist(),
         "unfiltered_winner_removed": int((~keep.gather(1, unfiltered_winner[:, None])).sum()),
     })
-print(json.dumps(result))
+nan_row = torch.full((1, vocab), float("nan"))  # a broken model's row: the passes end, the id is in range
+nan_token = kernel_tokens(settings, nan_row, None, noise[:1]).item()
+print(json.dumps({"cases": result, "nan_token": nan_token}))
 """
 
 
 def test_nucleus_race_goes_on_past_removed_winners_in_the_triton_interpreter():
     """Where top-p removes the race's first winner, the kernel drops every token before it in the ascending order and
     runs the race again: 48 rows with ties at each of five top-p values equal the race over the tokens a stable sort
-    keeps, also where many winners in a row are removed (top-p 0.05)."""
-    cases = json.loads(run_in_triton_interpreter(_RACE_SCRIPT))
+    keeps, also where many winners in a row are removed (top-p 0.05); a row of NaN ends with an id in range."""
+    result = json.loads(run_in_triton_interpreter(_RACE_SCRIPT))
+    cases = result["cases"]
     for case in cases:
         assert case["got"] == case["expected"]
     assert cases[0]["unfiltered_winner_removed"] > 10  # the race really went on past removed winners
+    assert 0 <= result["nan_token"] < 300
 
 
 # (do_sample, uses_history, uses_top_p)

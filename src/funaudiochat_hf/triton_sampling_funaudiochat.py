@@ -79,7 +79,8 @@ if triton is not None:
             token = tl.where((cumulative > removed_mass) | (winner == last), winner, -1)
             alive = alive & ~up_to
             passes += 1
-        return tl.where(token < 0, last, token)
+        # No pass kept a token only where the row holds NaN (no last token either): an id in range, not -1.
+        return tl.where(token < 0, tl.argmax(race, 0), token)
 
     @triton.jit
     def _sample_kernel(
