@@ -45,22 +45,6 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def compile_for_hopper(kernel, signature: dict, constexprs: dict, num_warps: int):
-    """Compile a Triton `kernel` to a Hopper (sm_90) cubin on the CPU, without a GPU; skips without Triton.
-
-    The interpreter runs a kernel's Python, not Triton's compiler, which rejects some code the interpreter takes (a
-    variable whose type changes in an `if`): this catches that in CI, where no GPU runs the kernels."""
-    pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    assert compiled.asm["cubin"]
-    return compiled
-
-
 def tiny_decoder_with_and_without(monkeypatch, module, switch: str) -> dict:
     """The tiny CosyVoice3 decoder on CUDA with a bf16 estimator, with `module.<switch>` (a Triton kernel's switch) True
     and False: `{True: (mel, streamed audio), False: (...)}` for the golden tokens, offline `tokens_to_mel` and a

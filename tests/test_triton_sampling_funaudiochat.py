@@ -12,7 +12,7 @@ import torch
 
 from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings, select_tokens
 
-from conftest import compile_for_hopper, run_in_triton_interpreter
+from conftest import hopper_ptx, run_in_triton_interpreter
 
 
 # (vocab, rows, do_sample, top_k, top_p, repetition_penalty): every switch of the kernel alone and together,
@@ -161,15 +161,13 @@ def test_kernel_compiles_for_hopper(switches):
 
     do_sample, uses_history, uses_top_p = switches
     pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out"]
-    types = ["*bf16", "*i1", "*fp32", "*fp64", "*fp64", "*fp64", "*i64"]
-    signature = {f"{name}_ptr": kind for name, kind in zip(pointers, types, strict=True)}
-    signature.update(dict.fromkeys(["stride_scores", "stride_seen", "stride_noise"], "i32"))
+    kinds = ["*bf16", "*i1", "*fp32", "*fp64", "*fp64", "*fp64", "*i64"]
+    types = {f"{name}_ptr": kind for name, kind in zip(pointers, kinds, strict=True)}  # the strides: i32
     constexprs = {
         "VOCAB": 6565, "BLOCK_V": 8192, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
         "USES_TOP_P": uses_top_p, "PDL": True,
     }  # fmt: skip
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    compile_for_hopper(sampling._sample_kernel, signature, constexprs, sampling.NUM_WARPS)
+    assert hopper_ptx(sampling._sample_kernel, constexprs, types, sampling.NUM_WARPS)  # Triton's compiler and ptxas
 
 
 @pytest.mark.gpu
