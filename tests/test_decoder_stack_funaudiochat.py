@@ -159,7 +159,7 @@ launches.clear()
 own_steps, own_keys = run(stack_module.decoder_stack_forward, triton_linear.own_weight_kernels(ours_stack), counters)
 own_launches, own_counters = len(launches), counters.abs().sum().item()
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
-# was computed from, and without `stored_copies` Inductor recomputed the mask for the later layers after that.
+# was computed from, and without `stored_once` Inductor recomputed the mask for the later layers after that.
 compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
 compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors, "rows_steps": rows_steps,

@@ -253,3 +253,39 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
         (out, keys, values, length), (out_loop, keys_loop, values_loop, length_loop) = outputs
         assert torch.equal(out, out_loop) and torch.isfinite(out).all(), (batch, cache_len, used)
         assert torch.equal(keys, keys_loop) and torch.equal(values, values_loop) and length == length_loop == used + 1
+
+
+@torch.library.custom_op("funaudiochat_test::read_and_advance", mutates_args=("length",))
+def _read_and_advance(x: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Stands in for the attention operators: reads its input, then advances the cache length."""
+    out = x.float().sum() + length
+    length.add_(1)
+    return out.reshape(1)
+
+
+@_read_and_advance.register_fake
+def _(x, length):
+    return x.new_empty(1, dtype=torch.float32)
+
+
+def _layers_after_a_mask(length: torch.Tensor) -> torch.Tensor:
+    """A decode step's shape: a mask computed from the cache length and rotary-like values, stored once
+    (`stored_once`), then three "layers" that each read both and advance the length."""
+    positions = torch.arange(8)
+    mask = positions[None, :] <= length
+    cos = (positions.float() * 0.1).cos()
+    mask, cos = attention_inputs.stored_once((mask, cos))
+    return torch.cat([_read_and_advance(mask.float() * cos, length) for _ in range(3)])
+
+
+@pytest.mark.parametrize("as_copies", [False, True])
+def test_stored_tensors_are_not_recomputed_after_the_length_advances(as_copies, monkeypatch):
+    """Compiled by Inductor, a mask computed from the cache length is stored before the first layer advances the length
+    and every layer reads that mask. Without `stored_once` Inductor (2.13, CPU) recomputes it inside each later
+    layer's input kernel, from the advanced length: the second and third outputs here were 8.85 and 9.85 instead of
+    7.93 and 8.93. `store` (no kernel) and the copies (`STORED_AS_COPIES`) both keep the eager values."""
+    monkeypatch.setattr(attention_inputs, "STORED_AS_COPIES", as_copies)
+    expected = _layers_after_a_mask(torch.tensor(3))
+    torch._dynamo.reset()
+    got = torch.compile(_layers_after_a_mask, fullgraph=True)(torch.tensor(3))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -16,7 +16,7 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   Triton attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
   takes that work in every decode step on CUDA, also where the projections stay on cuBLAS (batch 16: 16.87 -> 15.29 ms
   per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before the first layer
-  (`stored_copies`), as the kernels advance the cache length they are computed from, and so are the rotary tables;
+  (`stored_once`), as the kernels advance the cache length they are computed from, and so are the rotary tables;
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -37,7 +37,7 @@ from .compat import attention_passes_kwargs_to_cache, rotary_tables
 from .triton_attention_inputs_funaudiochat import (
     decode_attention_inputs,
     decode_attention_with_inputs,
-    stored_copies,
+    stored_once,
     writable_static_layer,
 )
 from . import triton_linear_funaudiochat as triton_linear
@@ -276,7 +276,7 @@ def decoder_stack_forward(
     if cache is not None and _one_position_on_gpu(inputs_embeds):
         # The layers' kernels advance the cache length the masks were computed from: store them first; and the
         # rotary tables, which the compiled step would otherwise recompute for every few layers.
-        causal_mask_mapping, position_embeddings = stored_copies((causal_mask_mapping, position_embeddings))
+        causal_mask_mapping, position_embeddings = stored_once((causal_mask_mapping, position_embeddings))
     layers = stack.layers[: config.num_hidden_layers]
     if projections is not None and len(projections.layers) != len(layers):
         raise ValueError(f"`projections` has {len(projections.layers)} layers but the stack has {len(layers)}.")

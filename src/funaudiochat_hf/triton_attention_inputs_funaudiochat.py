@@ -177,7 +177,13 @@ def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, k
 # advanced the length, and the layers after the first then see one position too many (measured: a two-row decode step
 # off by up to 0.09). The rotary tables are right either way, but Inductor recomputed them (from the float32 angles) for
 # every four layers: 9 kernels in an LLM step and 7 in each CRQ sub-step on an H200 (profile of 2026-12-01). An opaque
-# copy stores each once.
+# operator that is declared to write its tensor (and does nothing, `store`) makes Inductor store each once: later uses
+# read the written buffer, which it cannot recompute (a CPU test reproduces the recomputation without it). It replaced
+# a copy through an opaque operator (`STORED_AS_COPIES`), one copy kernel per tensor: 3 per stack call, 18 fewer
+# kernels per decode step (H200, BENCHMARKS.md 2026-12-03 13:15: whole steps within the run-to-run drift, ~1 µs each).
+STORED_AS_COPIES = False  # True: the copies (for comparisons)
+
+
 @torch.library.custom_op("funaudiochat::stored_copy", mutates_args=())
 def stored_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` that torch.compile cannot recompute later (an opaque operator's output)."""
@@ -189,14 +195,30 @@ def _(tensor):
     return torch.empty_like(tensor)
 
 
-def stored_copies(value):
+@torch.library.custom_op("funaudiochat::store", mutates_args=("tensor",))
+def store(tensor: torch.Tensor) -> None:
+    """Nothing; declared to write `tensor`, so torch.compile stores it in a buffer before this point and reads that
+    buffer afterwards, never recomputing it from its inputs."""
+
+
+@store.register_fake
+def _(tensor):
+    return None
+
+
+def stored_once(value):
     """`value` (a tensor, None, a `{layer type: mask}` mapping or a tuple such as `(cos, sin)`) with every tensor
-    passed through `stored_copy`."""
+    stored once for a compiled graph (`store`, or a `stored_copy` with `STORED_AS_COPIES`)."""
     if isinstance(value, dict):
-        return {name: stored_copies(item) for name, item in value.items()}
+        return {name: stored_once(item) for name, item in value.items()}
     if isinstance(value, tuple):
-        return tuple(stored_copies(item) for item in value)
-    return torch.ops.funaudiochat.stored_copy(value) if isinstance(value, torch.Tensor) else value
+        return tuple(stored_once(item) for item in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if STORED_AS_COPIES:
+        return torch.ops.funaudiochat.stored_copy(value)
+    torch.ops.funaudiochat.store(value)
+    return value
 
 
 def writable_static_layer(cache, layer_idx: int):
@@ -288,6 +310,6 @@ __all__ = [
     "decode_attention_inputs_op",
     "decode_attention_with_inputs",
     "decode_attention_with_inputs_op",
-    "stored_copies",
+    "stored_once",
     "writable_static_layer",
 ]
