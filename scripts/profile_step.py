@@ -7,6 +7,14 @@ kernels that take the most GPU time. `--prefill` profiles a one-step call instea
 CRQ prefill: the part of the time to first audio before the decode loop), timing `embed_prompt` against the whole
 call and sorting by host time as well. Use it to see where a step's milliseconds go; `scripts/benchmark.py` gives
 the numbers to report.
+
+`--chain-table PREFIX` profiles a call of `--steps` steps and one of a quarter of them, writes both kernel timelines
+(`PREFIX.long.csv`, `PREFIX.short.csv`) and prints what one decode step costs per kernel: the difference of the two
+calls divided by the difference of their steps, so the prefill cancels out (as in `benchmark.py`'s step times). A
+kernel's "chain" time is what it adds to the main stream's critical path: its end minus the end of the kernel before it
+on that stream (a programmatic dependent launch starts before that end and overlaps it). Kernels of other streams (the
+text head) are listed by their duration. `--summarize SHORT.csv LONG.csv SHORT_STEPS LONG_STEPS` prints the same table
+from timelines written earlier, on any machine.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +46,17 @@ def main() -> None:
     parser.add_argument("--timeline", default=None, metavar="CSV",
                         help="also write every GPU kernel of the profiled call (name, start and duration in us) to CSV, "
                              "in start order, and print the GPU's idle share between kernels")
+    parser.add_argument("--chain-table", default=None, metavar="PREFIX",
+                        help="profile calls of --steps and --steps // 4 steps, write their timelines to "
+                             "PREFIX.long.csv and PREFIX.short.csv and print each kernel's chain time per decode step")
+    parser.add_argument("--summarize", nargs=4, default=None, metavar=("SHORT_CSV", "LONG_CSV", "SHORT", "LONG"),
+                        help="print the per-step chain table of two timelines written earlier (no GPU needed)")
     args = parser.parse_args()
+    if args.summarize:
+        short_csv, long_csv, short_steps, long_steps = args.summarize
+        short, long = read_timeline(short_csv), read_timeline(long_csv)
+        print(chain_table(short, long, int(short_steps), int(long_steps), args.top))
+        return
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
     bench_args = benchmark.parse_args(
@@ -83,34 +103,126 @@ def main() -> None:
         print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=70))
     if args.timeline:
         write_timeline(prof, args.timeline)
+    if args.chain_table and not args.prefill:
+        timelines = {}
+        for name, call_steps in (("short", max(1, steps // 4)), ("long", steps)):
+            call_kwargs = {**kwargs, "max_new_tokens": call_steps}
+            with torch.no_grad():
+                model.generate_speech(**inputs, **call_kwargs)  # a new step count: warm before profiling
+            with profile(activities=[ProfilerActivity.CUDA]) as call_prof:
+                with torch.no_grad():
+                    model.generate_speech(**inputs, **call_kwargs)
+                torch.cuda.synchronize()
+            timelines[name] = (write_timeline(call_prof, f"{args.chain_table}.{name}.csv"), call_steps)
+        (short, short_steps), (long, long_steps) = timelines["short"], timelines["long"]
+        print(chain_table(short, long, short_steps, long_steps, args.top))
 
 
-def write_timeline(prof, path: str) -> None:
+class Kernel(NamedTuple):
+    """One GPU kernel of a timeline: start and duration in µs, and its stream (None where unknown)."""
+
+    name: str
+    start: float
+    duration: float
+    stream: int | None = None
+
+
+def write_timeline(prof, path: str) -> list[Kernel]:
     """Every GPU kernel of the profile in start order to `path` (CSV: name, start_us, duration_us, the start relative
-    to the first kernel), and the GPU's busy and idle time over the span they cover."""
+    to the first kernel, and stream), and the GPU's busy and idle time over the span they cover. Returns the kernels."""
     import csv
 
     from torch.autograd import DeviceType
 
-    kernels = sorted(
+    events = sorted(
         (event for event in prof.events() if event.device_type == DeviceType.CUDA),
         key=lambda event: event.time_range.start,
     )
-    if not kernels:
+    if not events:
         print("timeline: no GPU kernels recorded")
-        return
-    origin = kernels[0].time_range.start
-    busy, end = 0.0, origin
+        return []
+    origin = events[0].time_range.start
+    kernels = [
+        Kernel(event.name, event.time_range.start - origin, event.time_range.end - event.time_range.start,
+               getattr(event, "device_resource_id", None))
+        for event in events
+    ]  # fmt: skip
+    busy, end = 0.0, 0.0
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["name", "start_us", "duration_us"])
-        for event in kernels:
-            start, stop = event.time_range.start, event.time_range.end
-            busy += max(0.0, stop - max(start, end))  # overlapping kernels (other streams) counted once
+        writer.writerow(["name", "start_us", "duration_us", "stream"])
+        for kernel in kernels:
+            stop = kernel.start + kernel.duration
+            busy += max(0.0, stop - max(kernel.start, end))  # overlapping kernels (other streams) counted once
             end = max(end, stop)
-            writer.writerow([event.name, f"{start - origin:.3f}", f"{stop - start:.3f}"])
-    span = end - origin
-    print(f"timeline: {len(kernels)} kernels over {span / 1e3:.2f} ms, GPU busy {busy / span:.1%} -> {path}")
+            stream = "" if kernel.stream is None else kernel.stream
+            writer.writerow([kernel.name, f"{kernel.start:.3f}", f"{kernel.duration:.3f}", stream])
+    print(f"timeline: {len(kernels)} kernels over {end / 1e3:.2f} ms, GPU busy {busy / end:.1%} -> {path}")
+    return kernels
+
+
+def read_timeline(path: str) -> list[Kernel]:
+    """The kernels of a CSV written by `write_timeline` (files without the stream column: stream None)."""
+    import csv
+
+    with open(path, newline="") as handle:
+        return [
+            Kernel(row["name"], float(row["start_us"]), float(row["duration_us"]),
+                   int(row["stream"]) if row.get("stream") else None)
+            for row in csv.DictReader(handle)
+        ]  # fmt: skip
+
+
+def kernel_costs(kernels: list[Kernel]) -> dict[str, list[float]]:
+    """`{name: [calls, total duration, total chain time, calls on other streams]}` in µs. The main stream is the one
+    with the most kernels (every kernel when streams are unknown); a main-stream kernel's chain time is its end minus
+    the latest end of the main-stream kernels before it (at least 0); other streams' kernels get no chain time."""
+    streams = Counter(kernel.stream for kernel in kernels)
+    main = streams.most_common(1)[0][0] if kernels else None
+    costs: dict[str, list[float]] = {}
+    previous_end = None
+    for kernel in sorted(kernels, key=lambda kernel: kernel.start):
+        cost = costs.setdefault(kernel.name, [0, 0.0, 0.0, 0])
+        cost[0] += 1
+        cost[1] += kernel.duration
+        end = kernel.start + kernel.duration
+        if kernel.stream != main:
+            cost[3] += 1
+            continue
+        cost[2] += max(0.0, end - (kernel.start if previous_end is None else previous_end))
+        previous_end = end if previous_end is None else max(previous_end, end)
+    return costs
+
+
+def chain_table(short: list[Kernel], long: list[Kernel], short_steps: int, long_steps: int, top: int = 30) -> str:
+    """A Markdown table of what one decode step costs per kernel name: the long call's calls, durations and chain times
+    minus the short call's, divided by the difference of their steps (the prefill cancels out), the `top` largest
+    chain times first, then the total."""
+    if long_steps <= short_steps:
+        raise ValueError(f"the long call needs more steps than the short one, got {long_steps} and {short_steps}")
+    steps = long_steps - short_steps
+    short_costs, long_costs = kernel_costs(short), kernel_costs(long)
+    rows = []
+    for name, (calls, duration, chain, side_calls) in long_costs.items():
+        before = short_costs.get(name, [0, 0.0, 0.0, 0])
+        per_step = ((calls - before[0]) / steps, (duration - before[1]) / steps, (chain - before[2]) / steps)
+        side = side_calls > 0 and side_calls == calls
+        if per_step[0] > 0:
+            rows.append((name, *per_step, side))
+    rows.sort(key=lambda row: (-row[3], -row[2]))
+    total_chain = sum(row[3] for row in rows)
+    lines = [
+        f"Per decode step ({long_steps} - {short_steps} steps): {total_chain:.1f} µs of main-stream chain",
+        "",
+        "| kernel | calls / step | µs each (duration) | chain µs each | chain µs / step | share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, calls, duration, chain, side in rows[:top]:
+        share = chain / total_chain if total_chain > 0 else 0.0
+        chain_each = "(other stream)" if side else f"{chain / calls:.2f}"
+        cells = f"{calls:.1f} | {duration / calls:.2f} | {chain_each} | {chain:.1f} | {share:.1%}"
+        lines.append(f"| {name[:80]} | {cells} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
