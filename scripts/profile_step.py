@@ -107,8 +107,9 @@ def main() -> None:
         timelines = {}
         for name, call_steps in (("short", max(1, steps // 4)), ("long", steps)):
             call_kwargs = {**kwargs, "max_new_tokens": call_steps}
-            with torch.no_grad():
-                model.generate_speech(**inputs, **call_kwargs)  # a new step count: warm before profiling
+            if call_steps != steps:  # a new step count: warm before profiling (the warm-ups above ran `steps`)
+                with torch.no_grad():
+                    model.generate_speech(**inputs, **call_kwargs)
             with profile(activities=[ProfilerActivity.CUDA]) as call_prof:
                 with torch.no_grad():
                     model.generate_speech(**inputs, **call_kwargs)
@@ -206,7 +207,7 @@ def chain_table(short: list[Kernel], long: list[Kernel], short_steps: int, long_
     for name, (calls, duration, chain, side_calls) in long_costs.items():
         before = short_costs.get(name, [0, 0.0, 0.0, 0])
         per_step = ((calls - before[0]) / steps, (duration - before[1]) / steps, (chain - before[2]) / steps)
-        side = side_calls > 0 and side_calls == calls
+        side = side_calls == calls  # every call on another stream
         if per_step[0] > 0:
             rows.append((name, *per_step, side))
     rows.sort(key=lambda row: (-row[3], -row[2]))
