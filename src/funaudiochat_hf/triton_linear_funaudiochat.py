@@ -38,6 +38,7 @@ rows 5,014 against 5,638 µs).
 """
 
 import itertools
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -45,6 +46,15 @@ import torch
 from torch import nn
 
 from .triton_attention_funaudiochat import programmatic_launch, triton
+
+
+logger = logging.getLogger(__name__)
+if triton is not None:
+    from triton.runtime.autotuner import OutOfResources  # where Triton's compiler takes it from
+else:
+
+    class OutOfResources(Exception):
+        """Stands in for Triton's (CPU-only installs, where no kernel is launched)."""
 
 
 # Input rows (batch x positions) up to which the kernels replace cuBLAS. Measured on an H200 (full-size CRQ sub-step,
@@ -78,7 +88,10 @@ GROUPED_QKV = True
 # the 1,024-output projections had 64 programs at most, too few to stream their weights (2026-12-01 18:15–18:50).
 # The CRQ's down_proj then took a tile whose every split is one 512-input chunk, which the kernel fetches before its
 # wait (`--sweep-rows-tiles CRQ --prefetch`, BENCHMARKS.md 2026-12-02 15:15): 4.71 against 5.16 µs per call; a CRQ
-# sub-step 1,351 against 1,378 µs. Such tiles were slower for the three other shapes.
+# sub-step 1,351 against 1,378 µs. Such tiles were slower for the three other shapes. These tiles are for bfloat16
+# on an H200: where one needs more shared memory than the GPU has (float32 doubles it: the CRQ's gate/up tile then
+# takes 278,528 bytes, over the H200's 232,448; GPUs of 99 KB per program cannot hold the bfloat16 ones of up to
+# 148 KB), the launcher takes the next of `smaller_rows_tiles` that fits.
 ROWS_KERNEL_MAX_ROWS = 16
 USE_ROWS_KERNEL = True  # False: batches of 2 to 16 rows keep cuBLAS (for comparisons)
 MIN_ROWS_BLOCK_N = 16  # the narrowest column tile of the several-row kernel (tl.dot's least N)
@@ -455,18 +468,66 @@ def _part_flags(part_ends: list[int]) -> dict:
     return {"PART_1": part_1, "PART_2": part_2}
 
 
+def smaller_rows_tiles(tile: tuple[int, int, int, int, int, bool]):
+    """The tiles `_launch_rows_kernel` tries, in order, after a `rows_kernel_tile` whose launch needs more shared
+    memory than the GPU has (the tuned tiles are for bfloat16 on an H200: a float32 model doubles their buffers, and
+    other GPUs have less per program): fewer pipeline stages (down to 1), then half the reduction chunk (down to 32),
+    then half the columns (down to `MIN_ROWS_BLOCK_N`)."""
+    block_n, block_k, split_k, num_warps, num_stages, swap_ab = tile
+    while num_stages > 1:
+        num_stages -= 1
+        yield block_n, block_k, split_k, num_warps, num_stages, swap_ab
+    while block_k > 32:
+        block_k //= 2
+        yield block_n, block_k, split_k, num_warps, num_stages, swap_ab
+    while block_n > MIN_ROWS_BLOCK_N:
+        block_n //= 2
+        yield block_n, block_k, split_k, num_warps, num_stages, swap_ab
+
+
+# The tile that launched, by (out_features, in_features, gated, dtype, device), where the first choice of
+# `rows_kernel_tile` ran out of shared memory (`smaller_rows_tiles`): later launches take it directly.
+_FITTED_ROWS_TILES: dict[tuple, tuple] = {}
+
+
 def _launch_rows_kernel(
     x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters
 ):
     """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (arguments as
     `launch_decode_linear` prepares them for either kernel). Returns None where a part boundary is not a multiple of
-    the narrowest tile (`MIN_ROWS_BLOCK_N`)."""
+    the narrowest tile (`MIN_ROWS_BLOCK_N`). A tile the GPU cannot hold (Triton's `OutOfResources`, raised before
+    anything is queued) gives way to the next of `smaller_rows_tiles`, remembered for the shape."""
     rows, in_features = x.shape
     out_features = part_ends[-1]
-    block_n, block_k, split_k, num_warps, num_stages, swap_ab = rows_kernel_tile(out_features, in_features, gated)
-    block_n = _part_tile(block_n, part_ends, MIN_ROWS_BLOCK_N)
-    if block_n is None:
+    key = (out_features, in_features, gated, x.dtype, x.device)
+    tile = _FITTED_ROWS_TILES.get(key) or rows_kernel_tile(out_features, in_features, gated)
+    if _part_tile(tile[0], part_ends, MIN_ROWS_BLOCK_N) is None:
         return None
+    for candidate in (tile, *smaller_rows_tiles(tile)):
+        block_n = _part_tile(candidate[0], part_ends, MIN_ROWS_BLOCK_N)
+        try:
+            out = _launch_rows_tile(
+                (block_n, *candidate[1:]), x, weight, bias, up_weight, up_bias, part_ends, part_pointers,
+                norm_weight, eps, residual, gated, counters,
+            )  # fmt: skip
+        except OutOfResources as error:
+            last_error = error
+            continue
+        if candidate != tile:
+            _FITTED_ROWS_TILES[key] = candidate
+            logger.info(f"decode_linear {out_features}x{in_features} ({x.dtype}): tile {tile} needs more shared "
+                        f"memory than {x.device} has; using {candidate}.")  # fmt: skip
+        return out
+    raise last_error
+
+
+def _launch_rows_tile(
+    tile, x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters
+):
+    """One launch of `_decode_rows_kernel` with `tile` `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab)`."""
+    rows, in_features = x.shape
+    out_features = part_ends[-1]
+    block_n, block_k, split_k, num_warps, num_stages, swap_ab = tile
     tiles = triton.cdiv(out_features, block_n)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     partials = x  # a placeholder: one split needs neither partials nor counters
@@ -731,6 +792,7 @@ __all__ = [
     "launch_decode_linear",
     "own_weight_kernels",
     "rows_kernel_tile",
+    "smaller_rows_tiles",
     "split_k_counters_for",
     "use_decode_kernels",
     "use_rows_kernel",
