@@ -1195,6 +1195,19 @@ class _SpeechRun:
     def all_done(self) -> bool:
         return bool(self.ws.done.all())
 
+    def decode_until_done(self, check_every: int = 1) -> None:
+        """Decode steps until every row has finished or `max_new_tokens` is reached, checking for the former after
+        every `check_every`-th step ([`_LaggedCheck`]: the check of one step is read after the next step has been
+        launched, so at most `check_every` steps run after the last row finishes)."""
+        check = _LaggedCheck(self.ws.done)
+        check.issue(self.steps)  # after the prefill
+        while self.steps < self.max_new_tokens:
+            self.decode()
+            if check.due(self.steps) and check.read():
+                return
+            if (self.steps - 1) % check_every == 0:
+                check.issue(self.steps)
+
     def result(self) -> FunAudioChatSpeechOutput:
         ws, cfg = self.ws, self.cfg
         new_tokens = self.steps
@@ -1209,6 +1222,40 @@ class _SpeechRun:
             if not cfg.disable_speech:
                 output.speech_logits = ws.speech_logits[:, :new_tokens].clone()
         return output
+
+
+class _LaggedCheck:
+    """Whether every row has finished, read one step late so that the GPU never waits for the host.
+
+    A blocking check (`bool(done.all())`) drains the GPU's queue: the GPU then idles while the host launches the next
+    step (an H200 profile at batch 16: ~0.45 ms per check, mostly the launch of the step's CUDA graph). Here `issue`
+    queues the check behind a step (a reduction and a copy to pinned memory, then an event), and `read`, called once
+    the host has launched the next step, waits for that event only: the launched step keeps the GPU busy meanwhile.
+    On a CPU the copy is synchronous and the event is not needed.
+    """
+
+    def __init__(self, done: torch.Tensor):
+        self.done = done
+        cuda = done.is_cuda
+        self.flag = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.step: int | None = None  # the step count the pending check was issued after
+
+    def issue(self, step: int) -> None:
+        self.flag.copy_(self.done.all(), non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        self.step = step
+
+    def due(self, step: int) -> bool:
+        """Whether a check is pending and a step was launched after it (`step` steps now)."""
+        return self.step is not None and step > self.step
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        self.step = None
+        return bool(self.flag)
 
 
 class FunAudioChatSpeechGenerationMixin:
@@ -1248,7 +1295,7 @@ class FunAudioChatSpeechGenerationMixin:
         speaker=None,
         return_audio: bool | None = None,
         streamer=None,
-        sync_every: int = 8,
+        sync_every: int = 1,
         **generation_kwargs,
     ) -> FunAudioChatSpeechOutput:
         """Answer a (spoken) prompt with text and speech tokens, and optionally the vocoded waveform.
@@ -1262,7 +1309,9 @@ class FunAudioChatSpeechGenerationMixin:
             speaker: speaker name or `(192,)` embedding for the decoder.
             return_audio: None = vocode when a decoder is available; False = never; True = required.
             streamer: transformers-style streamer (`put`/`end`) receiving the prompt then each text token (batch 1).
-            sync_every: check for "all rows finished" every this many steps (each check is a host sync).
+            sync_every: check whether every row has finished after every this many steps (1: each step); a check is
+                read once the next step has been launched, so it never leaves the GPU idle, and at most this many
+                steps run after the last row finishes.
             **generation_kwargs: `max_new_tokens` (512), `do_sample` (True), `temperature` (0.8), `top_p` (0.9),
                 `top_k` (0), `repetition_penalty` (1.2), `text_greedy` (True), `force_text_abos` (True),
                 `disable_speech` (False), `eos_token_id`, `pad_token_id` (default: `generation_config`),
@@ -1342,14 +1391,11 @@ class FunAudioChatSpeechGenerationMixin:
             if streamer is not None:
                 streamer.put(input_ids.cpu())
                 streamer.put(ws.text_out[:, 0].cpu())
-            while run.steps < run.max_new_tokens:
-                if streamer is not None:
-                    if run.all_done():
-                        break
-                elif (run.steps - 1) % sync_every == 0 and run.all_done():
-                    break
+            if streamer is None:
+                run.decode_until_done(sync_every)
+            while streamer is not None and run.steps < run.max_new_tokens and not run.all_done():
                 run.decode()
-                if streamer is not None and not bool(ws.finish_step[0] < run.steps - 1):
+                if not bool(ws.finish_step[0] < run.steps - 1):
                     streamer.put(ws.text_out[:, run.steps - 1].cpu())
             output = run.result()
         finally:
