@@ -13,8 +13,10 @@ the numbers to report.
 calls divided by the difference of their steps, so the prefill cancels out (as in `benchmark.py`'s step times). A
 kernel's "chain" time is what it adds to the main stream's critical path: its end minus the end of the kernel before it
 on that stream (a programmatic dependent launch starts before that end and overlaps it). Kernels of other streams (the
-text head) are listed by their duration. `--summarize SHORT.csv LONG.csv SHORT_STEPS LONG_STEPS` prints the same table
-from timelines written earlier, on any machine.
+text head) are listed by their duration. Then, from the long call, the median chain time and duration of each kernel
+of a decoder layer (projection, attention split and merge, three projections) per stack: the LLM's and the CRQ's.
+`--summarize SHORT.csv LONG.csv SHORT_STEPS LONG_STEPS` prints the same tables from timelines written earlier, on any
+machine.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main() -> None:
         short_csv, long_csv, short_steps, long_steps = args.summarize
         short, long = read_timeline(short_csv), read_timeline(long_csv)
         print(chain_table(short, long, int(short_steps), int(long_steps), args.top))
+        print(layer_table(long))
         return
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
@@ -117,6 +120,7 @@ def main() -> None:
             timelines[name] = (write_timeline(call_prof, f"{args.chain_table}.{name}.csv"), call_steps)
         (short, short_steps), (long, long_steps) = timelines["short"], timelines["long"]
         print(chain_table(short, long, short_steps, long_steps, args.top))
+        print(layer_table(long))
 
 
 class Kernel(NamedTuple):
@@ -175,24 +179,35 @@ def read_timeline(path: str) -> list[Kernel]:
 
 
 def kernel_costs(kernels: list[Kernel]) -> dict[str, list[float]]:
-    """`{name: [calls, total duration, total chain time, calls on other streams]}` in µs. The main stream is the one
-    with the most kernels (every kernel when streams are unknown); a main-stream kernel's chain time is its end minus
-    the latest end of the main-stream kernels before it (at least 0); other streams' kernels get no chain time."""
-    streams = Counter(kernel.stream for kernel in kernels)
-    main = streams.most_common(1)[0][0] if kernels else None
+    """`{name: [calls, total duration, total chain time, calls on other streams]}` in µs (chain times as
+    `main_stream_chain` gives them; other streams' kernels get none)."""
+    chain_times = {id(kernel): chain for kernel, chain in main_stream_chain(kernels)}
     costs: dict[str, list[float]] = {}
-    previous_end = None
-    for kernel in sorted(kernels, key=lambda kernel: kernel.start):
+    for kernel in kernels:
         cost = costs.setdefault(kernel.name, [0, 0.0, 0.0, 0])
         cost[0] += 1
         cost[1] += kernel.duration
-        end = kernel.start + kernel.duration
-        if kernel.stream != main:
+        if id(kernel) in chain_times:
+            cost[2] += chain_times[id(kernel)]
+        else:
             cost[3] += 1
-            continue
-        cost[2] += max(0.0, end - (kernel.start if previous_end is None else previous_end))
-        previous_end = end if previous_end is None else max(previous_end, end)
     return costs
+
+
+def main_stream_chain(kernels: list[Kernel]) -> list[tuple[Kernel, float]]:
+    """The main stream's kernels in start order, each with its chain time. The main stream is the one with the most
+    kernels (every kernel when streams are unknown); a kernel's chain time is its end minus the latest end of the
+    main-stream kernels before it (at least 0)."""
+    streams = Counter(kernel.stream for kernel in kernels)
+    main = streams.most_common(1)[0][0] if kernels else None
+    chained, previous_end = [], None
+    for kernel in sorted(kernels, key=lambda kernel: kernel.start):
+        if kernel.stream != main:
+            continue
+        end = kernel.start + kernel.duration
+        chained.append((kernel, max(0.0, end - (kernel.start if previous_end is None else previous_end))))
+        previous_end = end if previous_end is None else max(previous_end, end)
+    return chained
 
 
 def chain_table(short: list[Kernel], long: list[Kernel], short_steps: int, long_steps: int, top: int = 30) -> str:
@@ -224,6 +239,49 @@ def chain_table(short: list[Kernel], long: list[Kernel], short_steps: int, long_
         cells = f"{calls:.1f} | {duration / calls:.2f} | {chain_each} | {chain:.1f} | {share:.1%}"
         lines.append(f"| {name[:80]} | {cells} |")
     return "\n".join(lines)
+
+
+PROJECTIONS = ("_decode_linear_kernel", "_decode_rows_kernel")
+LAYER = ("q/k/v", "attention split", "attention merge", "o_proj", "gate/up", "down_proj")
+
+
+def layer_table(kernels: list[Kernel]) -> str:
+    """A Markdown table of one decoder layer of each stack, from a timeline of the Triton decode kernels: a layer is
+    the main stream's run of a projection kernel, the attention's split and merge kernels and three more projections
+    (`LAYER`); consecutive layers form a stack call, and stack calls of the same number of layers one stack (36: the
+    LLM, 28: the CRQ at full size). For each, the median chain time and duration of each of the layer's kernels."""
+    chained = main_stream_chain(kernels)
+    names = [kernel.name for kernel, _ in chained]
+    pattern_ok = [
+        i + 6 <= len(names) and names[i] in PROJECTIONS and names[i + 1] == "_split_kernel"
+        and names[i + 2] == "_combine_kernel" and all(names[i + k] in PROJECTIONS for k in (3, 4, 5))
+        for i in range(len(names))
+    ]  # fmt: skip
+    calls, current, i = [], [], 0
+    while i < len(names):
+        if pattern_ok[i]:
+            current.append(chained[i : i + 6])
+            i += 6
+            continue
+        if current:
+            calls.append(current)
+            current = []
+        i += 1
+    if current:
+        calls.append(current)
+    if not calls:
+        return "No decoder layers of the Triton decode kernels in this timeline."
+    stacks: dict[int, list] = {}
+    for call in calls:
+        stacks.setdefault(len(call), []).extend(call)
+    lines = ["| stack (layers per call) | calls | " + " | ".join(LAYER) + " | layer |", "|---" * (len(LAYER) + 3) + "|"]
+    for layers, stack in sorted(stacks.items(), reverse=True):
+        chains = [statistics.median(layer[k][1] for layer in stack) for k in range(len(LAYER))]
+        durations = [statistics.median(layer[k][0].duration for layer in stack) for k in range(len(LAYER))]
+        total = statistics.median(sum(chain for _, chain in layer) for layer in stack)
+        cells = " | ".join(f"{c:.2f} ({d:.2f})" for c, d in zip(chains, durations))
+        lines.append(f"| {layers} | {len(stack) // layers} | {cells} | {total:.1f} |")
+    return "Median µs per decoder layer kernel, chain (duration):\n\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,38 @@ def test_summarize_reads_written_timelines(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "40.0 µs of main-stream chain" in proc.stdout and "| gemv | 1.0 |" in proc.stdout
+
+
+def _layers(t: float, count: int, projection: float, stream: int = 7) -> tuple[list, float]:
+    """`count` decoder layers back to back from `t` (projections of `projection` µs, split 4, merge 1), then the end."""
+    kernels = []
+    for _ in range(count):
+        for name, duration in [("_decode_rows_kernel", projection), ("_split_kernel", 4.0), ("_combine_kernel", 1.0),
+                               ("_decode_rows_kernel", projection), ("_decode_rows_kernel", 2 * projection),
+                               ("_decode_rows_kernel", projection)]:  # fmt: skip
+            kernels.append(Kernel(name, t, duration, stream))
+            t += duration
+    return kernels, t
+
+
+def test_layer_table_gives_each_stacks_layer_kernels():
+    """Decoder layers are found as the projection / split / merge / projection x 3 runs of the main stream, grouped by
+    stack call length (here two 3-layer calls and two 2-layer calls, other kernels between the calls): the median
+    chain time of each of the layer's kernels per stack; other streams' kernels and stray kernels are left out."""
+    kernels, t = [], 0.0
+    for _ in range(2):
+        layers, t = _layers(t, 3, projection=10.0)
+        kernels += [*layers, Kernel("side_head", t - 20.0, 50.0, 9), Kernel("gather", t + 2.0, 1.0, 7)]
+        for _ in range(2):
+            layers, t = _layers(t + 5.0, 2, projection=3.0)
+            kernels += [*layers, Kernel("_sample_kernel", t, 2.0, 7)]
+            t += 2.0
+    rows = [line for line in profile_step.layer_table(kernels).splitlines() if line.startswith("| ")][1:]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    # (stack layers, calls, q/k/v, split, merge, o_proj, gate/up, down_proj, layer): chain (duration).
+    assert cells[0] == ["3", "2", "10.00 (10.00)", "4.00 (4.00)", "1.00 (1.00)", "10.00 (10.00)", "20.00 (20.00)",
+                        "10.00 (10.00)", "55.0"]  # fmt: skip
+    # A 2-layer call's first projection follows a gap of 2 µs (after the gather) or 5 (after the sampler): q/k/v chains
+    # (3, 3, 3, 3, 5, 5, 8, 8), median 4; layers (20, 20, 20, 20, 22, 22, 25, 25), median 21.
+    assert cells[1][:3] == ["2", "4", "4.00 (3.00)"] and cells[1][-1] == "21.0"
+    assert profile_step.layer_table([Kernel("gemm", 0.0, 1.0, 7)]).startswith("No decoder layers")
