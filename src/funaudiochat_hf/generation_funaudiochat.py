@@ -1243,8 +1243,8 @@ class _LaggedCheck:
 
     def issue(self, step: int) -> None:
         self.flag.copy_(self.done.all(), non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
+        if self.event is not None:  # on the stream the copy was queued on (the model's GPU may not be the current one)
+            self.event.record(torch.cuda.current_stream(self.done.device))
         self.step = step
 
     def due(self, step: int) -> bool:
