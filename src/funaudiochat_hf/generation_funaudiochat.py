@@ -1393,10 +1393,11 @@ class FunAudioChatSpeechGenerationMixin:
                 streamer.put(ws.text_out[:, 0].cpu())
             if streamer is None:
                 run.decode_until_done(sync_every)
-            while streamer is not None and run.steps < run.max_new_tokens and not run.all_done():
-                run.decode()
-                if not bool(ws.finish_step[0] < run.steps - 1):
-                    streamer.put(ws.text_out[:, run.steps - 1].cpu())
+            else:  # each step's token is read at once, for the streamer
+                while run.steps < run.max_new_tokens and not run.all_done():
+                    run.decode()
+                    if not bool(ws.finish_step[0] < run.steps - 1):
+                        streamer.put(ws.text_out[:, run.steps - 1].cpu())
             output = run.result()
         finally:
             run.release()

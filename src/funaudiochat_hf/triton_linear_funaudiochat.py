@@ -501,10 +501,10 @@ def _launch_rows_kernel(
     out_features = part_ends[-1]
     key = (out_features, in_features, gated, x.dtype, x.device)
     tile = _FITTED_ROWS_TILES.get(key) or rows_kernel_tile(out_features, in_features, gated)
-    if _part_tile(tile[0], part_ends, MIN_ROWS_BLOCK_N) is None:
-        return None
     for candidate in (tile, *smaller_rows_tiles(tile)):
         block_n = _part_tile(candidate[0], part_ends, MIN_ROWS_BLOCK_N)
+        if block_n is None:  # only the widest tile can fail it: a narrower one divides the boundaries too
+            return None
         try:
             out = _launch_rows_tile(
                 (block_n, *candidate[1:]), x, weight, bias, up_weight, up_bias, part_ends, part_pointers,
