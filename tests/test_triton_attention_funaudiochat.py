@@ -136,7 +136,7 @@ def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     types["length_ptr"] = "*i64"
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
-        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES)
+        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0)
     return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
@@ -327,6 +327,70 @@ def test_pipelined_split_fetches_the_next_block_during_this_ones_math():
     for pipelined in (True, False):
         ptx = _kernel_ptx(kernel, True, divisible=divisible, PIPELINED=pipelined, **constexprs)
         assert ("cp.async" in ptx) == pipelined
+
+
+@pytest.mark.parametrize("mask_blocks", [4, 0])
+def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blocks):
+    """`MAX_MASK_BLOCKS`: the pipelined loop takes each block's mask from bits loaded before the loop, so the
+    asynchronous copies of the next block's keys and values (which the mask predicates) follow no global load after
+    the block's last product. With a mask load per block (MASK_BLOCKS 0) Triton issues the next block's mask load
+    right there, and the copies wait for it."""
+    pytest.importorskip("triton")
+    kernel = triton_attention._split_kernel
+    constexprs = dict(
+        BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
+        PIPELINED=True, MASK_BLOCKS=mask_blocks, stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
+    )  # fmt: skip
+    divisible = [name for name in kernel.arg_names if name.startswith("stride_") or name == "kv_len"]
+    lines = _kernel_ptx(kernel, True, divisible=divisible, **constexprs).splitlines()
+    last_product = max(i for i, line in enumerate(lines) if "mma" in line)
+    next_copy = min(i for i, line in enumerate(lines) if "cp.async.cg" in line and i > last_product)
+    loads_between = [line for line in lines[last_product:next_copy] if "ld.global" in line]
+    assert bool(loads_between) == (mask_blocks == 0), loads_between
+
+
+_MASK_BITS_SCRIPT = """
+import json, torch, triton
+import triton.language as tl
+from funaudiochat_hf import triton_attention_funaudiochat as attention
+
+@triton.jit
+def blocks_seen(mask_ptr, out_ptr, kv_len, position, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                SPLIT_BLOCKS: tl.constexpr, MASK_BLOCKS: tl.constexpr):
+    split = tl.program_id(0)
+    bits = attention._split_mask_bits(mask_ptr, split, kv_len, position, 1, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS,
+                                      MASK_BLOCKS)
+    for block in range(SPLIT_BLOCKS):
+        n, valid = attention._visible_from_bits(bits, block, split, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
+        tl.store(out_ptr + n, valid.to(tl.int8), mask=n < kv_len)
+
+generator = torch.Generator().manual_seed(0)
+results = []
+for kv_len, position, splits, split_blocks in [(640, 500, 3, 4), (640, 639, 2, 5), (256, 70, 1, 4), (64, 0, 1, 1)]:
+    mask = torch.rand(kv_len, generator=generator) < 0.7
+    mask[position] = True
+    out = torch.full((kv_len,), -1, dtype=torch.int8)
+    blocks = triton.next_power_of_2(split_blocks)
+    blocks_seen[(splits,)](mask, out, kv_len, position, BLOCK_N=64, NUM_SPLITS=splits, SPLIT_BLOCKS=split_blocks,
+                           MASK_BLOCKS=blocks)
+    expected = mask & (torch.arange(kv_len) <= position)
+    results.append(bool(torch.equal(out.bool(), expected)) and bool((out >= 0).all()))
+print(json.dumps(results))
+"""
+
+
+def test_split_mask_bits_give_each_blocks_visible_positions():
+    """The pipelined loop's mask from registers: every position of every split's blocks (the 64th of a block in the
+    sign bit of its word included) is seen where the mask shows it at or before the new position, in the Triton
+    interpreter."""
+    assert json.loads(run_in_triton_interpreter(_MASK_BITS_SCRIPT)) == [True] * 4
+
+
+def test_mask_blocks_hold_a_splits_blocks_up_to_the_limit(monkeypatch):
+    assert [triton_attention.mask_blocks(b) for b in (1, 3, 4, 5, 64)] == [1, 4, 4, 8, 64]
+    assert triton_attention.mask_blocks(65) == 0  # past MAX_MASK_BLOCKS: a mask load per block
+    monkeypatch.setattr(triton_attention, "MAX_MASK_BLOCKS", 0)
+    assert triton_attention.mask_blocks(1) == 0
 
 
 def test_split_loads_a_blocks_values_with_its_keys():

@@ -222,8 +222,9 @@ def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
     """The folded attention's pipelined loop over the blocks up to the new position gives the block loop's result
-    bit for bit (the same blocks in the same order; the blocks it leaves out add nothing), for new positions at the
-    start, end and middle of a block, in a split's first or later block, with left padding."""
+    (the same blocks in the same order; the blocks it leaves out add nothing), for new positions at the
+    start, end and middle of a block, in a split's first or later block, with left padding (NaN in its cache
+    positions, and past the new position)."""
     from funaudiochat_hf import triton_attention_funaudiochat
 
     generator = torch.Generator().manual_seed(0)
@@ -241,6 +242,8 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
         mask = torch.zeros(batch, cache_len, dtype=torch.bool, device="cuda")
         mask[:, : used + 1] = True
         mask[1:, : min(used, 70)] = False  # left padding, a whole block of it
+        for cache in caches:  # what the padding holds is never read into the result (`MASK_AFTER_LOADS`: selected away)
+            cache.masked_fill_(~mask[:, None, :, None], float("nan"))
         outputs = []
         for pipelined in (True, False):
             monkeypatch.setattr(triton_attention_funaudiochat, "PIPELINED_BLOCKS", pipelined)
@@ -251,8 +254,14 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
             )
             outputs.append((out, keys, values, int(length)))
         (out, keys, values, length), (out_loop, keys_loop, values_loop, length_loop) = outputs
-        assert torch.equal(out, out_loop) and torch.isfinite(out).all(), (batch, cache_len, used)
-        assert torch.equal(keys, keys_loop) and torch.equal(values, values_loop) and length == length_loop == used + 1
+        assert torch.isfinite(out).all(), (batch, cache_len, used)
+        # float32: bit for bit. bfloat16: the pipelined loop's mask comes from registers (`MAX_MASK_BLOCKS`), another
+        # compiled kernel; its products may round once differently (measured on an H200: 1.2e-4 at most).
+        tolerance = 0 if dtype == torch.float32 else 1e-3
+        torch.testing.assert_close(out, out_loop, rtol=0, atol=tolerance, msg=f"{(batch, cache_len, used)}")
+        for cache, cache_loop in ((keys, keys_loop), (values, values_loop)):  # bit for bit, NaN where both are
+            torch.testing.assert_close(cache, cache_loop, rtol=0, atol=0, equal_nan=True)
+        assert length == length_loop == used + 1
 
 
 @torch.library.custom_op("funaudiochat_test::read_and_advance", mutates_args=("length",))

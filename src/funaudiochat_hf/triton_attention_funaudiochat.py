@@ -78,6 +78,16 @@ PROGRAMS_PER_MULTIPROCESSOR = 2
 # 16; every block of the cache pipelined, without the trip count: 1,727 µs). False: the block loop (for comparisons).
 PIPELINED_BLOCKS = True
 PIPELINE_STAGES = 2
+# The pipelined loop takes its blocks' mask from registers: one load of all of the split's mask bytes before the loop
+# (up to MAX_MASK_BLOCKS blocks, one bit per position), so the copies of a block's keys and values, which the mask
+# predicates, wait for no memory read in the loop (Triton issues the mask bytes' load right before the copies they
+# predicate: two dependent round trips per block). Measured on an H200 (BENCHMARKS.md, 2026-12-03 17:15–18:10,
+# compiled decode stacks, 4 interleaved rounds): a CRQ sub-step at 16 rows 1,331 against 1,347 µs, the LLM's 36 layers
+# 4,678 against 4,696; at one row 671 against 674 and 3,964 against 3,964. Reading every position up to the new one
+# and applying the mask after the loads instead (the values selected: a hidden position may hold NaN) was slower:
+# 1,423 against 1,330 and 4,720 against 4,668 at 16 rows (the selected values take a trip through shared memory).
+# 0: a load per block (for comparisons).
+MAX_MASK_BLOCKS = 64
 # Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
 # 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
 # against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
@@ -88,7 +98,9 @@ SPLIT_DEFAULT_NUM_WARPS = 4
 # program takes 138 at 4 warps (sm_90 compile), which lets 3 share a multiprocessor: at batch 16 the 3 splits of 128
 # (row, KV head) pairs fill the GPU once, so more splits (`PROGRAMS_PER_MULTIPROCESSOR`) only queue a second wave
 # (measured no faster, BENCHMARKS.md 2026-12-03 15:05). Capped at 96 (8 bytes spilled; 104 spill none), 5 share a
-# multiprocessor, for 5 splits of fewer blocks each. Not measured on a GPU yet, so none is set.
+# multiprocessor, for 5 splits of fewer blocks each. Measured slower on an H200 (BENCHMARKS.md 2026-12-03 17:15, 16-row
+# compiled stacks, 3 interleaved rounds): a CRQ sub-step 1,389 µs capped at 96 with 4 programs per multiprocessor,
+# 1,345 at 104 with 3, 1,413 at 96 with 2, against 1,338 uncapped; the LLM 4,708–4,761 against 4,663. None is set.
 SPLIT_MAX_REGISTERS: dict[int, int] = {}
 # Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
 # have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
@@ -146,6 +158,33 @@ if triton is not None:
         return n, valid
 
     @triton.jit
+    def _split_mask_bits(
+        mask_row_ptr, split, kv_len, position, stride_mn,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MASK_BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        """`(MASK_BLOCKS,)` int64: bit i of entry j set where the split's j-th block's i-th position is visible (inside
+        the cache, not past the new position, not masked), for the blocks j < SPLIT_BLOCKS (MASK_BLOCKS: a power of
+        two at least SPLIT_BLOCKS; BLOCK_N <= 64). All of the split's mask bytes in one load, before its loop."""
+        split_block = tl.arange(0, MASK_BLOCKS)
+        offset = tl.arange(0, BLOCK_N)
+        n = (split_block[:, None] * NUM_SPLITS + split) * BLOCK_N + offset[None, :]
+        readable = (n < kv_len) & (n <= position) & (split_block < SPLIT_BLOCKS)[:, None]
+        visible = tl.load(mask_row_ptr + n * stride_mn, mask=readable, other=0) != 0
+        # Distinct bits: their sum is their union.
+        return tl.sum(visible.to(tl.int64) << offset.to(tl.int64)[None, :], axis=1)
+
+    @triton.jit
+    def _visible_from_bits(bits, block, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           MASK_BLOCKS: tl.constexpr):  # fmt: skip
+        """`(n, valid)` of the split's `block`-th block, as `_visible_positions`, from `_split_mask_bits`' bits (no
+        load: the copies of the block's keys and values, which `valid` predicates, wait for no memory read in the
+        loop)."""
+        offset = tl.arange(0, BLOCK_N)
+        n = (block * NUM_SPLITS + split) * BLOCK_N + offset
+        word = tl.sum(tl.where(tl.arange(0, MASK_BLOCKS) == block, bits, 0), axis=0)
+        return n, ((word >> offset.to(tl.int64)) & 1) != 0
+
+    @triton.jit
     def _attend_block(
         q, k_base, v_base, n, valid, scaling, stride_kn, stride_kd, stride_vn, stride_vd, d, d_ok,
         row_max, row_sum, acc, PRECISION: tl.constexpr,
@@ -181,7 +220,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
-        PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2,
+        PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2, MASK_BLOCKS: tl.constexpr = 0,
     ):  # fmt: skip
         """PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
@@ -240,10 +279,19 @@ if triton is not None:
         if PIPELINED:
             # The split's blocks among 0 .. position // BLOCK_N (at least 0: split < NUM_SPLITS), software-pipelined.
             blocks = tl.minimum((position // BLOCK_N - split + NUM_SPLITS) // NUM_SPLITS, SPLIT_BLOCKS)
-            for block in tl.range(0, blocks, num_stages=NUM_STAGES):
-                n, valid = _visible_positions(
-                    mask_row_ptr, block, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, HAS_MASK, PREPARE
+            bits = tl.zeros([max(MASK_BLOCKS, 1)], tl.int64)
+            if MASK_BLOCKS > 0:
+                bits = _split_mask_bits(
+                    mask_row_ptr, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
                 )
+            for block in tl.range(0, blocks, num_stages=NUM_STAGES):
+                if MASK_BLOCKS > 0:
+                    n, valid = _visible_from_bits(bits, block, split, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
+                else:
+                    n, valid = _visible_positions(
+                        mask_row_ptr, block, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, HAS_MASK,
+                        PREPARE,
+                    )  # fmt: skip
                 row_max, row_sum, acc = _attend_block(
                     q, k_base, v_base, n, valid, scaling, stride_kn, stride_kd, stride_vn, stride_vd, d, d_ok,
                     row_max, row_sum, acc, PRECISION,
@@ -318,6 +366,13 @@ def programmatic_launch(device: torch.device) -> bool:
     if not PROGRAMMATIC_DEPENDENT_LAUNCH or device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def mask_blocks(split_blocks: int) -> int:
+    """The split kernel's MASK_BLOCKS: the power of two that holds a split's blocks, 0 (a mask load per block) past
+    `MAX_MASK_BLOCKS` blocks or with blocks wider than the 64 bits a block's mask takes."""
+    blocks = triton.next_power_of_2(split_blocks)
+    return blocks if blocks <= MAX_MASK_BLOCKS and BLOCK_N <= 64 else 0
 
 
 def split_warps(batch: int) -> int:
@@ -420,7 +475,8 @@ def launch_decode_attention(
         *query_strides, *key.stride(), *value.stride(), *mask_strides, *prepare_strides,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
-        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES, **split_launch_options(batch),
+        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
+        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, **split_launch_options(batch),
         launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
