@@ -136,7 +136,7 @@ def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     types["length_ptr"] = "*i64"
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
-        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0)
+        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0, EARLY_READS=False)
     return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
@@ -349,6 +349,26 @@ def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blo
     assert bool(loads_between) == (mask_blocks == 0), loads_between
 
 
+@pytest.mark.parametrize("early_reads", [True, False])
+def test_split_early_reads_come_before_the_querys_norm(early_reads):
+    """`SPLIT_EARLY_READS`: the cache length and the split's mask bytes (and every other read that waits only for the
+    previous kernels) are loaded right after the wait, before the query's norm, whose reductions end in barriers that
+    no load crosses; else the length is read after them, and the mask after it."""
+    pytest.importorskip("triton")
+    kernel = triton_attention._split_kernel
+    constexprs = dict(
+        BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
+        PIPELINED=True, MASK_BLOCKS=4, EARLY_READS=early_reads, stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
+    )  # fmt: skip
+    divisible = [name for name in kernel.arg_names if name.startswith("stride_") or name == "kv_len"]
+    lines = _kernel_ptx(kernel, True, divisible=divisible, **constexprs).splitlines()
+    first_barrier = min(i for i, line in enumerate(lines) if "bar.sync" in line)
+    length_load = min(i for i, line in enumerate(lines) if "ld.global.b64" in line)  # the int64 cache length
+    loads_after_barrier = [line for line in lines[first_barrier:] if "ld.global" in line]
+    assert (length_load < first_barrier) == early_reads
+    assert (not loads_after_barrier) == early_reads, loads_after_barrier
+
+
 _MASK_BITS_SCRIPT = """
 import json, torch, triton
 import triton.language as tl
@@ -358,8 +378,8 @@ from funaudiochat_hf import triton_attention_funaudiochat as attention
 def blocks_seen(mask_ptr, out_ptr, kv_len, position, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                 SPLIT_BLOCKS: tl.constexpr, MASK_BLOCKS: tl.constexpr):
     split = tl.program_id(0)
-    bits = attention._split_mask_bits(mask_ptr, split, kv_len, position, 1, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS,
-                                      MASK_BLOCKS)
+    tile = attention._split_mask_tile(mask_ptr, split, kv_len, 1, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS)
+    bits = attention._split_mask_bits(tile, split, position, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
     for block in range(SPLIT_BLOCKS):
         n, valid = attention._visible_from_bits(bits, block, split, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
         tl.store(out_ptr + n, valid.to(tl.int8), mask=n < kv_len)

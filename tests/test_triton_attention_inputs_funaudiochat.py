@@ -136,9 +136,13 @@ _FOLDED_SCRIPT = """
 import json
 from funaudiochat_hf import triton_attention_funaudiochat
 from test_triton_attention_inputs_funaudiochat import folded_case_results
-results = [folded_case_results()]
-triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
-results.append(folded_case_results())
+results = []
+for early_reads in (False, True):  # the split's reads where they are needed, or all right after its wait
+    triton_attention_funaudiochat.SPLIT_EARLY_READS = early_reads
+    triton_attention_funaudiochat.MAX_SPLITS = 64
+    results.append(folded_case_results())
+    triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
+    results.append(folded_case_results())
 print(json.dumps(results))
 """
 
@@ -147,7 +151,8 @@ def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_t
     """`decode_attention_with_inputs`: the attention's split kernel norms and rotates the queries itself, the split
     that reads the new position's block writes the new key and value first, the merge kernel advances the length.
     Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
-    with one block per split and with several (the new position then in a split's later block)."""
+    with one block per split and with several (the new position then in a split's later block), with the split's
+    reads where they are needed and all right after its wait (`SPLIT_EARLY_READS`)."""
     for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
         _assert_folded_results(results, tolerance=1e-6)
 
@@ -203,9 +208,12 @@ def test_cuda_kernel_matches_eager(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("early_reads", [False, True])
 @pytest.mark.parametrize("max_splits", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(dtype, max_splits, monkeypatch):
+def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(
+    dtype, max_splits, early_reads, monkeypatch
+):
     """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
     and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
     float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32). On the GPU the folded
@@ -215,6 +223,7 @@ def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention
 
     if max_splits is not None:
         monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
+    monkeypatch.setattr(triton_attention_funaudiochat, "SPLIT_EARLY_READS", early_reads)
     _assert_folded_results(folded_case_results("cuda", dtype), tolerance=1e-6)
 
 

@@ -88,6 +88,14 @@ PIPELINE_STAGES = 2
 # 1,423 against 1,330 and 4,720 against 4,668 at 16 rows (the selected values take a trip through shared memory).
 # 0: a load per block (for comparisons).
 MAX_MASK_BLOCKS = 64
+# With the attention inputs' work (PREPARE), the split program issues every read that waits only for the previous
+# kernels right after its wait (the cache length, its mask bytes, the new key and value, the norm weights and rotary
+# tables, the query), before any arithmetic. Otherwise the cache length is read after the query's norm (whose
+# reductions end in barriers, which no load crosses), the new key only by the split that writes it once the length is
+# known, and the mask bytes after those: up to four round trips one after the other before a block's first copy.
+# Prepared for the next measurement (a CPU test checks the order in the sm_90 PTX). False: those reads where their
+# values are needed.
+SPLIT_EARLY_READS = False
 # Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
 # 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
 # against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
@@ -122,17 +130,20 @@ def triton_available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _norm_and_rotate(
-        row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, first_half, weight, partner_weight, cos, sin,
-        HEAD_DIM: tl.constexpr, EPS: tl.constexpr,
-    ):  # fmt: skip
-        """`(BLOCK_H, BLOCK_D)`: Qwen3RMSNorm then the rotary embedding of the `heads` of one row of projections,
-        rounded as the eager layer rounds: the norm's output in the model dtype, then times its weight; the rotary's
-        two products and their sum each in the model dtype."""
+    def _load_heads(row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, HEAD_DIM: tl.constexpr):
+        """`(x, x_partner)`, each `(BLOCK_H, BLOCK_D)`: the `heads` of one row of projections, and the same features
+        at the `partner` indices (rotate_half's source)."""
         mask = (heads < NUM_HEADS)[:, None] & d_ok[None, :]
         offsets = heads[:, None] * HEAD_DIM
         x = tl.load(row_ptr + offsets + d[None, :], mask=mask, other=0.0)
-        x_partner = tl.load(row_ptr + offsets + partner[None, :], mask=mask, other=0.0)  # rotate_half's source
+        return x, tl.load(row_ptr + offsets + partner[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _normed_and_rotated(x, x_partner, first_half, weight, partner_weight, cos, sin, HEAD_DIM: tl.constexpr,
+                            EPS: tl.constexpr):  # fmt: skip
+        """Qwen3RMSNorm then the rotary embedding of `_load_heads`' tiles, rounded as the eager layer rounds: the
+        norm's output in the model dtype, then times its weight; the rotary's two products and their sum each in the
+        model dtype."""
         dtype = x.dtype
         x = x.to(tl.float32)
         inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + EPS)[:, None]
@@ -140,6 +151,15 @@ if triton is not None:
         normed_partner = (x_partner.to(tl.float32) * inverse_rms).to(dtype) * partner_weight[None, :]
         rotated = tl.where(first_half[None, :], -normed_partner, normed_partner)
         return normed * cos[None, :] + rotated * sin[None, :]
+
+    @triton.jit
+    def _norm_and_rotate(
+        row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, first_half, weight, partner_weight, cos, sin,
+        HEAD_DIM: tl.constexpr, EPS: tl.constexpr,
+    ):  # fmt: skip
+        """`(BLOCK_H, BLOCK_D)`: `_load_heads` then `_normed_and_rotated`."""
+        x, x_partner = _load_heads(row_ptr, heads, NUM_HEADS, d, d_ok, partner, HEAD_DIM)
+        return _normed_and_rotated(x, x_partner, first_half, weight, partner_weight, cos, sin, HEAD_DIM, EPS)
 
     @triton.jit
     def _visible_positions(
@@ -158,27 +178,34 @@ if triton is not None:
         return n, valid
 
     @triton.jit
-    def _split_mask_bits(
-        mask_row_ptr, split, kv_len, position, stride_mn,
+    def _split_mask_tile(
+        mask_row_ptr, split, kv_len, stride_mn,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MASK_BLOCKS: tl.constexpr,
     ):  # fmt: skip
-        """`(MASK_BLOCKS,)` int64: bit i of entry j set where the split's j-th block's i-th position is visible (inside
-        the cache, not past the new position, not masked), for the blocks j < SPLIT_BLOCKS (MASK_BLOCKS: a power of
-        two at least SPLIT_BLOCKS; BLOCK_N <= 64). All of the split's mask bytes in one load, before its loop."""
+        """`(MASK_BLOCKS, BLOCK_N)` boolean: entry (j, i) the mask at the split's j-th block's i-th position, for the
+        blocks j < SPLIT_BLOCKS inside the cache (MASK_BLOCKS: a power of two at least SPLIT_BLOCKS). All of the
+        split's mask bytes in one load that waits for no other (not for the cache length)."""
         split_block = tl.arange(0, MASK_BLOCKS)
+        n = (split_block[:, None] * NUM_SPLITS + split) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        inside = (n < kv_len) & (split_block < SPLIT_BLOCKS)[:, None]
+        return tl.load(mask_row_ptr + n * stride_mn, mask=inside, other=0) != 0
+
+    @triton.jit
+    def _split_mask_bits(mask_tile, split, position, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         MASK_BLOCKS: tl.constexpr):  # fmt: skip
+        """`(MASK_BLOCKS,)` int64: bit i of entry j set where `_split_mask_tile`'s entry (j, i) is set and the position
+        is not past the new one (`position`; BLOCK_N <= 64)."""
         offset = tl.arange(0, BLOCK_N)
-        n = (split_block[:, None] * NUM_SPLITS + split) * BLOCK_N + offset[None, :]
-        readable = (n < kv_len) & (n <= position) & (split_block < SPLIT_BLOCKS)[:, None]
-        visible = tl.load(mask_row_ptr + n * stride_mn, mask=readable, other=0) != 0
+        n = (tl.arange(0, MASK_BLOCKS)[:, None] * NUM_SPLITS + split) * BLOCK_N + offset[None, :]
+        visible = mask_tile & (n <= position)
         # Distinct bits: their sum is their union.
         return tl.sum(visible.to(tl.int64) << offset.to(tl.int64)[None, :], axis=1)
 
     @triton.jit
     def _visible_from_bits(bits, block, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            MASK_BLOCKS: tl.constexpr):  # fmt: skip
-        """`(n, valid)` of the split's `block`-th block, as `_visible_positions`, from `_split_mask_bits`' bits (no
-        load: the copies of the block's keys and values, which `valid` predicates, wait for no memory read in the
-        loop)."""
+        """`(n, valid)` of the split's `block`-th block, as `_visible_positions`, from `_split_mask_bits` (no load: the
+        copies of the block's keys and values, which `valid` predicates, wait for no memory read in the loop)."""
         offset = tl.arange(0, BLOCK_N)
         n = (block * NUM_SPLITS + split) * BLOCK_N + offset
         word = tl.sum(tl.where(tl.arange(0, MASK_BLOCKS) == block, bits, 0), axis=0)
@@ -221,6 +248,7 @@ if triton is not None:
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
         PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2, MASK_BLOCKS: tl.constexpr = 0,
+        EARLY_READS: tl.constexpr = False,
     ):  # fmt: skip
         """PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
@@ -240,9 +268,30 @@ if triton is not None:
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
         position = 0  # the new position's index (PREPARE)
+        mask_row_ptr = mask_ptr + b * stride_mb
+        mask_tile = tl.zeros([max(MASK_BLOCKS, 1), BLOCK_N], tl.int1)  # PIPELINED with MASK_BLOCKS: the split's mask
         if PREPARE:
             partner = (d + HEAD_DIM // 2) % HEAD_DIM
             first_half = d < HEAD_DIM // 2
+            new_row = tl.arange(0, 2)  # the new key's KV head as the first row of a (2, BLOCK_D) tile
+            new_first = (new_row < 1)[:, None] & d_ok[None, :]
+            new_d = new_row[:, None] * 0 + d[None, :]  # the feature index over that tile
+            if EARLY_READS:
+                # Every read that waits for nothing but the previous kernels, issued at once, before any arithmetic:
+                # the cache length, the split's mask bytes, the new key and value and the key's norm weight (read
+                # by every split, for the one that writes them), then the query's reads below.
+                position = tl.load(length_ptr)
+                if PIPELINED:
+                    if MASK_BLOCKS > 0:
+                        mask_tile = _split_mask_tile(
+                            mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
+                        )
+                new_key, new_key_partner = _load_heads(
+                    new_k_ptr + b * stride_new_k + h * HEAD_DIM, new_row, 1, d, d_ok, partner, HEAD_DIM
+                )
+                k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
+                k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
+                value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + new_d, mask=new_first)
             cos = tl.load(cos_ptr + b * stride_cos + d, mask=d_ok, other=0.0)
             sin = tl.load(sin_ptr + b * stride_sin + d, mask=d_ok, other=0.0)
             q_weight = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)
@@ -251,20 +300,21 @@ if triton is not None:
                 q_ptr + b * stride_qb + h * GROUPS * HEAD_DIM, g, GROUPS, d, d_ok, partner, first_half, q_weight,
                 q_partner_weight, cos, sin, HEAD_DIM, Q_EPS,
             )  # fmt: skip
-            position = tl.load(length_ptr)
+            if not EARLY_READS:
+                position = tl.load(length_ptr)
             if (position // BLOCK_N) % NUM_SPLITS == split:  # the split that reads the new position's block
-                k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
-                k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
-                row = tl.arange(0, 2)  # the KV head as the first row of a (2, BLOCK_D) tile
-                key = _norm_and_rotate(
-                    new_k_ptr + b * stride_new_k + h * HEAD_DIM, row, 1, d, d_ok, partner, first_half, k_weight,
-                    k_partner_weight, cos, sin, HEAD_DIM, K_EPS,
-                )  # fmt: skip
-                first = (row < 1)[:, None] & d_ok[None, :]
-                tile_d = row[:, None] * 0 + d[None, :]  # the feature index over the tile
-                value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + tile_d, mask=first)
-                tl.store(k_base + position * stride_kn + tile_d * stride_kd, key, mask=first)
-                tl.store(v_base + position * stride_vn + tile_d * stride_vd, value, mask=first)
+                if not EARLY_READS:
+                    k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
+                    k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
+                    new_key, new_key_partner = _load_heads(
+                        new_k_ptr + b * stride_new_k + h * HEAD_DIM, new_row, 1, d, d_ok, partner, HEAD_DIM
+                    )
+                    value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + new_d, mask=new_first)
+                key = _normed_and_rotated(
+                    new_key, new_key_partner, first_half, k_weight, k_partner_weight, cos, sin, HEAD_DIM, K_EPS
+                )
+                tl.store(k_base + position * stride_kn + new_d * stride_kd, key, mask=new_first)
+                tl.store(v_base + position * stride_vn + new_d * stride_vd, value, mask=new_first)
                 tl.debug_barrier()  # the block's loads below, by all the program's threads, see the new position
         else:
             q = tl.load(
@@ -275,15 +325,16 @@ if triton is not None:
         row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        mask_row_ptr = mask_ptr + b * stride_mb
         if PIPELINED:
             # The split's blocks among 0 .. position // BLOCK_N (at least 0: split < NUM_SPLITS), software-pipelined.
             blocks = tl.minimum((position // BLOCK_N - split + NUM_SPLITS) // NUM_SPLITS, SPLIT_BLOCKS)
             bits = tl.zeros([max(MASK_BLOCKS, 1)], tl.int64)
             if MASK_BLOCKS > 0:
-                bits = _split_mask_bits(
-                    mask_row_ptr, split, kv_len, position, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
-                )
+                if not EARLY_READS:
+                    mask_tile = _split_mask_tile(
+                        mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
+                    )
+                bits = _split_mask_bits(mask_tile, split, position, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
             for block in tl.range(0, blocks, num_stages=NUM_STAGES):
                 if MASK_BLOCKS > 0:
                     n, valid = _visible_from_bits(bits, block, split, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
@@ -476,7 +527,8 @@ def launch_decode_attention(
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
         **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
-        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, **split_launch_options(batch),
+        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=SPLIT_EARLY_READS,
+        **split_launch_options(batch),
         launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
