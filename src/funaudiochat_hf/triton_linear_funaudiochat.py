@@ -103,6 +103,12 @@ ROWS_NUM_STAGES = 3  # weight tiles in flight in the reduction loop (Triton's de
 # steps, interleaved rounds): a CRQ sub-step 1,376 against 1,391 µs, the LLM's 36 layers 4,684 against 4,694. False:
 # read in the epilogue (for comparisons).
 ROWS_EARLY_RESIDUAL = True
+# The several-row kernel's first input tile is loaded right after the wait, with the norm's loads of the whole rows,
+# and the first norm-weight chunk before the wait, with the weight tiles: in the sm_90 PTX the tile and the norm weight
+# were otherwise read after the norm's reduction, whose barriers no load crosses, one more L2 round trip before the
+# first product of every normed projection (q/k/v and gate/up: 352 kernels per decode step). Prepared for the next
+# measurement (a CPU test checks the order in the PTX). False: read after the reduction.
+ROWS_EARLY_INPUT = False
 ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
@@ -311,6 +317,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
         NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False, EARLY_RESIDUAL: tl.constexpr = False,
+        EARLY_INPUT: tl.constexpr = False,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
@@ -349,8 +356,18 @@ if triton is not None:
         w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
         if GATED:
             w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
+        norm_weight = tl.zeros([BLOCK_K], x_ptr.dtype.element_ty)  # EARLY_INPUT: the first chunk's norm weight
+        if EARLY_INPUT:
+            if HAS_NORM:  # a weight: with the weight tiles
+                norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
         if PDL:
             tl.extra.cuda.gdc_wait()
+        # EARLY_INPUT: the first input tile with the norm's loads below, not after its reduction (whose barriers no
+        # load crosses): one L2 round trip less before the first product.
+        x_first = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)
+        if EARLY_INPUT:
+            x_first = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                              other=0.0)  # fmt: skip
         # EARLY_RESIDUAL: every program fetches its residual tile (an earlier kernel's output) now, with x, so the
         # epilogue of the tile's last program does not wait for one more L2 round trip.
         residual = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
@@ -368,7 +385,14 @@ if triton is not None:
                              other=0.0).to(tl.float32)  # fmt: skip
                 squares += xs * xs
             inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + EPS)[:, None]
-        x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
+        if EARLY_INPUT:
+            x = x_first
+            if HAS_NORM:
+                x = (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
+        else:
+            x = _rows_input_tile(
+                x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K
+            )
         acc = _rows_dot(x, w, _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, PRECISION)
         acc_up = _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         if GATED:
@@ -545,7 +569,8 @@ def _launch_rows_tile(
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
-        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, num_warps=num_warps,
+        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, EARLY_INPUT=ROWS_EARLY_INPUT,
+        num_warps=num_warps,
         launch_pdl=pdl,
     )  # fmt: skip
     return out
