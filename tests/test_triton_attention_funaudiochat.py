@@ -190,26 +190,6 @@ def test_split_kernel_warps_follow_the_batch_size(monkeypatch):
     assert triton_attention.split_warps(1) == triton_attention.SPLIT_DEFAULT_NUM_WARPS == 4
 
 
-def test_split_kernel_register_cap_follows_the_batch_size(monkeypatch):
-    """`SPLIT_MAX_REGISTERS` caps the split kernel's registers at the batch sizes it names (so that more split programs
-    share a multiprocessor), passed to Triton as `maxnreg` (ptxas's register limit); other batch sizes launch without."""
-    pytest.importorskip("triton")
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs.get("maxnreg"))
-
-    monkeypatch.setattr(triton_attention, "_split_kernel", Recorder())
-    monkeypatch.setattr(triton_attention, "_combine_kernel", Recorder())
-    monkeypatch.setattr(triton_attention, "SPLIT_MAX_REGISTERS", {16: 96})
-    for batch in (1, 16):
-        query, key, value, _ = _case_tensors(batch, 4, 2, 70, 16, None)
-        triton_attention.launch_decode_attention(query, key, value, None, 0.25)
-    assert launches == [None, None, 96, None]  # (split, merge) at batch 1, then at batch 16
-    assert triton_attention.split_launch_options(16) == {"num_warps": 4, "maxnreg": 96}
-
-
 def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
     """On CPU (and for float masks or several query positions) the function is `gqa_decode_attention`, bit for bit."""
     query, key, value, mask = _case_tensors(3, 4, 2, 70, 64, "padding")

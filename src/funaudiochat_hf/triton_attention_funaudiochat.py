@@ -102,14 +102,6 @@ SPLIT_EARLY_READS = False
 # 1,576 against 1,474 and 4,974 against 4,779 (slower).
 SPLIT_NUM_WARPS = {1: 8}
 SPLIT_DEFAULT_NUM_WARPS = 4
-# Registers per thread the split kernel may use, by batch size (absent: the compiler's choice). The decode step's split
-# program takes 138 at 4 warps (sm_90 compile), which lets 3 share a multiprocessor: at batch 16 the 3 splits of 128
-# (row, KV head) pairs fill the GPU once, so more splits (`PROGRAMS_PER_MULTIPROCESSOR`) only queue a second wave
-# (measured no faster, BENCHMARKS.md 2026-12-03 15:05). Capped at 96 (8 bytes spilled; 104 spill none), 5 share a
-# multiprocessor, for 5 splits of fewer blocks each. Measured slower on an H200 (BENCHMARKS.md 2026-12-03 17:15, 16-row
-# compiled stacks, 3 interleaved rounds): a CRQ sub-step 1,389 µs capped at 96 with 4 programs per multiprocessor,
-# 1,345 at 104 with 3, 1,413 at 96 with 2, against 1,338 uncapped; the LLM 4,708–4,761 against 4,663. None is set.
-SPLIT_MAX_REGISTERS: dict[int, int] = {}
 # Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
 # have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
 # what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
@@ -431,15 +423,6 @@ def split_warps(batch: int) -> int:
     return SPLIT_NUM_WARPS.get(batch, SPLIT_DEFAULT_NUM_WARPS)
 
 
-def split_launch_options(batch: int) -> dict:
-    """The split kernel's launch options at this batch size: its warps (`split_warps`) and, where
-    `SPLIT_MAX_REGISTERS` names the batch size, its register cap."""
-    options = {"num_warps": split_warps(batch)}
-    if batch in SPLIT_MAX_REGISTERS:
-        options["maxnreg"] = SPLIT_MAX_REGISTERS[batch]
-    return options
-
-
 def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
     """`(splits, blocks per split)`: about `PROGRAMS_PER_MULTIPROCESSOR` programs per multiprocessor, at least one
     block per split."""
@@ -528,8 +511,7 @@ def launch_decode_attention(
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
         **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
         MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=SPLIT_EARLY_READS,
-        **split_launch_options(batch),
-        launch_pdl=pdl,
+        num_warps=split_warps(batch), launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
         part_acc, part_max, part_sum, out, part_max if inputs is None else inputs.length,
