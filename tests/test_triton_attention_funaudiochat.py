@@ -150,8 +150,9 @@ def test_programmatic_launch_waits_before_reading(pdl):
         (triton_attention._split_kernel, {**split, "PREPARE": False}),
         (triton_attention._split_kernel, {**split, "PREPARE": True}),  # with the attention inputs' work
         (triton_attention._split_kernel, {**split, "PREPARE": True, "PIPELINED": True}),
-        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": False}),
-        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": False, "EARLY_READS": False}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True, "EARLY_READS": False}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True, "EARLY_READS": True}),
     ]:
         assert_waits_before_reading(_kernel_ptx(kernel, pdl, **constexprs), pdl)
 
@@ -331,7 +332,7 @@ def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blo
 
 @pytest.mark.parametrize("early_reads", [True, False])
 def test_split_early_reads_come_before_the_querys_norm(early_reads):
-    """`SPLIT_EARLY_READS`: the cache length and the split's mask bytes (and every other read that waits only for the
+    """`EARLY_READS`: the cache length and the split's mask bytes (and every other read that waits only for the
     previous kernels) are loaded right after the wait, before the query's norm, whose reductions end in barriers that
     no load crosses; else the length is read after them, and the mask after it."""
     pytest.importorskip("triton")
@@ -347,6 +348,22 @@ def test_split_early_reads_come_before_the_querys_norm(early_reads):
     loads_after_barrier = [line for line in lines[first_barrier:] if "ld.global" in line]
     assert (length_load < first_barrier) == early_reads
     assert (not loads_after_barrier) == early_reads, loads_after_barrier
+
+
+@pytest.mark.parametrize("early_reads", [True, False])
+def test_merge_early_reads_come_before_its_reductions(early_reads):
+    """`EARLY_READS`: the merge program loads its partial sums with the maxima and sums, before their reductions, and
+    advances the cache length after its output's store; else the length's load (which its store waits for) comes
+    first and the partial sums after the reductions (sm_90 PTX)."""
+    pytest.importorskip("triton")
+    lines = _kernel_ptx(triton_attention._combine_kernel, True, BLOCK_S=4, NUM_SPLITS=3, ADVANCE=True,
+                        EARLY_READS=early_reads).splitlines()  # fmt: skip
+    first_reduction = min(i for i, line in enumerate(lines) if "shfl.sync" in line or "bar.sync" in line)
+    length_load = min(i for i, line in enumerate(lines) if "ld.global.b64" in line)
+    output_store = min(i for i, line in enumerate(lines) if "st.global.b16" in line)
+    late_loads = [line for line in lines[first_reduction:] if "ld.global" in line and "b64" not in line]
+    assert (not late_loads) == early_reads, late_loads
+    assert (length_load > output_store) == early_reads
 
 
 _MASK_BITS_SCRIPT = """

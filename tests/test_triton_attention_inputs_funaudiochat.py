@@ -138,7 +138,7 @@ from funaudiochat_hf import triton_attention_funaudiochat
 from test_triton_attention_inputs_funaudiochat import folded_case_results
 results = []
 for early_reads in (False, True):  # the split's reads where they are needed, or all right after its wait
-    triton_attention_funaudiochat.SPLIT_EARLY_READS = early_reads
+    triton_attention_funaudiochat.EARLY_READS = early_reads
     triton_attention_funaudiochat.MAX_SPLITS = 64
     results.append(folded_case_results())
     triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
@@ -152,7 +152,7 @@ def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_t
     that reads the new position's block writes the new key and value first, the merge kernel advances the length.
     Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
     with one block per split and with several (the new position then in a split's later block), with the split's
-    reads where they are needed and all right after its wait (`SPLIT_EARLY_READS`)."""
+    reads where they are needed and all right after its wait (`EARLY_READS`)."""
     for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
         _assert_folded_results(results, tolerance=1e-6)
 
@@ -223,7 +223,7 @@ def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention
 
     if max_splits is not None:
         monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
-    monkeypatch.setattr(triton_attention_funaudiochat, "SPLIT_EARLY_READS", early_reads)
+    monkeypatch.setattr(triton_attention_funaudiochat, "EARLY_READS", early_reads)
     _assert_folded_results(folded_case_results("cuda", dtype), tolerance=1e-6)
 
 

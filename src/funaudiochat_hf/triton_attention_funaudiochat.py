@@ -88,14 +88,15 @@ PIPELINE_STAGES = 2
 # 1,423 against 1,330 and 4,720 against 4,668 at 16 rows (the selected values take a trip through shared memory).
 # 0: a load per block (for comparisons).
 MAX_MASK_BLOCKS = 64
-# With the attention inputs' work (PREPARE), the split program issues every read that waits only for the previous
-# kernels right after its wait (the cache length, its mask bytes, the new key and value, the norm weights and rotary
-# tables, the query), before any arithmetic. Otherwise the cache length is read after the query's norm (whose
-# reductions end in barriers, which no load crosses), the new key only by the split that writes it once the length is
-# known, and the mask bytes after those: up to four round trips one after the other before a block's first copy.
-# Prepared for the next measurement (a CPU test checks the order in the sm_90 PTX). False: those reads where their
-# values are needed.
-SPLIT_EARLY_READS = False
+# Both kernels issue every read that waits only for the previous kernels right after their wait, before any
+# arithmetic. The split program (with the attention inputs' work, PREPARE): the cache length, its mask bytes, the new
+# key and value, the norm weights and rotary tables, the query; otherwise the length is read after the query's norm
+# (whose reductions end in barriers, which no load crosses), the new key only by the split that writes it once the
+# length is known, and the mask bytes after those: up to four round trips one after the other before a block's first
+# copy. The merge: its partial sums with the maxima and sums, the length advanced last; otherwise three round trips.
+# Prepared for the next measurement (CPU tests check the order in the sm_90 PTX). False: the reads where their values
+# are needed.
+EARLY_READS = False
 # Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
 # 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
 # against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
@@ -363,16 +364,18 @@ if triton is not None:
         stride_ob, stride_oh, stride_od,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        PDL: tl.constexpr, ADVANCE: tl.constexpr,
+        PDL: tl.constexpr, ADVANCE: tl.constexpr, EARLY_READS: tl.constexpr = False,
     ):  # fmt: skip
         """ADVANCE: the split kernel wrote the cache at `*length_ptr` (PREPARE): advance it, now that every split
-        has read it."""
+        has read it. EARLY_READS: the partial sums with the maxima and sums, the length advanced last (else the
+        length's load, which its store waits for, comes first, and the partial sums after the maxima's reductions:
+        three round trips one after the other)."""
         if PDL:  # wait for the split kernel, then let the next kernel (o_proj) start fetching its weights
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         batch_head = tl.program_id(0)
         g = tl.program_id(1)
-        if ADVANCE:
+        if ADVANCE and not EARLY_READS:
             if batch_head + g == 0:
                 tl.store(length_ptr, tl.load(length_ptr) + 1)
         b = batch_head // KV_HEADS
@@ -383,14 +386,21 @@ if triton is not None:
         part = (batch_head * NUM_SPLITS + s) * BLOCK_G + g
         split_max = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
         split_sum = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+        acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        if EARLY_READS:  # with the maxima and sums, not after their reductions (whose barriers no load crosses)
+            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
         head_max = tl.max(split_max, axis=0)
         # Splits that saw nothing have max -inf: weight 0. If no split saw anything, keep the weights finite.
         head_max = tl.where(head_max == float("-inf"), 0.0, head_max)
         weight = tl.exp(split_max - head_max)
         total = tl.sum(weight * split_sum, axis=0)
-        acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        if not EARLY_READS:
+            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
         out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b * stride_ob + (h * GROUPS + g) * stride_oh + d * stride_od, out, mask=d < HEAD_DIM)
+        if ADVANCE and EARLY_READS:  # last: its store waits for the length's load
+            if batch_head + g == 0:
+                tl.store(length_ptr, tl.load(length_ptr) + 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -510,7 +520,7 @@ def launch_decode_attention(
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
         **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
-        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=SPLIT_EARLY_READS,
+        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=EARLY_READS,
         num_warps=split_warps(batch), launch_pdl=pdl,
     )  # fmt: skip
     _combine_kernel[(batch * kv_heads, groups)](
@@ -518,7 +528,7 @@ def launch_decode_attention(
         out.stride(0), out.stride(2), out.stride(3),
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, ADVANCE=inputs is not None,
-        launch_pdl=pdl,
+        EARLY_READS=EARLY_READS, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
