@@ -136,7 +136,7 @@ counters = torch.zeros(8, dtype=torch.int32)
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps[, stages, swap_ab]): one split; two; four (with a split past the reduction's end
 # for K = 96); the products as w @ x^T (SWAP_AB) unsplit and split, with other pipeline depths.
 TILES = [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4), (32, 32, 1, 4, 2, True), (16, 16, 2, 4, 4, True)]
-for early_input, tile in [(False, tile) for tile in TILES] + [(True, tile) for tile in TILES[:3]]:
+for early_input, tile in [(False, tile) for tile in TILES] + [(True, TILES[i]) for i in (0, 2, 3)]:
     triton_linear.ROWS_EARLY_INPUT = early_input
     for case in ROWS_CASES:
         triton_linear.ROWS_TUNED_TILES = {(case[1], case[2], case[6]): tile}
