@@ -516,6 +516,14 @@ def test_gemv_reads_its_norm_weight_before_waiting_and_its_residual_with_its_inp
         assert not [lines[i] for i in loads if i > release]
 
 
+def _rows_kernel_ptx(constexprs: dict) -> list[str]:
+    """The several-row kernel's sm_90 PTX lines at 8 warps, bfloat16 tensors (float32 partials, int32 counters)."""
+    names = triton_linear._decode_rows_kernel.arg_names
+    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    types.update(partials_ptr="*fp32", counters_ptr="*i32")
+    return hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_waiting(split_k):
     """The several-row kernel as a programmatic dependent launch (sm_90 PTX): its first weight tiles (gate and up) are
@@ -526,10 +534,7 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
                       NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False,
                       EARLY_RESIDUAL=True, EARLY_INPUT=False)  # fmt: skip
-    names = triton_linear._decode_rows_kernel.arg_names
-    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
-    types.update(partials_ptr="*fp32", counters_ptr="*i32")
-    lines = hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+    lines = _rows_kernel_ptx(constexprs)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
     early = [line for line in lines[:wait] if "ld.global" in line]
@@ -547,16 +552,13 @@ def test_rows_kernel_fetches_its_residual_before_counting_in():
     `griddepcontrol.wait` and before the atomic that counts it in, so the tile's last program has one read fewer left
     after the atomic (sm_90 PTX; a CRQ sub-step at 16 rows 1,376 against 1,391 µs on an H200)."""
     pytest.importorskip("triton")
-    names = triton_linear._decode_rows_kernel.arg_names
-    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
-    types.update(partials_ptr="*fp32", counters_ptr="*i32")
     reads_after_atomic = {}
     for early in (True, False):
         constexprs = dict(N=1024, K=2048, EPS=1e-6, HAS_BIAS=False, HAS_NORM=False, HAS_RESIDUAL=True, GATED=False,
                           BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, K_SPLIT=256, PRECISION="tf32",
                           NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=2, SWAP_AB=False,
                           EARLY_RESIDUAL=early, EARLY_INPUT=False)  # fmt: skip
-        lines = hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+        lines = _rows_kernel_ptx(constexprs)
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         atomic = next(i for i, line in enumerate(lines) if "atom." in line)
         assert wait < atomic
@@ -575,10 +577,7 @@ def test_rows_kernel_reads_its_first_input_tile_with_the_norms_loads(early_input
                       BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=4, K_SPLIT=256, PRECISION="tf32",
                       NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=4, SWAP_AB=False,
                       EARLY_RESIDUAL=True, EARLY_INPUT=early_input)  # fmt: skip
-    names = triton_linear._decode_rows_kernel.arg_names
-    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
-    types.update(partials_ptr="*fp32", counters_ptr="*i32")
-    lines = hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+    lines = _rows_kernel_ptx(constexprs)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     reduction = next(i for i, line in enumerate(lines) if "bar.sync" in line and i > wait)
     first_product = next(i for i, line in enumerate(lines) if "mma" in line)

@@ -155,6 +155,17 @@ if triton is not None:
         return _normed_and_rotated(x, x_partner, first_half, weight, partner_weight, cos, sin, HEAD_DIM, EPS)
 
     @triton.jit
+    def _load_new_key_and_value(new_k_ptr, new_v_ptr, k_norm_ptr, row, d, d_ok, partner, new_d, new_first,
+                                HEAD_DIM: tl.constexpr):  # fmt: skip
+        """`(key, key_partner, k_weight, k_partner_weight, value)`: a KV head's new key (`_load_heads`' tiles, `row`
+        the `(2,)` tile rows, the head in the first), the k norm's weight at `d` and at `partner`, and its new value
+        `(2, BLOCK_D)` (first row)."""
+        key, key_partner = _load_heads(new_k_ptr, row, 1, d, d_ok, partner, HEAD_DIM)
+        k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
+        k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
+        return key, key_partner, k_weight, k_partner_weight, tl.load(new_v_ptr + new_d, mask=new_first)
+
+    @triton.jit
     def _visible_positions(
         mask_row_ptr, block, split, kv_len, position, stride_mn,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PREPARE: tl.constexpr,
@@ -269,6 +280,8 @@ if triton is not None:
             new_row = tl.arange(0, 2)  # the new key's KV head as the first row of a (2, BLOCK_D) tile
             new_first = (new_row < 1)[:, None] & d_ok[None, :]
             new_d = new_row[:, None] * 0 + d[None, :]  # the feature index over that tile
+            new_k_row = new_k_ptr + b * stride_new_k + h * HEAD_DIM  # this KV head's new key and value
+            new_v_row = new_v_ptr + b * stride_new_v + h * HEAD_DIM
             if EARLY_READS:
                 # Every read that waits for nothing but the previous kernels, issued at once, before any arithmetic:
                 # the cache length, the split's mask bytes, the new key and value and the key's norm weight (read
@@ -279,12 +292,9 @@ if triton is not None:
                         mask_tile = _split_mask_tile(
                             mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
                         )
-                new_key, new_key_partner = _load_heads(
-                    new_k_ptr + b * stride_new_k + h * HEAD_DIM, new_row, 1, d, d_ok, partner, HEAD_DIM
+                new_key, new_key_partner, k_weight, k_partner_weight, value = _load_new_key_and_value(
+                    new_k_row, new_v_row, k_norm_ptr, new_row, d, d_ok, partner, new_d, new_first, HEAD_DIM
                 )
-                k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
-                k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
-                value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + new_d, mask=new_first)
             cos = tl.load(cos_ptr + b * stride_cos + d, mask=d_ok, other=0.0)
             sin = tl.load(sin_ptr + b * stride_sin + d, mask=d_ok, other=0.0)
             q_weight = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)
@@ -297,12 +307,9 @@ if triton is not None:
                 position = tl.load(length_ptr)
             if (position // BLOCK_N) % NUM_SPLITS == split:  # the split that reads the new position's block
                 if not EARLY_READS:
-                    k_weight = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
-                    k_partner_weight = tl.load(k_norm_ptr + partner, mask=d_ok, other=0.0)
-                    new_key, new_key_partner = _load_heads(
-                        new_k_ptr + b * stride_new_k + h * HEAD_DIM, new_row, 1, d, d_ok, partner, HEAD_DIM
+                    new_key, new_key_partner, k_weight, k_partner_weight, value = _load_new_key_and_value(
+                        new_k_row, new_v_row, k_norm_ptr, new_row, d, d_ok, partner, new_d, new_first, HEAD_DIM
                     )
-                    value = tl.load(new_v_ptr + b * stride_new_v + h * HEAD_DIM + new_d, mask=new_first)
                 key = _normed_and_rotated(
                     new_key, new_key_partner, first_half, k_weight, k_partner_weight, cos, sin, HEAD_DIM, K_EPS
                 )

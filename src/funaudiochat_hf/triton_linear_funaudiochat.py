@@ -255,13 +255,27 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(1) * stride_out + col, out.to(dtype), mask=col_ok)
 
     @triton.jit
+    def _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x):
+        """The `(BLOCK_M, BLOCK_K)` input tile of rows `row` and reduction indices `k`, as stored."""
+        return tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+    @triton.jit
+    def _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K: tl.constexpr):
+        """The `(BLOCK_K,)` chunk `k` of the norm's weight."""
+        return tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
+
+    @triton.jit
+    def _rows_normed(x, norm_weight, inverse_rms):
+        """An input tile normed as Qwen3RMSNorm: rounded to the model dtype, times its weight."""
+        return (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
+
+    @triton.jit
     def _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x,
                          HAS_NORM: tl.constexpr, MASK_K: tl.constexpr):  # fmt: skip
-        """The `(BLOCK_M, BLOCK_K)` input tile, normed as Qwen3RMSNorm: rounded to the model dtype, times its weight."""
-        x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        """The `(BLOCK_M, BLOCK_K)` input tile, normed (HAS_NORM) by `_rows_normed`."""
+        x = _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x)
         if HAS_NORM:
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
-            x = (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
+            x = _rows_normed(x, _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K), inverse_rms)
         return x
 
     @triton.jit
@@ -359,15 +373,14 @@ if triton is not None:
         norm_weight = tl.zeros([BLOCK_K], x_ptr.dtype.element_ty)  # EARLY_INPUT: the first chunk's norm weight
         if EARLY_INPUT:
             if HAS_NORM:  # a weight: with the weight tiles
-                norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
+                norm_weight = _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
         # EARLY_INPUT: the first input tile with the norm's loads below, not after its reduction (whose barriers no
         # load crosses): one L2 round trip less before the first product.
         x_first = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)
         if EARLY_INPUT:
-            x_first = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                              other=0.0)  # fmt: skip
+            x_first = _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x)
         # EARLY_RESIDUAL: every program fetches its residual tile (an earlier kernel's output) now, with x, so the
         # epilogue of the tile's last program does not wait for one more L2 round trip.
         residual = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
@@ -388,7 +401,7 @@ if triton is not None:
         if EARLY_INPUT:
             x = x_first
             if HAS_NORM:
-                x = (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
+                x = _rows_normed(x, norm_weight, inverse_rms)
         else:
             x = _rows_input_tile(
                 x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K
