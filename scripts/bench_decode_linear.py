@@ -159,7 +159,7 @@ def _decode_stack_steps(rows: int, split_k_counters: bool = False):
             projections = with_decode_kernels(fused_crq_projections(stack))
         step_kwargs = {}
         if split_k_counters:
-            step_kwargs["split_k_counters"] = triton_linear.split_k_counters_for(stack_config, "cuda")
+            step_kwargs["split_k_counters"] = triton_linear.split_k_counters_for(stack_config, "cuda", rows)
         cache, mask, x, positions = _prefilled_decode_inputs(stack, rows, cache_length, written)
         stack.config._attn_implementation = attention
         yield stack_name, _replayable_step(step, stack, projections, x, mask, positions, cache, written, **step_kwargs)

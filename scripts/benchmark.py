@@ -653,19 +653,54 @@ def chat_step_row(model, bandwidth: dict, mode: str, batch: int, args: argparse.
 def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     """ms per LLM step of each `--compare` variant (generate_speech keyword arguments over the run's own), measured
     side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
-    what such a run reports; a lone step time drifts by ±0.1-0.3 ms between runs on an H200)."""
+    what such a run reports; a lone step time drifts by ±0.1-0.3 ms between runs on an H200). A variant's `"set"`
+    (a list of `MODULE.NAME=VALUE`, as `--set`) holds only while it is measured ([`variant_settings`])."""
     inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
     short, long = step_counts(mode, args)
-    variants = [{"kwargs": kwargs, "ms_per_step": [], "notes": []} for kwargs in args.compare]
+    variants = [
+        {"kwargs": {k: v for k, v in spec.items() if k != "set"}, "set": list(spec.get("set", [])), "ms_per_step": [],
+         "notes": []}
+        for spec in args.compare
+    ]  # fmt: skip
+    any_settings = any(variant["set"] for variant in variants)
     for round_index in range(args.compare_rounds):
         for variant in variants:
-            m = measure_step_time(model, inputs, mode, args, args.device, short, long, **variant["kwargs"])
+            with variant_settings(model, variant["set"], drop_graphs=any_settings):
+                m = measure_step_time(model, inputs, mode, args, args.device, short, long, **variant["kwargs"])
             variant["ms_per_step"].append(m["ms_per_step"])
             variant["notes"] = sorted(set(variant["notes"]) | set(m["notes"]))
-            log(f"  round {round_index + 1}: {json.dumps(variant['kwargs'])} {m['ms_per_step']:.3f} ms/step")
+            log(f"  round {round_index + 1}: {variant_label(variant)} {m['ms_per_step']:.3f} ms/step")
     for variant in variants:
         variant["median_ms"] = statistics.median(variant["ms_per_step"])
     return {"mode": mode, "batch": batch, "rounds": args.compare_rounds, "variants": variants}
+
+
+@contextlib.contextmanager
+def variant_settings(model, settings: list[str], drop_graphs: bool):
+    """`settings` (`MODULE.NAME=VALUE`, as `--set`) applied while the block runs, the old values restored after it.
+    `drop_graphs`: the model's cached decode workspaces are dropped before and after, so that the block records its
+    own CUDA graphs of the step (with `step_graph`, the default in a compiled loop; a constant read when a kernel is
+    launched is otherwise baked into the graph recorded first)."""
+    from funaudiochat_hf import generation_funaudiochat
+
+    parsed = [parse_setting(setting) for setting in settings]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in parsed]
+    if drop_graphs:
+        generation_funaudiochat._WORKSPACES.pop(model, None)
+    for module, name, value in parsed:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(originals):
+            setattr(module, name, value)
+        if drop_graphs:
+            generation_funaudiochat._WORKSPACES.pop(model, None)
+
+
+def variant_label(variant: dict) -> str:
+    """A `--compare` variant as its JSON: the generate_speech kwargs, with its `"set"` if it has one."""
+    return json.dumps({**variant["kwargs"], **({"set": variant["set"]} if variant.get("set") else {})})
 
 
 def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_ms: float | None) -> dict:
@@ -1139,7 +1174,7 @@ def render_compare(data: dict) -> str:
         first = r["variants"][0]["median_ms"]
         rows = [
             [
-                f"`{json.dumps(v['kwargs'])}`",
+                f"`{variant_label(v)}`",
                 fmt(v["median_ms"], 3),
                 fmt(v["median_ms"] / first, 3) + "×",
                 ", ".join(fmt(ms, 3) for ms in v["ms_per_step"]),
@@ -1455,8 +1490,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compare", nargs="+", default=None, metavar="JSON",
         help="measure only chat variants, side by side: each a JSON object of generate_speech keyword arguments\n"
              "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size. In one\n"
-             "process, variants whose compiled steps are the same graphs replay the first one's CUDA graphs:\n"
-             "compare a setting read only when a kernel is launched (a module constant) in separate runs",
+             "process, variants whose compiled steps are the same graphs replay the first one's CUDA graphs: a\n"
+             "module constant read only when a kernel is launched goes in the variant's \"set\" (a list of --set\n"
+             "settings, e.g. '{\"set\": [\"triton_text_head_funaudiochat.NUM_WARPS=2\"]}'), which records each\n"
+             "variant's own step graphs (step_graph, the compiled default)",
     )
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (medians reported)")
     p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
@@ -1469,6 +1506,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--compare takes JSON objects of generate_speech keyword arguments: {error}")
         if not all(isinstance(kwargs, dict) for kwargs in args.compare) or args.compare_rounds < 1:
             p.error("--compare takes JSON objects (e.g. '{\"text_head\": \"torch\"}') and --compare-rounds >= 1")
+        try:
+            for kwargs in args.compare:
+                for setting in kwargs.get("set", []):
+                    parse_setting(setting)
+        except (ValueError, AttributeError, TypeError) as error:
+            p.error(f"--compare: a variant's \"set\" takes a list of MODULE.NAME=VALUE settings: {error}")
     # --tiny runs on a CPU in well under a minute: shorter audio and fewer repetitions (numbers are meaningless there).
     defaults = {
         "repeats": (3, 1),

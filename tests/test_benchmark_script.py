@@ -304,6 +304,35 @@ def test_set_changes_a_package_constant_for_the_run(monkeypatch, tmp_path):
     assert bad.returncode == 2 and "has no NO_SUCH" in bad.stdout + bad.stderr
 
 
+def test_compare_variant_settings_hold_only_while_it_is_measured(monkeypatch):
+    """A `--compare` variant's `"set"`: its constants hold while it is measured and are restored after (also when the
+    measurement fails), and the model's cached decode workspaces are dropped around it, so that it records CUDA graphs
+    of its own instead of replaying another variant's; a malformed setting is refused before anything runs."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark
+    from funaudiochat_hf import generation_funaudiochat
+    from funaudiochat_hf import triton_text_head_funaudiochat as text_head
+
+    monkeypatch.setattr(text_head, "NUM_WARPS", 4)
+    model = torch.nn.Linear(1, 1)
+    generation_funaudiochat._WORKSPACES[model] = "recorded graphs"
+    with pytest.raises(RuntimeError, match="measurement failed"):
+        with benchmark.variant_settings(model, ["triton_text_head_funaudiochat.NUM_WARPS=2"], drop_graphs=True):
+            assert text_head.NUM_WARPS == 2 and model not in generation_funaudiochat._WORKSPACES
+            generation_funaudiochat._WORKSPACES[model] = "this variant's graphs"
+            raise RuntimeError("measurement failed")
+    assert text_head.NUM_WARPS == 4 and model not in generation_funaudiochat._WORKSPACES
+    generation_funaudiochat._WORKSPACES[model] = "kept"
+    with benchmark.variant_settings(model, [], drop_graphs=False):
+        pass
+    assert generation_funaudiochat._WORKSPACES.pop(model) == "kept"
+    variant = '{"text_head": "triton", "set": ["triton_text_head_funaudiochat.NUM_WARPS=1"]}'
+    args = benchmark.parse_args(["--compare", "{}", variant])
+    assert args.compare[1]["set"] == ["triton_text_head_funaudiochat.NUM_WARPS=1"]
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--compare", '{"set": ["triton_text_head_funaudiochat.NO_SUCH=1"]}'])
+
+
 def test_compare_measures_variants_side_by_side(tmp_path):
     """`--compare`: only the chat variants, every round measuring each in turn, per batch size; their medians in the
     JSON and one markdown table per batch; a malformed variant is refused before anything runs."""

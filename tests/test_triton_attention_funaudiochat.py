@@ -133,10 +133,11 @@ def test_used_cache_prefix_is_shared_by_all_splits():
 def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     types = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
     types.update(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", mask_ptr="*i1", scaling="fp32")
-    types["length_ptr"] = "*i64"
+    types.update(length_ptr="*i64", counters_ptr="*i32")
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
-        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0, EARLY_READS=False)
+        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0, EARLY_READS=False,
+                      MERGE=False, BLOCK_S=1)  # fmt: skip
     return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
@@ -328,6 +329,39 @@ def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blo
     next_copy = min(i for i, line in enumerate(lines) if "cp.async.cg" in line and i > last_product)
     loads_between = [line for line in lines[last_product:next_copy] if "ld.global" in line]
     assert bool(loads_between) == (mask_blocks == 0), loads_between
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_last_split_counts_in_after_a_barrier_and_merges(prepare):
+    """MERGE (`LAST_SPLIT_MERGES`, sm_90 PTX): all threads' partial stores are behind a barrier before the
+    acquire-release atomic that counts the split in; with the attention inputs' work (PREPARE) a second one counts
+    the finished heads (for the length's advance), issued before the merge's loads of the other splits' partials,
+    which bypass L1 (`.cg`: stored by other programs of the same grid)."""
+    pytest.importorskip("triton")
+    kernel = triton_attention._split_kernel
+    constexprs = dict(
+        BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=prepare,
+        PIPELINED=prepare, MASK_BLOCKS=4 if prepare else 0, EARLY_READS=True, MERGE=True, BLOCK_S=8,
+    )  # fmt: skip
+    lines = _kernel_ptx(kernel, True, **constexprs).splitlines()
+    atomics = [i for i, line in enumerate(lines) if "atom." in line]
+    assert len(atomics) == (2 if prepare else 1), [lines[i] for i in atomics]
+    assert all("acq_rel" in lines[i] and ".gpu" in lines[i] for i in atomics)
+    partial_stores = [i for i, line in enumerate(lines) if "st.global" in line and i < atomics[0]]
+    assert partial_stores and any("bar.sync" in line for line in lines[partial_stores[-1] : atomics[0]])
+    merge_loads = [line for line in lines[atomics[-1] :] if "ld.global" in line]
+    assert merge_loads and all(".cg" in line for line in merge_loads), merge_loads
+    assert not [line for line in lines[atomics[0] : atomics[-1]] if "ld.global" in line]
+
+
+def test_counters_too_small_for_the_heads_are_refused():
+    """`launch_decode_attention(counters=...)` needs one int32 per (row, KV head) and one more: a clear error before
+    any launch, not a kernel writing past the tensor."""
+    pytest.importorskip("triton")
+    query, key, value = torch.zeros(2, 4, 1, 16), torch.zeros(2, 2, 64, 16), torch.zeros(2, 2, 64, 16)
+    for counters in (torch.zeros(4, dtype=torch.int32), torch.zeros(5, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="5 or more int32 zeros"):
+            triton_attention.launch_decode_attention(query, key, value, None, 0.25, counters=counters)
 
 
 @pytest.mark.parametrize("early_reads", [True, False])

@@ -80,9 +80,10 @@ def test_kernel_matches_eager_norms_rotary_and_cache_update_in_the_triton_interp
 # split's block, two left-padded rows with head_dim not a power of two, an empty one-block cache.
 FOLDED_CASES = [(1, 16, 8, 128, 640, 200), (2, 4, 2, 24, 200, 70), (1, 6, 2, 32, 64, 0)]
 
-def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[dict]:
+def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32, counters: bool = False) -> list[dict]:
     """Each of `FOLDED_CASES` through `decode_attention_with_inputs` and through the attention-inputs kernel followed
-    by the attention's kernels: how far apart their outputs, caches and lengths are."""
+    by the attention's kernels: how far apart their outputs, caches and lengths are. `counters`: the folded call
+    gets arrival counters (the last split of each head merges, `LAST_SPLIT_MERGES`; they must come back zero)."""
     from funaudiochat_hf.triton_attention_funaudiochat import launch_decode_attention
 
     generator = torch.Generator().manual_seed(0)
@@ -110,10 +111,12 @@ def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32)
 
         folded_keys, folded_values = (c.clone() for c in caches)
         folded_length = torch.tensor(used, device=device)
+        arrivals = torch.zeros(batch * kv_heads + 1, dtype=torch.int32, device=device) if counters else None
         got = torch.ops.funaudiochat.decode_attention_with_inputs(
-            query, key, value, *norm_args, folded_keys, folded_values, folded_length, mask, 0.125
+            query, key, value, *norm_args, folded_keys, folded_values, folded_length, mask, 0.125, arrivals
         )
         results.append({
+            "counters_zero": arrivals is None or not arrivals.any().item(),
             "output": (got.float() - expected.float()).abs().max().item(),
             "shape": list(got.shape) == list(expected.shape),
             "cache": max((a.float() - b.float()).abs().max().item() for a, b in ((folded_keys, keys),
@@ -127,7 +130,7 @@ def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32)
 def _assert_folded_results(results: list[dict], tolerance: float) -> None:
     assert len(results) == len(FOLDED_CASES)
     for case, result in zip(FOLDED_CASES, results):
-        assert result["shape"] and result["written"], (case, result)
+        assert result["shape"] and result["written"] and result["counters_zero"], (case, result)
         assert result["length"] == [case[5] + 1] * 2, (case, result)
         assert result["output"] < tolerance and result["cache"] < tolerance, (case, result)
 
@@ -137,12 +140,14 @@ import json
 from funaudiochat_hf import triton_attention_funaudiochat
 from test_triton_attention_inputs_funaudiochat import folded_case_results
 results = []
-for early_reads in (False, True):  # the split's reads where they are needed, or all right after its wait
+# The split's reads where they are needed, or all right after its wait; a merge kernel, or the last split merging.
+triton_attention_funaudiochat.MAX_MERGE_PARTS = 1 << 20  # every split count
+for early_reads, counters in ((False, False), (True, False), (True, True)):
     triton_attention_funaudiochat.EARLY_READS = early_reads
     triton_attention_funaudiochat.MAX_SPLITS = 64
-    results.append(folded_case_results())
+    results.append(folded_case_results(counters=counters))
     triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
-    results.append(folded_case_results())
+    results.append(folded_case_results(counters=counters))
 print(json.dumps(results))
 """
 
@@ -152,7 +157,9 @@ def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_t
     that reads the new position's block writes the new key and value first, the merge kernel advances the length.
     Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
     with one block per split and with several (the new position then in a split's later block), with the split's
-    reads where they are needed and all right after its wait (`EARLY_READS`)."""
+    reads where they are needed and all right after its wait (`EARLY_READS`), and with arrival counters: the last
+    split of each head merges the splits and the last head advances the length (`LAST_SPLIT_MERGES`), the counters
+    left at zero."""
     for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
         _assert_folded_results(results, tolerance=1e-6)
 
@@ -208,23 +215,26 @@ def test_cuda_kernel_matches_eager(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early_reads", [False, True])
+@pytest.mark.parametrize("early_reads, counters", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("max_splits", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(
-    dtype, max_splits, early_reads, monkeypatch
+    dtype, max_splits, early_reads, counters, monkeypatch
 ):
     """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
     and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
     float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32). On the GPU the folded
     splits take the pipelined loop up to the new position (`PIPELINED_BLOCKS`), the two-step path the block loop;
-    with at most 2 splits each split has several blocks, the new position in a later one."""
+    with at most 2 splits each split has several blocks, the new position in a later one. With arrival counters the
+    last split of each head merges (`LAST_SPLIT_MERGES`): the splits' partials must be visible to it (a barrier and
+    an acquire-release atomic), and the length advance must wait for every head."""
     from funaudiochat_hf import triton_attention_funaudiochat
 
     if max_splits is not None:
         monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
     monkeypatch.setattr(triton_attention_funaudiochat, "EARLY_READS", early_reads)
-    _assert_folded_results(folded_case_results("cuda", dtype), tolerance=1e-6)
+    monkeypatch.setattr(triton_attention_funaudiochat, "MAX_MERGE_PARTS", 1 << 20)  # every split count
+    _assert_folded_results(folded_case_results("cuda", dtype, counters), tolerance=1e-6)
 
 
 @pytest.mark.gpu

@@ -136,8 +136,7 @@ counters = torch.zeros(8, dtype=torch.int32)
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps[, stages, swap_ab]): one split; two; four (with a split past the reduction's end
 # for K = 96); the products as w @ x^T (SWAP_AB) unsplit and split, with other pipeline depths.
 TILES = [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4), (32, 32, 1, 4, 2, True), (16, 16, 2, 4, 4, True)]
-for early_input, tile in [(False, tile) for tile in TILES] + [(True, TILES[i]) for i in (0, 2, 3)]:
-    triton_linear.ROWS_EARLY_INPUT = early_input
+for tile in TILES:
     for case in ROWS_CASES:
         triton_linear.ROWS_TUNED_TILES = {(case[1], case[2], case[6]): tile}
         kwargs, expected = case_tensors(*case)
@@ -145,18 +144,17 @@ for early_input, tile in [(False, tile) for tile in TILES] + [(True, TILES[i]) f
         again = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
         assert got.shape == expected.shape and torch.equal(got, again) and not counters.any(), (tile, case)
         errors.append((got - expected).abs().max().item())
-print(json.dumps({"errors": errors, "launches": len(launches), "tiles": len(TILES) + 3}))
+print(json.dumps({"errors": errors, "launches": len(launches), "tiles": len(TILES)}))
 """
 
 
 def test_rows_kernel_matches_eager_composition_in_the_triton_interpreter():
     """With `split_k_counters`, 2-16 rows take the several-row kernel, its reduction in 1, 2 or 4 splits, its products
-    as `x @ w^T` or `w @ x^T` (SWAP_AB), its first input tile read after the norm's reduction or with it
-    (`ROWS_EARLY_INPUT`): the eager composition's values (float32, 1e-5), the same output twice, its counters left at
-    zero."""
+    as `x @ w^T` or `w @ x^T` (SWAP_AB): the eager composition's values (float32, 1e-5), the same output twice, its
+    counters left at zero."""
     result = json.loads(run_in_triton_interpreter(_ROWS_SCRIPT))
     tiles = result["tiles"]
-    assert tiles == 8 and result["launches"] == 2 * tiles * len(ROWS_CASES), result
+    assert tiles == 5 and result["launches"] == 2 * tiles * len(ROWS_CASES), result
     assert len(result["errors"]) == tiles * len(ROWS_CASES) and all(e < 1e-5 for e in result["errors"]), result
 
 
@@ -533,7 +531,7 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
                       NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False,
-                      EARLY_RESIDUAL=True, EARLY_INPUT=False)  # fmt: skip
+                      EARLY_RESIDUAL=True)  # fmt: skip
     lines = _rows_kernel_ptx(constexprs)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
@@ -557,32 +555,13 @@ def test_rows_kernel_fetches_its_residual_before_counting_in():
         constexprs = dict(N=1024, K=2048, EPS=1e-6, HAS_BIAS=False, HAS_NORM=False, HAS_RESIDUAL=True, GATED=False,
                           BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, K_SPLIT=256, PRECISION="tf32",
                           NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=2, SWAP_AB=False,
-                          EARLY_RESIDUAL=early, EARLY_INPUT=False)  # fmt: skip
+                          EARLY_RESIDUAL=early)  # fmt: skip
         lines = _rows_kernel_ptx(constexprs)
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         atomic = next(i for i, line in enumerate(lines) if "atom." in line)
         assert wait < atomic
         reads_after_atomic[early] = sum("ld.global" in line for line in lines[atomic:])
     assert reads_after_atomic[True] < reads_after_atomic[False], reads_after_atomic
-
-
-@pytest.mark.parametrize("early_input", [True, False])
-def test_rows_kernel_reads_its_first_input_tile_with_the_norms_loads(early_input):
-    """EARLY_INPUT (`ROWS_EARLY_INPUT`): a normed projection's first norm-weight chunk is fetched before
-    `griddepcontrol.wait` and its first input tile with the norm's loads of the rows, so no global load follows the
-    norm's reduction (its barriers) before the first product; else both are read after it (sm_90 PTX, the CRQ's
-    q/k/v tile)."""
-    pytest.importorskip("triton")
-    constexprs = dict(N=4096, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=False,
-                      BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, SPLIT_K=4, K_SPLIT=256, PRECISION="tf32",
-                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=4, SWAP_AB=False,
-                      EARLY_RESIDUAL=True, EARLY_INPUT=early_input)  # fmt: skip
-    lines = _rows_kernel_ptx(constexprs)
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    reduction = next(i for i, line in enumerate(lines) if "bar.sync" in line and i > wait)
-    first_product = next(i for i, line in enumerate(lines) if "mma" in line)
-    late = [line for line in lines[reduction:first_product] if "ld.global" in line]
-    assert (not late) == early_input, late
 
 
 def _tiny_model():
@@ -747,12 +726,9 @@ def test_cuda_kernel_matches_eager_composition(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("early_input", [False, True])
-def test_cuda_rows_kernel_matches_eager_composition_and_leaves_its_counters_zero(dtype, early_input, monkeypatch):
+def test_cuda_rows_kernel_matches_eager_composition_and_leaves_its_counters_zero(dtype):
     """The several-row kernel (2-16 rows, split-K) on the GPU, where its programs really arrive at the same time: the
-    eager composition's values (tolerances as above), the same output on a second launch, counters back at zero; its
-    first input tile read after the norm's reduction or with it (`ROWS_EARLY_INPUT`)."""
-    monkeypatch.setattr(triton_linear, "ROWS_EARLY_INPUT", early_input)
+    eager composition's values (tolerances as above), the same output on a second launch, counters back at zero."""
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     counters = torch.zeros(512, dtype=torch.int32, device="cuda")
     full_size = [(16, 4096, 1024, True, False, False, False, False), (16, 1024, 2048, False, False, True, False, False),

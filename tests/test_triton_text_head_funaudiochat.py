@@ -150,9 +150,9 @@ def test_generation_with_the_overlapped_head_matches_the_reference_on_gpu(inputs
 
 
 def test_text_head_choice(monkeypatch, inputs):
-    """"auto" overlaps the head in a loop compiled in parts at batch 1 with speech on; not a loop compiled whole (one
-    CUDA graph cannot end with a forked stream), not a batch of 2, not speech-to-text, not eagerly. "triton" where it
-    cannot run is a clear error; unknown names are refused."""
+    """"auto" overlaps the head in a loop compiled in parts up to 16 rows with speech on; not a loop compiled whole
+    (one CUDA graph cannot end with a forked stream), not a batch of 17, not speech-to-text, not eagerly. "triton"
+    where it cannot run is a clear error; unknown names are refused."""
     pytest.importorskip("triton")
     from transformers import AutoModel
 
@@ -169,7 +169,8 @@ def test_text_head_choice(monkeypatch, inputs):
     assert model._speech_run(ids, None, {}, compiled).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "text_head": "torch"}).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "compile_scope": "step"}).cfg.overlap_text_head
-    assert not model._speech_run(ids.repeat(2, 1), None, {}, compiled).cfg.overlap_text_head
+    assert model._speech_run(ids.repeat(2, 1), None, {}, compiled).cfg.overlap_text_head  # up to AUTO_MAX_ROWS
+    assert not model._speech_run(ids.repeat(17, 1), None, {}, compiled).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "disable_speech": True}).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {}).cfg.overlap_text_head  # eager, "auto"
     assert model._speech_run(ids, None, {}, {"text_head": "triton"}).cfg.overlap_text_head  # eager, asked for

@@ -195,7 +195,7 @@ def _decoder_layer(
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
         # attention function.
         attn_output = decode_attention_with_inputs(
-            attention, query, key, value, cos, sin, static_layer, attention_mask
+            attention, query, key, value, cos, sin, static_layer, attention_mask, split_k_counters
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
@@ -258,7 +258,8 @@ def decoder_stack_forward(
         split_k_counters: None, or int32 zeros that let the decode steps of 2 to 16 rows run `projections` with
             `decode_kernels` (fused, or the layers' own) through the several-row kernel of
             `triton_linear_funaudiochat` (its split-K programs count their arrivals there and leave them zero; one
-            tensor per run, not shared with a concurrent one; `split_k_counters_for` sizes it).
+            tensor per run, not shared with a concurrent one; `split_k_counters_for` sizes it). A kernel step's
+            Triton attention counts its splits there too (`triton_attention_funaudiochat.LAST_SPLIT_MERGES`).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).

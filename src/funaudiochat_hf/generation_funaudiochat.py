@@ -177,9 +177,9 @@ class _DecodeWorkspace:
         b, dev = batch_size, self.device
 
         crq_config = model.audio_invert_tower.crq_transformer.config if model.audio_invert_tower is not None else None
-        # The several-row kernel's arrival counters (`crq_linear` / `llm_linear` at batch 2-16): per workspace, as a
-        # run's own; one tensor for both stacks, which never run at the same time.
-        self.split_k_counters = split_k_counters_for([c for c in (text_config, crq_config) if c is not None], dev)
+        # The several-row kernel's and the attention's arrival counters (`crq_linear` / `llm_linear`): per workspace,
+        # as a run's own; one tensor for both stacks, which never run at the same time.
+        self.split_k_counters = split_k_counters_for([c for c in (text_config, crq_config) if c is not None], dev, b)
         if static:
             self.llm_cache = StaticCache(config=text_config, max_cache_len=max_length)
             self.crq_cache = StaticCache(config=crq_config, max_cache_len=k * max_length) if crq_config else None
@@ -1363,9 +1363,9 @@ class FunAudioChatSpeechGenerationMixin:
                 (a top-k, off by default, keeps the PyTorch ops); "torch": PyTorch ops, a sort per row; same draws up
                 to float rounding), `text_head` ("auto", default: "triton" in a loop compiled with
                 `compile_scope="parts"` on a CUDA GPU of compute capability >= 8.0 with Triton installed, speech on,
-                batch 1, else "torch"; "triton" (up to 16 rows): each decode step's text logits come from a Triton
-                kernel of few programs on a second CUDA stream while the CRQ sub-steps run (batch 1: 0.05-0.8 ms, median
-                ~0.2 ms, less per step on an H200), `triton_text_head_funaudiochat`;
+                up to 16 rows, else "torch"; "triton" (up to 16 rows): each decode step's text logits come from a
+                Triton kernel of few programs on a second CUDA stream while the CRQ sub-steps run (batch 1: 0.05-0.8
+                ms, median ~0.2 ms, batch 16: ~0.24 ms less per step on an H200), `triton_text_head_funaudiochat`;
                 "torch": the LLM's `lm_head` after the LLM part; same logits up to float rounding),
                 `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
 

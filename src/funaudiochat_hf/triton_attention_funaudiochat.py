@@ -11,7 +11,8 @@ per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache
   reading their keys or values. The blocks are dealt to the splits in turn (split s takes blocks s, s + splits,
   ...), so the used prefix of a static cache is every split's work, not the first splits'. It writes a partial
   (max, sum, weighted values) per head and split.
-- `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head.
+- `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head (unless the splits' last
+  program did, `LAST_SPLIT_MERGES`).
 
 In a decode step over a static cache the splits know the new position and loop over their blocks up to it only,
 software-pipelined (`PIPELINED_BLOCKS`): a step costs the same whatever the cache's unused tail (batch 16 with the
@@ -22,9 +23,10 @@ any batch size) also hands the kernels the work between the q/k/v projections an
 each split program norms and rotates its heads' queries, the split that reads the new position's block first writes
 the new key and value there, and the merge advances the cache length. That saves the attention-inputs kernel of
 every layer: the batch-1 step 9.02 -> 8.69 ms side by side; at batch 16 (cuBLAS projections) it replaces two
-compiled kernels per layer: 16.87 -> 15.29 ms. Letting the last split of each head merge the others (an atomic
-counter per head, no merge kernel) was measured slower (9.89 against 9.10 ms): the merge is then one program's
-serial work.
+compiled kernels per layer: 16.87 -> 15.29 ms. Given a decode step's arrival counters, the last split of each
+(row, KV head) merges the others (an atomic counter per head) and the merge kernel is not launched, where that
+program's serial merge is small (`LAST_SPLIT_MERGES`, `MAX_MERGE_PARTS`: the CRQ at batch 16, 1,265 against 1,304
+µs a sub-step; with many splits, at batch 1, it is slower than the merge kernel's program per query head).
 
 Splitting the cache gives enough programs to fill the GPU at batch 1 (8 KV heads alone would use 8 of 132 SMs).
 The scores are accumulated in float32 from the cache's dtype, softmax in float32 and the probabilities are cast to
@@ -94,9 +96,22 @@ MAX_MASK_BLOCKS = 64
 # (whose reductions end in barriers, which no load crosses), the new key only by the split that writes it once the
 # length is known, and the mask bytes after those: up to four round trips one after the other before a block's first
 # copy. The merge: its partial sums with the maxima and sums, the length advanced last; otherwise three round trips.
-# Prepared for the next measurement (CPU tests check the order in the sm_90 PTX). False: the reads where their values
-# are needed.
-EARLY_READS = False
+# Measured on an H200 (BENCHMARKS.md, 2026-12-03 19:10, compiled decode stacks, 3 interleaved rounds): a CRQ sub-step
+# at 16 rows 1,307 against 1,325 µs, the LLM's 36 layers 4,663 against 4,668; at one row 670 against 670 and 3,947
+# against 3,934 (within the rounds' spread). CPU tests check the order in the sm_90 PTX. False: the reads where their
+# values are needed (for comparisons).
+EARLY_READS = True
+# With arrival counters (`launch_decode_attention(counters=...)`, a decode step's own), the last split of each (row, KV
+# head) to finish merges the splits' partial results itself and the merge kernel is not launched: one kernel boundary
+# less per layer. That program merges its head's query heads one after the other, each over all splits, where the
+# merge kernel has a program per query head; so only where that work is small: at most MAX_MERGE_PARTS (query heads
+# per KV head x splits, the splits rounded up to a power of two). Measured on an H200 (BENCHMARKS.md, 2026-12-03
+# 19:40, compiled decode stacks, 4 interleaved rounds, the last split merging every head against the merge kernel): a
+# CRQ sub-step at 16 rows (2 query heads x 3 splits) 1,265 against 1,304 µs, but the LLM's 36 layers at 16 rows (4 x 3)
+# 4,702 against 4,642, and at one row (33 splits) a CRQ sub-step 748 against 664 µs, the LLM 4,148 against 3,920.
+# False: the merge kernel everywhere (for comparisons).
+LAST_SPLIT_MERGES = True
+MAX_MERGE_PARTS = 8
 # Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
 # 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
 # against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
@@ -238,6 +253,33 @@ if triton is not None:
         return new_max, row_sum, acc
 
     @triton.jit
+    def _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, g, NUM_SPLITS: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EARLY_READS: tl.constexpr,
+                     CACHE: tl.constexpr):  # fmt: skip
+        """The attention output `(BLOCK_D,)` float32 of query head `g` of `batch_head`: its splits' partial results
+        merged. EARLY_READS: the partial sums loaded with the maxima and sums, not after their reductions (whose
+        barriers no load crosses). CACHE: the loads' cache modifier (".cg" for partials stored by the same grid)."""
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_ok = s < NUM_SPLITS
+        part = (batch_head * NUM_SPLITS + s) * BLOCK_G + g
+        split_max = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+        split_sum = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0, cache_modifier=CACHE)
+        acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        if EARLY_READS:
+            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
+                          cache_modifier=CACHE)  # fmt: skip
+        head_max = tl.max(split_max, axis=0)
+        # Splits that saw nothing have max -inf: weight 0. If no split saw anything, keep the weights finite.
+        head_max = tl.where(head_max == float("-inf"), 0.0, head_max)
+        weight = tl.exp(split_max - head_max)
+        total = tl.sum(weight * split_sum, axis=0)
+        if not EARLY_READS:
+            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
+                          cache_modifier=CACHE)  # fmt: skip
+        return tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, length_ptr,
@@ -252,9 +294,15 @@ if triton is not None:
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
         PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2, MASK_BLOCKS: tl.constexpr = 0,
-        EARLY_READS: tl.constexpr = False,
+        EARLY_READS: tl.constexpr = False, out_ptr=None, counters_ptr=None, stride_ob=0, stride_oh=0, stride_od=0,
+        MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     ):  # fmt: skip
-        """PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
+        """MERGE: each program counts itself in `counters[batch_head]` (int32, zero on entry) once its partial
+        results are stored, and the last split of a (row, KV head) to arrive merges them into `out` `(batch, 1, heads,
+        head_dim)` (the merge kernel's work) and sets its counter back to zero; with PREPARE, the last (row, KV head)
+        to finish (`counters[num_programs(0)]`) also advances the cache length.
+
+        PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
         (normed, rotated) and value, from `new_k` / `new_v` `(batch, kv_heads * HEAD_DIM)`. The merge kernel then
         advances the length. PIPELINED (with PREPARE, on a GPU): the loop over the blocks up to that position,
@@ -364,6 +412,28 @@ if triton is not None:
         tl.store(part_max_ptr + part, row_max)
         tl.store(part_sum_ptr + part, row_sum)
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc)
+        if MERGE:
+            # Triton issues a scalar atomic from one thread: every thread's stores must precede it (a CTA barrier);
+            # its gpu-scope release then makes them visible to the program that acquires the final count.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + batch_head, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:  # the (row, KV head)'s last split: every split's partials are stored
+                tl.debug_barrier()  # every thread's loads below stay behind the acquiring atomic
+                pairs = tl.num_programs(0)
+                finished = 0
+                if PREPARE:  # issued before the merge's loads, whose round trip then hides this one's
+                    finished = tl.atomic_add(counters_ptr + pairs, 1, sem="acq_rel")
+                for group in tl.static_range(GROUPS):
+                    out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, group, NUM_SPLITS,
+                                       BLOCK_G, BLOCK_D, BLOCK_S, True, ".cg")  # fmt: skip
+                    tl.store(out_ptr + b * stride_ob + (h * GROUPS + group) * stride_oh + d * stride_od, out,
+                             mask=d_ok)  # fmt: skip
+                # Zero again for the next launch, which touches the counters only after waiting for this grid.
+                tl.store(counters_ptr + batch_head, 0)
+                if PREPARE:
+                    if finished == pairs - 1:  # every program of the grid has read the length: advance it
+                        tl.store(counters_ptr + pairs, 0)
+                        tl.store(length_ptr, position + 1)
 
     @triton.jit
     def _combine_kernel(
@@ -387,23 +457,9 @@ if triton is not None:
                 tl.store(length_ptr, tl.load(length_ptr) + 1)
         b = batch_head // KV_HEADS
         h = batch_head % KV_HEADS
-        s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        s_ok = s < NUM_SPLITS
-        part = (batch_head * NUM_SPLITS + s) * BLOCK_G + g
-        split_max = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
-        split_sum = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
-        acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-        if EARLY_READS:  # with the maxima and sums, not after their reductions (whose barriers no load crosses)
-            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        head_max = tl.max(split_max, axis=0)
-        # Splits that saw nothing have max -inf: weight 0. If no split saw anything, keep the weights finite.
-        head_max = tl.where(head_max == float("-inf"), 0.0, head_max)
-        weight = tl.exp(split_max - head_max)
-        total = tl.sum(weight * split_sum, axis=0)
-        if not EARLY_READS:
-            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+        out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, g, NUM_SPLITS, BLOCK_G, BLOCK_D,
+                           BLOCK_S, EARLY_READS, "")  # fmt: skip
         tl.store(out_ptr + b * stride_ob + (h * GROUPS + g) * stride_oh + d * stride_od, out, mask=d < HEAD_DIM)
         if ADVANCE and EARLY_READS:  # last: its store waits for the length's load
             if batch_head + g == 0:
@@ -477,6 +533,7 @@ def launch_decode_attention(
     mask: torch.Tensor | None,
     scaling: float,
     inputs: AttentionInputs | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query position per row; the body of the `funaudiochat::decode_attention` operator.
 
@@ -489,6 +546,10 @@ def launch_decode_attention(
         scaling: softmax scale.
         inputs: None, or the step's projected keys and values and what prepares them ([`AttentionInputs`]): the
             kernels then also do `triton_attention_inputs_funaudiochat`'s work, without a kernel of its own.
+        counters: None, or int32 zeros (at least `batch * kv_heads + 1`, left zero) in which the split programs count
+            their arrivals, so that the last split of each head merges the splits (`LAST_SPLIT_MERGES`, where
+            `MAX_MERGE_PARTS` allows) instead of a merge kernel. Not shared with work that may run at the same time
+            (another stream).
     Returns:
         `(batch, 1, heads, head_dim)` in the query's dtype, contiguous.
     """
@@ -520,6 +581,12 @@ def launch_decode_attention(
         )
         prepare_strides = (inputs.key.stride(0), inputs.value.stride(0), inputs.cos.stride(0), inputs.sin.stride(0))
         prepare_flags = {"PREPARE": True, "Q_EPS": float(inputs.q_eps), "K_EPS": float(inputs.k_eps)}
+    block_s = max(2, triton.next_power_of_2(splits))
+    merge = LAST_SPLIT_MERGES and counters is not None
+    enough = merge and counters.dtype == torch.int32 and counters.numel() > batch * kv_heads
+    if merge and not (enough and counters.device == out.device):
+        raise ValueError(f"`counters` must be {batch * kv_heads + 1} or more int32 zeros on {out.device}.")
+    merge = merge and groups * block_s <= MAX_MERGE_PARTS
     _split_kernel[(batch * kv_heads, splits)](
         query, key, value, mask if has_mask else query, part_acc, part_max, part_sum, *prepare_pointers,
         kv_len, scaling,
@@ -528,13 +595,17 @@ def launch_decode_attention(
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
         **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
         MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=EARLY_READS,
+        out_ptr=out, counters_ptr=counters if merge else out, stride_ob=out.stride(0), stride_oh=out.stride(2),
+        stride_od=out.stride(3), MERGE=merge, BLOCK_S=block_s if merge else 1,
         num_warps=split_warps(batch), launch_pdl=pdl,
     )  # fmt: skip
+    if merge:
+        return out
     _combine_kernel[(batch * kv_heads, groups)](
         part_acc, part_max, part_sum, out, part_max if inputs is None else inputs.length,
         out.stride(0), out.stride(2), out.stride(3),
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, ADVANCE=inputs is not None,
+        NUM_SPLITS=splits, BLOCK_S=block_s, PDL=pdl, ADVANCE=inputs is not None,
         EARLY_READS=EARLY_READS, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -157,16 +157,21 @@ def decode_attention_with_inputs_op(
     length: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode_attention_inputs_op` then `funaudiochat::decode_attention` in two kernels instead of three: arguments as
-    theirs (`mask`: None or boolean `(batch or 1, max_cache_len)`); returns `(batch, 1, heads, head_dim)`."""
+    """`decode_attention_inputs_op` then `funaudiochat::decode_attention` in two kernels instead of three (one with
+    `counters`, see `launch_decode_attention`): arguments as theirs (`mask`: None or boolean `(batch or 1,
+    max_cache_len)`); returns `(batch, 1, heads, head_dim)`."""
     query, key, value, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, cos, sin))
     inputs = AttentionInputs(key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, length)
-    return launch_decode_attention(query, keys, values, mask, scaling, inputs)
+    return launch_decode_attention(query, keys, values, mask, scaling, inputs, counters)
 
 
 @decode_attention_with_inputs_op.register_fake
-def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length, mask, scaling):
+def _(
+    query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length, mask, scaling,
+    counters=None,
+):  # fmt: skip
     head_dim = keys.shape[-1]
     return query.new_empty(keys.shape[0], 1, query.shape[-1] // head_dim, head_dim)
 
@@ -284,13 +289,16 @@ def decode_attention_with_inputs(
     sin: torch.Tensor,
     cache_layer,
     attention_mask: torch.Tensor | None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """`decode_attention_inputs` and the attention call after it, for a layer whose attention function is the Triton
-    one (`compile_attention="triton"`), as two kernels; None where that function would not take its kernels (then
-    call `decode_attention_inputs` and the attention function).
+    one (`compile_attention="triton"`), as two kernels (one given `counters`); None where that function would not
+    take its kernels (then call `decode_attention_inputs` and the attention function).
 
     Args as [`decode_attention_inputs`], and attention_mask: the layer's `(batch or 1, 1, 1, max_cache_len)`
-    boolean mask, or None. Returns the attention output `(batch, 1, heads, head_dim)`.
+    boolean mask, or None; counters: None, or the decode step's int32 arrival counters (see
+    `triton_attention_funaudiochat.launch_decode_attention`). Returns the attention output `(batch, 1, heads,
+    head_dim)`.
     """
     supported, mask = _flat_bool_mask(attention_mask, query.shape[0], cache_layer.keys.shape[2])
     usable = (
@@ -302,7 +310,7 @@ def decode_attention_with_inputs(
     if not usable:
         return None
     arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
-    return torch.ops.funaudiochat.decode_attention_with_inputs(*arguments, mask, float(attention.scaling))
+    return torch.ops.funaudiochat.decode_attention_with_inputs(*arguments, mask, float(attention.scaling), counters)
 
 
 __all__ = [

@@ -101,14 +101,10 @@ ROWS_NUM_STAGES = 3  # weight tiles in flight in the reduction loop (Triton's de
 # the epilogue (with the reduction split, only the tile's last program adds it, after the others' partials: one L2
 # round trip less on its path). Measured on an H200 (BENCHMARKS.md, 2026-12-02 15:15, compiled 16-row decode
 # steps, interleaved rounds): a CRQ sub-step 1,376 against 1,391 µs, the LLM's 36 layers 4,684 against 4,694. False:
-# read in the epilogue (for comparisons).
+# read in the epilogue (for comparisons). Reading the first input tile with the norm's loads too (and the first
+# norm-weight chunk before the wait), not after the norm's reduction, was slower (2026-12-03 19:10, 3 rounds): a CRQ
+# sub-step at 16 rows 1,348 against 1,325 µs, the LLM's 36 layers 4,661 against 4,668.
 ROWS_EARLY_RESIDUAL = True
-# The several-row kernel's first input tile is loaded right after the wait, with the norm's loads of the whole rows,
-# and the first norm-weight chunk before the wait, with the weight tiles: in the sm_90 PTX the tile and the norm weight
-# were otherwise read after the norm's reduction, whose barriers no load crosses, one more L2 round trip before the
-# first product of every normed projection (q/k/v and gate/up: 352 kernels per decode step). Prepared for the next
-# measurement (a CPU test checks the order in the PTX). False: read after the reduction.
-ROWS_EARLY_INPUT = False
 ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
@@ -255,27 +251,13 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(1) * stride_out + col, out.to(dtype), mask=col_ok)
 
     @triton.jit
-    def _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x):
-        """The `(BLOCK_M, BLOCK_K)` input tile of rows `row` and reduction indices `k`, as stored."""
-        return tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-
-    @triton.jit
-    def _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K: tl.constexpr):
-        """The `(BLOCK_K,)` chunk `k` of the norm's weight."""
-        return tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
-
-    @triton.jit
-    def _rows_normed(x, norm_weight, inverse_rms):
-        """An input tile normed as Qwen3RMSNorm: rounded to the model dtype, times its weight."""
-        return (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
-
-    @triton.jit
     def _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x,
                          HAS_NORM: tl.constexpr, MASK_K: tl.constexpr):  # fmt: skip
-        """The `(BLOCK_M, BLOCK_K)` input tile, normed (HAS_NORM) by `_rows_normed`."""
-        x = _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x)
+        """The `(BLOCK_M, BLOCK_K)` input tile, normed as Qwen3RMSNorm: rounded to the model dtype, times its weight."""
+        x = tl.load(x_ptr + row[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_NORM:
-            x = _rows_normed(x, _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K), inverse_rms)
+            norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None, other=0.0 if MASK_K else None)
+            x = (x.to(tl.float32) * inverse_rms).to(x.dtype) * norm_weight[None, :]
         return x
 
     @triton.jit
@@ -331,7 +313,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
         NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False, EARLY_RESIDUAL: tl.constexpr = False,
-        EARLY_INPUT: tl.constexpr = False,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
@@ -370,17 +351,8 @@ if triton is not None:
         w = _load_weight_tile(weight_ptr, weight_col, k, col_ok, k_ok, K, MASK_N or MASK_K)
         if GATED:
             w_up = _load_weight_tile(up_weight_ptr, col, k, col_ok, k_ok, K, MASK_N or MASK_K)
-        norm_weight = tl.zeros([BLOCK_K], x_ptr.dtype.element_ty)  # EARLY_INPUT: the first chunk's norm weight
-        if EARLY_INPUT:
-            if HAS_NORM:  # a weight: with the weight tiles
-                norm_weight = _rows_load_norm_weight(norm_weight_ptr, k, k_ok, MASK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        # EARLY_INPUT: the first input tile with the norm's loads below, not after its reduction (whose barriers no
-        # load crosses): one L2 round trip less before the first product.
-        x_first = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)
-        if EARLY_INPUT:
-            x_first = _rows_load_input(x_ptr, row, row_ok, k, k_ok, stride_x)
         # EARLY_RESIDUAL: every program fetches its residual tile (an earlier kernel's output) now, with x, so the
         # epilogue of the tile's last program does not wait for one more L2 round trip.
         residual = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
@@ -398,14 +370,7 @@ if triton is not None:
                              other=0.0).to(tl.float32)  # fmt: skip
                 squares += xs * xs
             inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + EPS)[:, None]
-        if EARLY_INPUT:
-            x = x_first
-            if HAS_NORM:
-                x = _rows_normed(x, norm_weight, inverse_rms)
-        else:
-            x = _rows_input_tile(
-                x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K
-            )
+        x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
         acc = _rows_dot(x, w, _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, PRECISION)
         acc_up = _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         if GATED:
@@ -582,8 +547,7 @@ def _launch_rows_tile(
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
-        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, EARLY_INPUT=ROWS_EARLY_INPUT,
-        num_warps=num_warps,
+        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, num_warps=num_warps,
         launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -761,17 +725,20 @@ def use_decode_kernels(hidden_states: torch.Tensor) -> bool:
     return triton is not None and hidden_states.is_cuda and rows <= MAX_ROWS
 
 
-def split_k_counters_for(stack_configs, device: torch.device | str) -> torch.Tensor:
+def split_k_counters_for(stack_configs, device: torch.device | str, batch_size: int = 1) -> torch.Tensor:
     """int32 zeros enough for the several-row kernel over the projections of the Qwen3 stacks of `stack_configs` (a
     config, or a sequence of them: one tensor serves each stack in turn), one per column tile of the widest
-    projection (q/k/v together, gate/up), for `decoder_stack_forward(split_k_counters=...)`."""
+    projection (q/k/v together, gate/up), and for the decode attention's arrivals at `batch_size` rows (one per row
+    and KV head, and one more: `triton_attention_funaudiochat.launch_decode_attention(counters=...)`), for
+    `decoder_stack_forward(split_k_counters=...)`."""
     configs = stack_configs if isinstance(stack_configs, (list, tuple)) else [stack_configs]
-    widest = 0
+    size = 0
     for config in configs:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
-        widest = max(widest, qkv, config.intermediate_size, config.hidden_size)
-    return torch.zeros(-(-widest // MIN_ROWS_BLOCK_N), dtype=torch.int32, device=device)
+        widest = max(qkv, config.intermediate_size, config.hidden_size)
+        size = max(size, -(-widest // MIN_ROWS_BLOCK_N), batch_size * config.num_key_value_heads + 1)
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def use_rows_kernel(hidden_states: torch.Tensor) -> bool:

@@ -13,9 +13,10 @@ the CRQ's kernels, launched on the main stream meanwhile, keep room on every mul
 tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).float()` rounds them: the GEMM's float32
 sum, rounded to the model dtype, then float32.
 
-Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat steps side by side in one process): batch 1, 7.83 against 7.96
-and 7.55 against 8.34 ms per step with the head inline (0.05-0.79 ms less in four calls, median ~0.2); batch 16, no
-gain (13.30 against 13.26 ms), so `text_head="auto"` takes it at batch 1 only (`AUTO_MAX_ROWS`).
+Measured on an H200 (BENCHMARKS.md, chat steps side by side in one process): batch 1, 7.83 against 7.96 and 7.55
+against 8.34 ms per step with the head inline (2026-12-02: 0.05-0.79 ms less in four calls, median ~0.2); batch 16,
+10.76 against 11.00 ms (2026-12-03 19:19; no gain in two earlier calls), so `text_head="auto"` takes it up to 16 rows
+(`AUTO_MAX_ROWS`).
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
@@ -39,10 +40,12 @@ from .triton_attention_funaudiochat import _multiprocessors, triton
 # against inline (another compiled graph) was measured.
 PROGRAMS_PER_MULTIPROCESSOR = 0.5
 BLOCK_M = 16  # rows per tile: tl.dot's least; a decode step has one row per batch row (at most BLOCK_M)
-# Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, 2026-12-02, chat
-# steps side by side in one process): batch 1 gains 0.05-0.8 ms per step; batch 16 none (13.30 against 13.26 ms),
-# where the CRQ's several-row kernels and its attention over 16 rows' caches use the bandwidth the head would take.
-AUTO_MAX_ROWS = 1
+# Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, chat steps side by
+# side in one process): batch 1 gains 0.05-0.8 ms per step (2026-12-02); batch 16 gained nothing on 2026-12-02 (13.30
+# against 13.26 ms) and 2026-12-03 15:05 (11.08 against 11.04), but 10.76 against 11.00 ms on 2026-12-03 19:19 (3
+# rounds, ahead in each), after the CRQ's attention had become shorter (its mask from registers, its reads right after
+# its wait); 0.25 programs per multiprocessor 10.79, 0.125 11.06.
+AUTO_MAX_ROWS = 16
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 3  # weight tiles in flight per program (the K loop is software-pipelined)
