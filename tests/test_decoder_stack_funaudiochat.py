@@ -146,13 +146,24 @@ errors, keys = run(stack_module.decoder_stack_forward)
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 triton_linear.ROWS_TUNED_TILES = {(64, 64, False): (16, 16, 2, 4), (64, 32, False): (32, 16, 2, 4),
                                   (128, 64, True): (16, 32, 2, 4), (64, 128, False): (16, 32, 4, 4)}
-counters = split_k_counters_for(ours_stack.config, "cpu")
-launches = []
+counters = split_k_counters_for(ours_stack.config, "cpu", batch)
+launches, merge_kernels = [], []
 rows_kernel = triton_linear._launch_rows_kernel
 triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
+from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
+combine_kernel = triton_attention._combine_kernel
+
+
+class CountedLaunches:  # `_combine_kernel[grid](...)`, counted
+    def __getitem__(self, grid):
+        merge_kernels.append(1)
+        return combine_kernel[grid]
+
+
+triton_attention._combine_kernel = CountedLaunches()
 rows_steps, rows_keys = run(stack_module.decoder_stack_forward, with_decode_kernels(fused_crq_projections(ours_stack)),
                             counters)
-rows_launches = len(launches)
+rows_launches, rows_merge_kernels = len(launches), len(merge_kernels)
 rows_counters = counters.abs().sum().item()
 # The same over the layers' own weights (the LLM: q, k and v as the parts of one launch, gate and up two weights).
 launches.clear()
@@ -164,6 +175,7 @@ compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=Tr
 compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors, "rows_steps": rows_steps,
                   "rows_keys": rows_keys, "rows_counters": rows_counters, "rows_launches": rows_launches,
+                  "rows_merge_kernels": rows_merge_kernels,
                   "own_steps": own_steps, "own_keys": own_keys, "own_counters": own_counters,
                   "own_launches": own_launches}))
 """
@@ -184,11 +196,13 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
     assert all(error < 1e-5 for error in result["keys"]), result
     assert all(error < 1e-5 for error in result["compiled"]), result  # compiled: the mask is computed once, before the first layer
     # With fused projections and split-K counters, the decode steps' projections take the several-row kernel (tiles
-    # forced to split the reduction): the same outputs and cache, and the counters are left at zero.
+    # forced to split the reduction) and the attention's last split merges (2 query heads x 1 split: no merge
+    # kernel, `LAST_SPLIT_MERGES`): the same outputs and cache, and the counters are left at zero.
     for step in result["rows_steps"][1:]:
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["rows_keys"]) and result["rows_counters"] == 0, result
     assert result["rows_launches"] == 3 * 4 * (len(result["rows_steps"]) - 1), result  # layers x projections x steps
+    assert result["rows_merge_kernels"] == 0, result
     # And over the layers' own weights (the LLM's decode steps at batch 2-16): also 4 launches per layer.
     for step in result["own_steps"][1:]:
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result

@@ -179,6 +179,8 @@ def test_rows_kernel_tiles_and_counters_are_checked():
     assert triton_linear.split_k_counters_for(config, "cpu").shape == (13,)  # 200 outputs / 16-column tiles
     wider = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8, head_dim=8)
     assert triton_linear.split_k_counters_for([config, wider], "cpu").shape == (16,)  # 256 q/k/v outputs
+    # The decode attention's arrivals at 16 rows (`LAST_SPLIT_MERGES`): 16 rows x 8 KV heads, and one more.
+    assert triton_linear.split_k_counters_for([config, wider], "cpu", batch_size=16).shape == (129,)
 
 
 def test_rows_kernel_falls_back_to_smaller_tiles_when_the_gpu_lacks_shared_memory(monkeypatch):

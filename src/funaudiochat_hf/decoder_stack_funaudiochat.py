@@ -258,8 +258,9 @@ def decoder_stack_forward(
         split_k_counters: None, or int32 zeros that let the decode steps of 2 to 16 rows run `projections` with
             `decode_kernels` (fused, or the layers' own) through the several-row kernel of
             `triton_linear_funaudiochat` (its split-K programs count their arrivals there and leave them zero; one
-            tensor per run, not shared with a concurrent one; `split_k_counters_for` sizes it). A kernel step's
-            Triton attention counts its splits there too (`triton_attention_funaudiochat.LAST_SPLIT_MERGES`).
+            tensor per run, not shared with a concurrent one; `split_k_counters_for(configs, device, batch_size)`
+            sizes it). A kernel step's Triton attention counts its splits there too
+            (`triton_attention_funaudiochat.LAST_SPLIT_MERGES`: one per row and KV head, and one more).
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
