@@ -332,8 +332,8 @@ if triton is not None:
 
         PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
-        (normed, rotated) and value, from `new_k` / `new_v` `(batch, kv_heads * HEAD_DIM)`. The merge kernel then
-        advances the length. PIPELINED (with PREPARE, on a GPU): the loop over the blocks up to that position,
+        (normed, rotated) and value, from `new_k` / `new_v` `(batch, kv_heads * HEAD_DIM)`. The merge kernel (with
+        MERGE, the last head to finish) then advances the length. PIPELINED (with PREPARE, on a GPU): the loop over the blocks up to that position,
         software-pipelined over NUM_STAGES blocks, instead of testing each block of the cache."""
         if PDL:  # a programmatic dependent launch: the query and the cache are the previous kernels' output
             tl.extra.cuda.gdc_wait()
@@ -520,6 +520,13 @@ def programmatic_launch(device: torch.device) -> bool:
     return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def check_arrival_counters(counters: torch.Tensor, needed: int, device: torch.device, name: str) -> None:
+    """Raise a ValueError naming `name` unless `counters` holds at least `needed` int32s on `device` (the arrival
+    counters that split programs count themselves in, here and in `triton_linear_funaudiochat`)."""
+    if counters.dtype != torch.int32 or counters.numel() < needed or counters.device != device:
+        raise ValueError(f"`{name}` must be {needed} or more int32 zeros on {device}.")
+
+
 def mask_blocks(split_blocks: int) -> int:
     """The split kernel's MASK_BLOCKS: the power of two that holds a split's blocks, 0 (a mask load per block) past
     `MAX_MASK_BLOCKS` blocks or with blocks wider than the 64 bits a block's mask takes."""
@@ -619,9 +626,8 @@ def launch_decode_attention(
         prepare_flags = {"PREPARE": True, "Q_EPS": float(inputs.q_eps), "K_EPS": float(inputs.k_eps)}
     block_s = max(2, triton.next_power_of_2(splits))
     merge = LAST_SPLIT_MERGES and counters is not None
-    enough = merge and counters.dtype == torch.int32 and counters.numel() > batch * kv_heads
-    if merge and not (enough and counters.device == out.device):
-        raise ValueError(f"`counters` must be {batch * kv_heads + 1} or more int32 zeros on {out.device}.")
+    if merge:  # one per (row, KV head) and one for the heads that finished
+        check_arrival_counters(counters, batch * kv_heads + 1, out.device, "counters")
     merge = merge and groups * block_s <= MAX_MERGE_PARTS
     _split_kernel[(batch * kv_heads, splits)](
         query, key, value, mask if has_mask else query, part_acc, part_max, part_sum, *prepare_pointers,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .triton_attention_funaudiochat import programmatic_launch, triton
+from .triton_attention_funaudiochat import check_arrival_counters, programmatic_launch, triton
 
 
 logger = logging.getLogger(__name__)
@@ -534,8 +534,7 @@ def _launch_rows_tile(
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     partials = x  # a placeholder: one split needs neither partials nor counters
     if split_k > 1:
-        if counters.dtype != torch.int32 or counters.numel() < tiles or counters.device != x.device:
-            raise ValueError(f"`split_k_counters` must be {tiles} or more int32 zeros on {x.device}.")
+        check_arrival_counters(counters, tiles, x.device, "split_k_counters")
         partials = torch.empty(tiles * split_k * (2 if gated else 1) * ROWS_KERNEL_MAX_ROWS * block_n,
                                dtype=torch.float32, device=x.device)  # fmt: skip
     pdl = programmatic_launch(x.device)
