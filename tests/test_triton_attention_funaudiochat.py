@@ -137,7 +137,7 @@ def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
         shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0, EARLY_READS=False,
-                      MERGE=False, BLOCK_S=1, MERGE_TOGETHER=False, BLOCK_GROUPS=2)  # fmt: skip
+                      MERGE=False, BLOCK_S=1)  # fmt: skip
     return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
@@ -352,24 +352,6 @@ def test_last_split_counts_in_after_a_barrier_and_merges(prepare):
     merge_loads = [line for line in lines[atomics[-1] :] if "ld.global" in line]
     assert merge_loads and all(".cg" in line for line in merge_loads), merge_loads
     assert not [line for line in lines[atomics[0] : atomics[-1]] if "ld.global" in line]
-
-
-@pytest.mark.parametrize("together", [True, False])
-def test_merging_split_loads_every_heads_partials_before_reducing(together):
-    """MERGE_TOGETHER (`MERGE_HEADS_TOGETHER`, sm_90 PTX, 4 query heads per KV head): the merging program issues
-    every query head's partial loads before its first reduction (whose barriers no load crosses): one L2 round trip;
-    else each head's loads wait for the previous head's reductions."""
-    pytest.importorskip("triton")
-    constexprs = dict(
-        GROUPS=4, BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
-        PIPELINED=True, MASK_BLOCKS=4, EARLY_READS=True, MERGE=True, BLOCK_S=4, NUM_SPLITS=3,
-        MERGE_TOGETHER=together, BLOCK_GROUPS=4,
-    )  # fmt: skip
-    lines = _kernel_ptx(triton_attention._split_kernel, True, **constexprs).splitlines()
-    merge = max(i for i, line in enumerate(lines) if "atom." in line)
-    loads = [i for i, line in enumerate(lines) if "ld.global" in line and i > merge]
-    barriers = [line for line in lines[loads[0] : loads[-1]] if "bar.sync" in line]
-    assert len(loads) >= 4 and (not barriers) == together, barriers
 
 
 def test_counters_too_small_for_the_heads_are_refused():

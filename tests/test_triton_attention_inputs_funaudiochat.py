@@ -142,11 +142,8 @@ from test_triton_attention_inputs_funaudiochat import folded_case_results
 results = []
 # The split's reads where they are needed, or all right after its wait; a merge kernel, or the last split merging.
 triton_attention_funaudiochat.MAX_MERGE_PARTS = 1 << 20  # every split count
-# The merging split: its query heads one after the other, or all at once (`MERGE_HEADS_TOGETHER`).
-for early_reads, counters, together in ((False, False, False), (True, False, False), (True, True, False),
-                                        (True, True, True)):  # fmt: skip
+for early_reads, counters in ((False, False), (True, False), (True, True)):
     triton_attention_funaudiochat.EARLY_READS = early_reads
-    triton_attention_funaudiochat.MERGE_HEADS_TOGETHER = together
     triton_attention_funaudiochat.MAX_SPLITS = 64
     results.append(folded_case_results(counters=counters))
     triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
@@ -161,8 +158,8 @@ def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_t
     Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
     with one block per split and with several (the new position then in a split's later block), with the split's
     reads where they are needed and all right after its wait (`EARLY_READS`), and with arrival counters: the last
-    split of each head merges the splits (its query heads one after the other or all at once) and the last head
-    advances the length (`LAST_SPLIT_MERGES`, `MERGE_HEADS_TOGETHER`), the counters left at zero."""
+    split of each head merges the splits and the last head advances the length (`LAST_SPLIT_MERGES`), the counters
+    left at zero."""
     for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
         _assert_folded_results(results, tolerance=1e-6)
 
@@ -218,13 +215,11 @@ def test_cuda_kernel_matches_eager(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "early_reads, counters, together", [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
-)
+@pytest.mark.parametrize("early_reads, counters", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("max_splits", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(
-    dtype, max_splits, early_reads, counters, together, monkeypatch
+    dtype, max_splits, early_reads, counters, monkeypatch
 ):
     """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
     and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
@@ -232,15 +227,13 @@ def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention
     splits take the pipelined loop up to the new position (`PIPELINED_BLOCKS`), the two-step path the block loop;
     with at most 2 splits each split has several blocks, the new position in a later one. With arrival counters the
     last split of each head merges (`LAST_SPLIT_MERGES`): the splits' partials must be visible to it (a barrier and
-    an acquire-release atomic), and the length advance must wait for every head; its query heads merged one after the
-    other or all at once (`MERGE_HEADS_TOGETHER`)."""
+    an acquire-release atomic), and the length advance must wait for every head."""
     from funaudiochat_hf import triton_attention_funaudiochat
 
     if max_splits is not None:
         monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
     monkeypatch.setattr(triton_attention_funaudiochat, "EARLY_READS", early_reads)
     monkeypatch.setattr(triton_attention_funaudiochat, "MAX_MERGE_PARTS", 1 << 20)  # every split count
-    monkeypatch.setattr(triton_attention_funaudiochat, "MERGE_HEADS_TOGETHER", together)
     _assert_folded_results(folded_case_results("cuda", dtype, counters), tolerance=1e-6)
 
 

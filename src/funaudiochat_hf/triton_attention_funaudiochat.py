@@ -109,14 +109,12 @@ EARLY_READS = True
 # 19:40, compiled decode stacks, 4 interleaved rounds, the last split merging every head against the merge kernel): a
 # CRQ sub-step at 16 rows (2 query heads x 3 splits) 1,265 against 1,304 µs, but the LLM's 36 layers at 16 rows (4 x 3)
 # 4,702 against 4,642, and at one row (33 splits) a CRQ sub-step 748 against 664 µs, the LLM 4,148 against 3,920.
-# False: the merge kernel everywhere (for comparisons).
+# Loading every query head's partials before the first reduction (one L2 round trip instead of one per head) was
+# slower (2026-12-03 21:30, 3-4 rounds): a CRQ sub-step at 16 rows 1,291 against 1,273 µs; with a third program per
+# multiprocessor (4 splits) 1,262 against 1,266, the LLM's 36 layers 4,695 against 4,655 (3 programs, per-head merge:
+# 1,345 and 4,698). False: the merge kernel everywhere (for comparisons).
 LAST_SPLIT_MERGES = True
 MAX_MERGE_PARTS = 8
-# The merging program loads every query head's partials at once and then reduces them (one L2 round trip), instead of
-# one head after the other (the next head's loads wait for the previous head's reductions, whose barriers no load
-# crosses). Prepared for the next measurement, with MAX_MERGE_PARTS=16 (the LLM at 16 rows, 4 query heads x 3
-# splits) as a candidate (a CPU test checks the load order in the sm_90 PTX). False: one head after the other.
-MERGE_HEADS_TOGETHER = False
 # Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
 # 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
 # against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
@@ -285,27 +283,6 @@ if triton is not None:
         return tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
 
     @triton.jit
-    def _merged_heads(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, groups, GROUPS: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_S: tl.constexpr):  # fmt: skip
-        """`_merged_head` of the query heads `groups` `(BLOCK_GROUPS,)` (those >= GROUPS masked) of `batch_head` at
-        once, `(BLOCK_GROUPS, BLOCK_D)` float32: every load issued before the first reduction. Partials stored by the
-        same grid (`.cg` loads)."""
-        s = tl.arange(0, BLOCK_S)[:, None]
-        d = tl.arange(0, BLOCK_D)
-        ok = (s < NUM_SPLITS) & (groups < GROUPS)[None, :]
-        part = (batch_head * NUM_SPLITS + s) * BLOCK_G + groups[None, :]  # (BLOCK_S, BLOCK_GROUPS)
-        split_max = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        split_sum = tl.load(part_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_acc_ptr + part[:, :, None] * BLOCK_D + d[None, None, :], mask=ok[:, :, None], other=0.0,
-                      cache_modifier=".cg")  # fmt: skip
-        head_max = tl.max(split_max, axis=0)
-        head_max = tl.where(head_max == float("-inf"), 0.0, head_max)  # as `_merged_head`
-        weight = tl.exp(split_max - head_max[None, :])
-        total = tl.sum(weight * split_sum, axis=0)
-        return tl.sum(weight[:, :, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)[:, None]
-
-    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, length_ptr,
@@ -321,14 +298,12 @@ if triton is not None:
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
         PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2, MASK_BLOCKS: tl.constexpr = 0,
         EARLY_READS: tl.constexpr = False, out_ptr=None, counters_ptr=None, stride_ob=0, stride_oh=0, stride_od=0,
-        MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, MERGE_TOGETHER: tl.constexpr = False,
-        BLOCK_GROUPS: tl.constexpr = 1,
+        MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     ):  # fmt: skip
         """MERGE: each program counts itself in `counters[batch_head]` (int32, zero on entry) once its partial
         results are stored, and the last split of a (row, KV head) to arrive merges them into `out` `(batch, 1, heads,
         head_dim)` (the merge kernel's work) and sets its counter back to zero; with PREPARE, the last (row, KV head)
-        to finish (`counters[num_programs(0)]`) also advances the cache length. MERGE_TOGETHER: it merges its GROUPS
-        query heads (BLOCK_GROUPS, a power of two) at once, else one after the other.
+        to finish (`counters[num_programs(0)]`) also advances the cache length.
 
         PREPARE: q is the projected queries `(batch, heads * HEAD_DIM)` (row stride `stride_qb`), normed and rotated
         here; the split whose blocks hold the cache position `*length_ptr` first writes there its KV head's new key
@@ -451,19 +426,11 @@ if triton is not None:
                 finished = 0
                 if PREPARE:  # issued before the merge's loads, whose round trip then hides this one's
                     finished = tl.atomic_add(counters_ptr + pairs, 1, sem="acq_rel")
-                if MERGE_TOGETHER:  # every query head's partials in one round trip
-                    groups = tl.arange(0, BLOCK_GROUPS)
-                    out = _merged_heads(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, groups, GROUPS,
-                                        NUM_SPLITS, BLOCK_G, BLOCK_D, BLOCK_S)  # fmt: skip
-                    heads = h * GROUPS + groups
-                    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od, out,
-                             mask=(groups < GROUPS)[:, None] & d_ok[None, :])  # fmt: skip
-                else:  # one query head after the other, each a round trip (the loads wait for the reductions)
-                    for group in tl.static_range(GROUPS):
-                        out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, group, NUM_SPLITS,
-                                           BLOCK_G, BLOCK_D, BLOCK_S, True, ".cg")  # fmt: skip
-                        tl.store(out_ptr + b * stride_ob + (h * GROUPS + group) * stride_oh + d * stride_od, out,
-                                 mask=d_ok)  # fmt: skip
+                for group in tl.static_range(GROUPS):
+                    out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, group, NUM_SPLITS,
+                                       BLOCK_G, BLOCK_D, BLOCK_S, True, ".cg")  # fmt: skip
+                    tl.store(out_ptr + b * stride_ob + (h * GROUPS + group) * stride_oh + d * stride_od, out,
+                             mask=d_ok)  # fmt: skip
                 # Zero again for the next launch, which touches the counters only after waiting for this grid.
                 tl.store(counters_ptr + batch_head, 0)
                 if PREPARE:
@@ -639,7 +606,6 @@ def launch_decode_attention(
         MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=EARLY_READS,
         out_ptr=out, counters_ptr=counters if merge else out, stride_ob=out.stride(0), stride_oh=out.stride(2),
         stride_od=out.stride(3), MERGE=merge, BLOCK_S=block_s if merge else 1,
-        MERGE_TOGETHER=merge and MERGE_HEADS_TOGETHER, BLOCK_GROUPS=triton.next_power_of_2(groups),
         num_warps=split_warps(batch), launch_pdl=pdl,
     )  # fmt: skip
     if merge:
