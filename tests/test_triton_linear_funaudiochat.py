@@ -158,6 +158,91 @@ def test_rows_kernel_matches_eager_composition_in_the_triton_interpreter():
     assert len(result["errors"]) == tiles * len(ROWS_CASES) and all(e < 1e-5 for e in result["errors"]), result
 
 
+_SQUARES_SCRIPT = """
+import json
+import torch
+from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from test_triton_linear_funaudiochat import case_tensors
+counters = torch.zeros(16, dtype=torch.int32)
+generator = torch.Generator().manual_seed(3)
+results = []
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps[, stages, swap_ab]): one split, two, and w @ x^T.
+for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (32, 32, 1, 4, 2, True)]:
+    # A residual projection (o_proj / down_proj: 40 outputs, a partial last group and tile) writes h and its sums of
+    # squares, which a normed projection of h (gate/up, the next q/k/v) reads instead of all of h.
+    for rows, bias in [(3, True), (16, False)]:
+        triton_linear.ROWS_TUNED_TILES = {(40, 64, False): tile, (24, 40, True): tile, (48, 40, False): tile}
+        x = torch.randn(rows, 64, generator=generator)
+        weight = torch.randn(40, 64, generator=generator) / 8
+        residual = torch.randn(rows, 40, generator=generator)
+        bias_t = torch.randn(40, generator=generator) if bias else None
+        h, squares = triton_linear.launch_decode_linear(
+            x, weight, bias_t, residual=residual, split_k_counters=counters, with_squares=True
+        )
+        plain = triton_linear.launch_decode_linear(x, weight, bias_t, residual=residual, split_k_counters=counters)
+        expected_squares = triton_linear.row_squares(h)
+        errors = {"h": (h - plain).abs().max().item(),
+                  "squares": ((squares - expected_squares).abs() / expected_squares).max().item()}
+        for out_features, gated in [(24, True), (48, False)]:
+            norm_weight = torch.rand(40, generator=generator) + 0.5
+            next_weight = torch.randn(out_features * (2 if gated else 1), 40, generator=generator) / 6
+            normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight
+            expected = torch.nn.functional.linear(normed, next_weight)
+            if gated:
+                gate, up = expected.split(out_features, dim=-1)
+                expected = torch.nn.functional.silu(gate) * up
+            args = dict(x=h, weight=next_weight, norm_weight=norm_weight, eps=1e-5, gated=gated,
+                        split_k_counters=counters)
+            got = triton_linear.launch_decode_linear(**args, norm_squares=squares)
+            errors[f"next {out_features}"] = (got - expected).abs().max().item()
+            if not gated:  # sums of squares 4x larger: an RMS 2x larger, the projection of a normed input halved
+                quadrupled = triton_linear.launch_decode_linear(**args, norm_squares=squares * 4)
+                errors["quadrupled"] = (2 * quadrupled - got).abs().max().item()
+        results.append(errors)
+# One row: the GEMV kernel, its output's sums of squares computed by `row_squares`.
+x = torch.randn(1, 64, generator=generator)
+one, one_squares = triton_linear.launch_decode_linear(x, weight, split_k_counters=counters, with_squares=True)
+one_error = (one_squares - triton_linear.row_squares(one)).abs().max().item()
+print(json.dumps({"results": results, "one_row": one_error, "shape": list(squares.shape),
+                  "counters": counters.abs().sum().item()}))
+"""
+
+
+def test_rows_kernel_sums_of_squares_feed_the_next_norm_in_the_triton_interpreter():
+    """`with_squares`: the several-row kernel's epilogue stores its rounded output's sums of squares by 16 columns (a
+    partial last group, 1 or 2 splits, SWAP_AB), equal to `row_squares` of the output (float32, relative 1e-5), and
+    the output unchanged; a normed projection given them as `norm_squares` equals the eager norm and projection
+    (1e-5), and with them quadrupled its output halves (it reads them, not its input)."""
+    result = json.loads(run_in_triton_interpreter(_SQUARES_SCRIPT))
+    assert len(result["results"]) == 6 and result["shape"] == [16, 3] and result["counters"] == 0, result
+    for errors in result["results"]:
+        assert errors["h"] == 0 and errors["squares"] < 1e-5, result
+        assert errors["next 24"] < 1e-5 and errors["next 48"] < 1e-5 and errors["quadrupled"] < 1e-5, result
+    assert result["one_row"] == 0, result
+
+
+def test_norm_squares_are_checked():
+    """`norm_squares` of the wrong shape, dtype or layout, or without a norm, raise before any launch."""
+    x, weight, norm_weight = torch.zeros(4, 40), torch.zeros(8, 40), torch.ones(40)
+    good = torch.zeros(4, 3)
+    assert triton_linear.squares_groups(40) == 3 and triton_linear.squares_groups(48) == 3
+    with pytest.raises(ValueError, match="give `norm_weight`"):
+        triton_linear.launch_decode_linear(x, weight, norm_squares=good)
+    for bad in (torch.zeros(4, 2), torch.zeros(3, 3), good.double()):
+        with pytest.raises(ValueError, match=r"float32 of shape \(4, 3\)"):
+            triton_linear.launch_decode_linear(x, weight, norm_weight=norm_weight, norm_squares=bad)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_linear.launch_decode_linear(x, weight, norm_weight=norm_weight, norm_squares=torch.zeros(3, 4).t())
+
+
+def test_row_squares_sums_each_group_of_columns():
+    rows = torch.arange(40.0).view(2, 20)
+    squares = triton_linear.row_squares(rows.to(torch.bfloat16))
+    assert squares.dtype == torch.float32 and squares.shape == (2, 2)
+    expected = torch.stack([rows[:, :16].square().sum(-1), rows[:, 16:].square().sum(-1)], dim=-1)
+    torch.testing.assert_close(squares, expected)
+
+
 def test_rows_kernel_tiles_and_counters_are_checked():
     """Default tiles split the reduction until the grid is large enough, never into empty splits; too few counters
     raise before any launch; a stack's counters cover its widest projection's column tiles."""
@@ -520,7 +605,9 @@ def _rows_kernel_ptx(constexprs: dict) -> list[str]:
     """The several-row kernel's sm_90 PTX lines at 8 warps, bfloat16 tensors (float32 partials, int32 counters)."""
     names = triton_linear._decode_rows_kernel.arg_names
     types = {name: "*bf16" for name in names if name.endswith("_ptr")}
-    types.update(partials_ptr="*fp32", counters_ptr="*i32")
+    types.update(partials_ptr="*fp32", counters_ptr="*i32", norm_squares_ptr="*fp32", squares_ptr="*fp32")
+    # The sums of squares neither read nor stored unless the caller asks (`NORM_SQUARES`).
+    constexprs = {"NORM_GROUPS": 0, "NORM_GROUPS_BLOCK": 1, "STORE_SQUARES": False, "GROUP": 16, **constexprs}
     return hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
 
 
@@ -743,6 +830,32 @@ def test_cuda_rows_kernel_matches_eager_composition_and_leaves_its_counters_zero
         assert got.dtype == dtype and got.shape == expected.shape and torch.equal(got, again), case
         assert (got.float() - expected.float()).abs().max().item() < tolerance, case
         assert not counters.any(), case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_kernel_sums_of_squares_feed_the_next_norm(dtype):
+    """Full-size pairs of a residual projection and the normed projection after it (the CRQ's o_proj -> gate/up and
+    down_proj -> q/k/v, the LLM's o_proj -> gate/up) at 16 rows on the GPU: the stored sums of squares are the
+    output's (relative 1e-5), and the next projection given them equals the one that reads its whole input (float32
+    1e-4; bfloat16: a norm output may round the other way, 3e-2)."""
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    operators = torch.ops.funaudiochat
+    pairs = [((16, 1024, 2048), (3072, True, False)), ((16, 1024, 3072), (4096, False, False)),
+             ((16, 4096, 4096), (12288, True, True))]  # fmt: skip
+    for (rows, hidden, in_features), (out_features, gated, separate_up) in pairs:
+        kwargs, _ = case_tensors(rows, hidden, in_features, False, False, True, False, False, dtype, "cuda")
+        h, squares = operators.decode_linear_and_squares(*kwargs.values(), [], [], counters)
+        assert torch.equal(h, operators.decode_linear(*kwargs.values(), [], [], counters))
+        expected_squares = triton_linear.row_squares(h)
+        assert ((squares - expected_squares).abs() / expected_squares).max().item() < 1e-5
+        normed, _ = case_tensors(rows, out_features, hidden, True, False, False, gated, separate_up, dtype, "cuda")
+        normed["x"] = h
+        got = operators.decode_linear(*normed.values(), [], [], counters, squares)
+        reads_input = operators.decode_linear(*normed.values(), [], [], counters)
+        assert (got.float() - reads_input.float()).abs().max().item() < tolerance, (in_features, out_features)
+        assert not counters.any()
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their `decode_kernels`
   set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and the residual adds as
   4 Triton kernels (`triton_linear_funaudiochat`), and so does a decode step of 2 to 16 rows given `split_k_counters`
-  (the several-row kernel; batch 16: 13.78 against 14.57 ms per step); `own_weight_kernels(stack)` asks for the same
+  (the several-row kernel; batch 16: 13.78 against 14.57 ms per step; its residual projections hand their outputs'
+  sums of squares to the next norm, `_output_and_mlp_kernels`); `own_weight_kernels(stack)` asks for the same
   kernels over the layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights; at
   2 to 16 rows, 13.77 against 14.46 ms per batch-16 step); over
   a static cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the
@@ -79,25 +80,28 @@ def _rotated_heads(
 
 
 def _project_qkv(
-    layer: nn.Module, projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None
+    layer: nn.Module,
+    projections,
+    hidden_states: torch.Tensor,
+    split_k_counters: torch.Tensor | None = None,
+    norm_squares: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The input norm and the q, k and v projections: `(batch, n, hidden)` -> `(batch, n, heads * head_dim)` query,
-    `(batch, n, kv_heads * head_dim)` key and value."""
+    `(batch, n, kv_heads * head_dim)` key and value. `norm_squares`: the input's sums of squares, as the previous
+    layer's kernels returned them (`_output_and_mlp_kernels`), or None."""
     attention = layer.self_attn
     own_weights = projections is None or projections.qkv_weight is None
     norm = layer.input_layernorm
     if _takes_kernels(projections, hidden_states, split_k_counters):
+        counters = {"split_k_counters": split_k_counters, "norm_squares": norm_squares}
         if own_weights:
             linears = (attention.q_proj, attention.k_proj, attention.v_proj)
-            counters = {"split_k_counters": split_k_counters}
             if not triton_linear.GROUPED_QKV:
                 return tuple(decode_linear(hidden_states, p.weight, p.bias, norm, **counters) for p in linears)
             # One kernel over the three weights, no concatenated copy (an 8B model's would be 1.8 GB).
             qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:], **counters)
             return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
-        qkv = decode_linear(
-            hidden_states, projections.qkv_weight, projections.qkv_bias, norm, split_k_counters=split_k_counters
-        )
+        qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm, **counters)
         return qkv.split(projections.qkv_split, dim=-1)
     hidden_states = norm(hidden_states)
     if own_weights:
@@ -118,19 +122,7 @@ def attention_output_and_mlp(
     `decoder_stack_forward`."""
     mlp = layer.mlp
     if _takes_kernels(projections, attn_output, split_k_counters):
-        o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
-        counters = {"split_k_counters": split_k_counters}
-        hidden_states = decode_linear(attn_output, o_proj.weight, o_proj.bias, residual=residual, **counters)
-        norm = layer.post_attention_layernorm
-        if projections.gate_up_weight is None:  # the layer's own gate and up projections
-            gate = mlp.gate_proj
-            activated = decode_linear(
-                hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj, **counters
-            )
-        else:
-            gate_up = projections.gate_up_weight, projections.gate_up_bias
-            activated = decode_linear(hidden_states, *gate_up, norm, gated=True, **counters)
-        return decode_linear(activated, down_proj.weight, down_proj.bias, residual=hidden_states, **counters)
+        return _output_and_mlp_kernels(layer, projections, attn_output, residual, split_k_counters)[0]
     hidden_states = residual + layer.self_attn.o_proj(attn_output)
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
@@ -139,6 +131,48 @@ def attention_output_and_mlp(
     gate_up = nn.functional.linear(hidden_states, projections.gate_up_weight, projections.gate_up_bias)
     gate, up = gate_up.split(projections.intermediate_size, dim=-1)
     return residual + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _output_and_mlp_kernels(
+    layer: nn.Module,
+    projections,
+    attn_output: torch.Tensor,
+    residual: torch.Tensor,
+    split_k_counters: torch.Tensor | None,
+    with_squares: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`attention_output_and_mlp` through the kernels (o_proj with the residual, the norm and gate/up with SiLU,
+    down_proj with the residual): the layer's `(batch, n, hidden)` output, and with `with_squares` (several-row
+    steps, `_carries_squares`) its `(batch * n, groups)` sums of squares for the next layer's input norm, else None.
+    With `with_squares`, o_proj hands the post-attention norm its output's sums of squares too."""
+    mlp = layer.mlp
+    o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
+    counters = {"split_k_counters": split_k_counters}
+    squares = None
+    hidden_states = decode_linear(
+        attn_output, o_proj.weight, o_proj.bias, residual=residual, with_squares=with_squares, **counters
+    )
+    if with_squares:
+        hidden_states, squares = hidden_states
+    norm = layer.post_attention_layernorm
+    if projections.gate_up_weight is None:  # the layer's own gate and up projections
+        gate = mlp.gate_proj
+        activated = decode_linear(
+            hidden_states, gate.weight, gate.bias, norm, gated=True, up=mlp.up_proj, norm_squares=squares, **counters
+        )
+    else:
+        gate_up = projections.gate_up_weight, projections.gate_up_bias
+        activated = decode_linear(hidden_states, *gate_up, norm, gated=True, norm_squares=squares, **counters)
+    out = decode_linear(
+        activated, down_proj.weight, down_proj.bias, residual=hidden_states, with_squares=with_squares, **counters
+    )
+    return out if with_squares else (out, None)
+
+
+def _carries_squares(hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None) -> bool:
+    """Whether a kernel step's residual projections hand their outputs' sums of squares to the next norm
+    (`triton_linear_funaudiochat.NORM_SQUARES`): where they take the several-row kernel, which stores them."""
+    return triton_linear.NORM_SQUARES and split_k_counters is not None and use_rows_kernel(hidden_states)
 
 
 def _takes_kernels(projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None) -> bool:
@@ -178,8 +212,10 @@ def _decoder_layer(
     cache,
     halves: DecoderLayerHalves,
     split_k_counters: torch.Tensor | None,
-) -> torch.Tensor:
-    """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`."""
+    norm_squares: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`, and in a several-row kernel step
+    the output's sums of squares (else None), which the next layer's input norm takes as `norm_squares`."""
     attention = layer.self_attn
     cos, sin = position_embeddings
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
@@ -187,10 +223,12 @@ def _decoder_layer(
     kernel_step = _takes_kernels(projections, hidden_states, split_k_counters)
     # Only a kernel step reads the counters (a compiled prefill's layer halves then never take them as an input).
     split_k_counters = split_k_counters if kernel_step else None
+    with_squares = kernel_step and _carries_squares(hidden_states, split_k_counters)
     decode_step = kernel_step or _one_position_on_gpu(hidden_states)
     static_layer = writable_static_layer(cache, attention.layer_idx) if decode_step else None
     if static_layer is not None:  # a decode step over a static cache on CUDA
-        query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters)
+        norm_squares = norm_squares if with_squares else None
+        query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters, norm_squares)
         # With the Triton attention, the q/k norms, rotary and cache write run inside its kernels (at any batch size:
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
         # attention function.
@@ -199,7 +237,7 @@ def _decoder_layer(
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
-            return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters)
+            return _layer_output(layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares)
         if kernel_step:
             query_states, key_states, value_states = decode_attention_inputs(
                 attention, query, key, value, cos, sin, static_layer
@@ -227,7 +265,17 @@ def _decoder_layer(
         **kwargs,
     )
     attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters)
+    return _layer_output(layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares)
+
+
+def _layer_output(
+    layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The second half of `_decoder_layer`: `halves.attention_output_and_mlp`, or with `with_squares` its kernels
+    called directly (they also return the output's sums of squares)."""
+    if with_squares:
+        return _output_and_mlp_kernels(layer, projections, attn_output, hidden_states, split_k_counters, True)
+    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters), None
 
 
 def decoder_stack_forward(
@@ -282,8 +330,9 @@ def decoder_stack_forward(
     layers = stack.layers[: config.num_hidden_layers]
     if projections is not None and len(projections.layers) != len(layers):
         raise ValueError(f"`projections` has {len(projections.layers)} layers but the stack has {len(layers)}.")
+    squares = None  # in several-row kernel steps, each layer's output's sums of squares, for the next input norm
     for index, layer in enumerate(layers):
-        hidden_states = _decoder_layer(
+        hidden_states, squares = _decoder_layer(
             layer,
             None if projections is None else projections.layers[index],
             hidden_states,
@@ -293,6 +342,7 @@ def decoder_stack_forward(
             cache,
             halves,
             split_k_counters,
+            squares,
         )
     return stack.norm(hidden_states) if final_norm else hidden_states
 

@@ -34,7 +34,10 @@ cuBLAS unless given `split_k_counters` (`generate_speech` passes its workspace's
 take `_decode_rows_kernel`, which reads each weight tile once for all rows on tensor cores and splits the reduction
 over several programs per column tile. With the CRQ on it: batch 16 at 13.78 against 14.57 ms per step, batch 4 11.50
 against 12.36; with the LLM's layers too: batch 16 at 13.77 against 14.46 ms (side by side; the LLM's 36 layers at 16
-rows 5,014 against 5,638 µs).
+rows 5,014 against 5,638 µs). In those steps the residual projections also return their outputs' sums of squares
+by 16 columns, which the next input norm adds up instead of reading all 16 x K inputs in every program
+(`NORM_SQUARES`): a 16-row CRQ sub-step 1,240 against 1,269 µs, the LLM's 36 layers 4,478 against 4,635, the whole
+batch-16 step 10.33 against 10.86 ms (BENCHMARKS.md, 2026-12-04).
 """
 
 import itertools
@@ -105,6 +108,15 @@ ROWS_NUM_STAGES = 3  # weight tiles in flight in the reduction loop (Triton's de
 # norm-weight chunk before the wait), not after the norm's reduction, was slower (2026-12-03 19:10, 3 rounds): a CRQ
 # sub-step at 16 rows 1,348 against 1,325 µs, the LLM's 36 layers 4,661 against 4,668.
 ROWS_EARLY_RESIDUAL = True
+# The several-row kernels of a layer's residual projections (o_proj, down_proj) also return their output rows' sums
+# of squares by 16-column group (`launch_decode_linear(with_squares=True)`), which the next projection's input norm
+# (post-attention, the next layer's input) adds up (`norm_squares`) instead of every program reading all 16 x K
+# inputs (a 16-row program of the LLM read 128 KB for its norm before its first product). Measured on an H200
+# (BENCHMARKS.md, 2026-12-04, interleaved rounds): a 16-row CRQ sub-step 1,240 against 1,269 µs, the LLM's 36 layers
+# 4,478 against 4,635; whole batch-16 steps 10.33 against 10.86 ms. False: every program reads its rows (for
+# comparisons).
+NORM_SQUARES = True
+SQUARES_GROUP = MIN_ROWS_BLOCK_N  # output columns per stored sum of squares: every column tile holds whole groups
 ROWS_NORM_CHUNK_ELEMENTS = 8192  # input elements per load of the norm's pass over the rows (16 rows x 512)
 ROWS_MIN_PROGRAMS = 128  # other shapes: SPLIT_K doubles (up to MAX_SPLIT_K) until the grid has this many programs
 MAX_SPLIT_K = 8
@@ -280,12 +292,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col, col_ok,
-                       stride_residual, stride_out, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       GATED: tl.constexpr, residual, EARLY_RESIDUAL: tl.constexpr):  # fmt: skip
+    def _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, squares_ptr, tile, row, row_ok, col,
+                       weight_col, col_ok, stride_residual, stride_out, HAS_BIAS: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, residual, EARLY_RESIDUAL: tl.constexpr,
+                       N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_SQUARES: tl.constexpr,
+                       GROUP: tl.constexpr):  # fmt: skip
         """Bias, SiLU(gate) * up and residual, rounded as `_decode_linear_kernel` rounds them; stores the tile of
         output columns `col` (`weight_col` within the program's weight). EARLY_RESIDUAL: `residual` is the residual
-        tile, loaded by the caller; else it is read here."""
+        tile, loaded by the caller; else it is read here. STORE_SQUARES: also the float32 sums of squares of the
+        stored (rounded) outputs by GROUP columns, in `squares` `(rows, cdiv(N, GROUP))` (columns past N are zeros)."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + weight_col, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -301,18 +316,29 @@ if triton is not None:
                 residual = tl.load(residual_ptr + row[:, None] * stride_residual + col[None, :], mask=tile_ok,
                                    other=0.0)  # fmt: skip
             out += residual
-        tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out.to(dtype), mask=tile_ok)
+        out = out.to(dtype)
+        tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out, mask=tile_ok)
+        if STORE_SQUARES:
+            GROUPS: tl.constexpr = BLOCK_N // GROUP
+            squares = out.to(tl.float32)
+            squares = tl.sum(tl.reshape(squares * squares, [BLOCK_M, GROUPS, GROUP]), axis=2)
+            group = tile * GROUPS + tl.arange(0, GROUPS)
+            stride: tl.constexpr = (N + GROUP - 1) // GROUP
+            tl.store(squares_ptr + row[:, None] * stride + group[None, :], squares,
+                     mask=row_ok[:, None] & (group < stride)[None, :])  # fmt: skip
 
     @triton.jit
     def _decode_rows_kernel(
         x_ptr, weight_ptr, bias_ptr, up_weight_ptr, up_bias_ptr, norm_weight_ptr, residual_ptr, out_ptr,
-        partials_ptr, counters_ptr, weight_1_ptr, bias_1_ptr, weight_2_ptr, bias_2_ptr,
+        partials_ptr, counters_ptr, weight_1_ptr, bias_1_ptr, weight_2_ptr, bias_2_ptr, norm_squares_ptr, squares_ptr,
         rows, stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, NORM_BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
         NUM_STAGES: tl.constexpr = 3, SWAP_AB: tl.constexpr = False, EARLY_RESIDUAL: tl.constexpr = False,
+        NORM_GROUPS: tl.constexpr = 0, NORM_GROUPS_BLOCK: tl.constexpr = 1, STORE_SQUARES: tl.constexpr = False,
+        GROUP: tl.constexpr = 16,
     ):  # fmt: skip
         """Program (t, s): columns [t * BLOCK_N, (t + 1) * BLOCK_N) of all `rows` (<= BLOCK_M) over the reduction
         indices [s * K_SPLIT, (s + 1) * K_SPLIT) (a multiple of BLOCK_K; indices >= K masked), on tensor cores.
@@ -327,6 +353,10 @@ if triton is not None:
         The reduction loop is software-pipelined over NUM_STAGES weight tiles. SWAP_AB: each product is computed as
         `w @ x^T`, a `(BLOCK_N, BLOCK_M)` tile, so the weight's columns are the MMA's M side (Hopper's wgmma takes
         M >= 64 from shared memory) and the rows its N side, then transposed once for the epilogue.
+
+        NORM_GROUPS > 0: the norm's sums of squares come from `norm_squares` `(rows, NORM_GROUPS)` float32 (the
+        producer's STORE_SQUARES output: x's sums by GROUP columns), added in a fixed order, instead of from all of x.
+        STORE_SQUARES: the epilogue also stores the output's (`_rows_epilogue`).
         """
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -362,13 +392,18 @@ if triton is not None:
                                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         inverse_rms = tl.zeros([BLOCK_M, 1], tl.float32)
         if HAS_NORM:  # each program computes its rows' RMS over the whole K, not only its split's share
-            # In wide chunks, unrolled: every load of the input in flight at once (one L2 round trip for K <= 4096).
-            squares = tl.zeros([BLOCK_M, NORM_BLOCK_K], tl.float32)
-            for k0 in tl.static_range(0, K, NORM_BLOCK_K):
-                kk = k0 + tl.arange(0, NORM_BLOCK_K)
-                xs = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :],
-                             other=0.0).to(tl.float32)  # fmt: skip
-                squares += xs * xs
+            if NORM_GROUPS > 0:  # the sums of squares by column group, stored by the kernel that wrote x
+                group = tl.arange(0, NORM_GROUPS_BLOCK)
+                squares = tl.load(norm_squares_ptr + row[:, None] * NORM_GROUPS + group[None, :],
+                                  mask=row_ok[:, None] & (group < NORM_GROUPS)[None, :], other=0.0)  # fmt: skip
+            else:
+                # In wide chunks, unrolled: every load of the input in flight at once (one L2 round trip for K <= 4096).
+                squares = tl.zeros([BLOCK_M, NORM_BLOCK_K], tl.float32)
+                for k0 in tl.static_range(0, K, NORM_BLOCK_K):
+                    kk = k0 + tl.arange(0, NORM_BLOCK_K)
+                    xs = tl.load(x_ptr + row[:, None] * stride_x + kk[None, :],
+                                 mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                    squares += xs * xs
             inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + EPS)[:, None]
         x = _rows_input_tile(x_ptr, norm_weight_ptr, inverse_rms, row, row_ok, k, k_ok, stride_x, HAS_NORM, MASK_K)
         acc = _rows_dot(x, w, _rows_zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, PRECISION)
@@ -390,9 +425,9 @@ if triton is not None:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
         if SPLIT_K == 1:
-            _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col, weight_col,
-                           col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED, residual,
-                           EARLY_RESIDUAL)  # fmt: skip
+            _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, squares_ptr, tile, row, row_ok,
+                           col, weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED,
+                           residual, EARLY_RESIDUAL, N, BLOCK_M, BLOCK_N, STORE_SQUARES, GROUP)  # fmt: skip
         else:
             PARTS: tl.constexpr = 2 if GATED else 1
             TILE: tl.constexpr = BLOCK_M * BLOCK_N
@@ -415,9 +450,9 @@ if triton is not None:
                     acc += tl.load(tile_ptr + s * (PARTS * TILE), cache_modifier=".cg")
                     if GATED:
                         acc_up += tl.load(tile_ptr + s * (PARTS * TILE) + TILE, cache_modifier=".cg")
-                _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, row, row_ok, col,
-                               weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL, GATED,
-                               residual, EARLY_RESIDUAL)  # fmt: skip
+                _rows_epilogue(acc, acc_up, bias_ptr, up_bias_ptr, residual_ptr, out_ptr, squares_ptr, tile, row,
+                               row_ok, col, weight_col, col_ok, stride_residual, stride_out, HAS_BIAS, HAS_RESIDUAL,
+                               GATED, residual, EARLY_RESIDUAL, N, BLOCK_M, BLOCK_N, STORE_SQUARES, GROUP)  # fmt: skip
                 # Zero again for the next launch, which touches the counters only after waiting for this grid.
                 tl.store(counters_ptr + tile, 0)
 
@@ -493,12 +528,14 @@ _FITTED_ROWS_TILES: dict[tuple, tuple] = {}
 
 
 def _launch_rows_kernel(
-    x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters
-):
+    x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters,
+    norm_squares=None, squares=None,
+):  # fmt: skip
     """`launch_decode_linear` for 2 to `ROWS_KERNEL_MAX_ROWS` rows: `_decode_rows_kernel`, one launch (arguments as
-    `launch_decode_linear` prepares them for either kernel). Returns None where a part boundary is not a multiple of
-    the narrowest tile (`MIN_ROWS_BLOCK_N`). A tile the GPU cannot hold (Triton's `OutOfResources`, raised before
-    anything is queued) gives way to the next of `smaller_rows_tiles`, remembered for the shape."""
+    `launch_decode_linear` prepares them for either kernel; `squares`: None, or the `(rows, groups)` float32 buffer
+    of the output's sums of squares). Returns None where a part boundary is not a multiple of the narrowest tile
+    (`MIN_ROWS_BLOCK_N`). A tile the GPU cannot hold (Triton's `OutOfResources`, raised before anything is queued)
+    gives way to the next of `smaller_rows_tiles`, remembered for the shape."""
     rows, in_features = x.shape
     out_features = part_ends[-1]
     key = (out_features, in_features, gated, x.dtype, x.device)
@@ -510,7 +547,7 @@ def _launch_rows_kernel(
         try:
             out = _launch_rows_tile(
                 (block_n, *candidate[1:]), x, weight, bias, up_weight, up_bias, part_ends, part_pointers,
-                norm_weight, eps, residual, gated, counters,
+                norm_weight, eps, residual, gated, counters, norm_squares, squares,
             )  # fmt: skip
         except OutOfResources as error:
             last_error = error
@@ -524,8 +561,9 @@ def _launch_rows_kernel(
 
 
 def _launch_rows_tile(
-    tile, x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters
-):
+    tile, x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated, counters,
+    norm_squares=None, squares=None,
+):  # fmt: skip
     """One launch of `_decode_rows_kernel` with `tile` `(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab)`."""
     rows, in_features = x.shape
     out_features = part_ends[-1]
@@ -537,19 +575,35 @@ def _launch_rows_tile(
         check_arrival_counters(counters, tiles, x.device, "split_k_counters")
         partials = torch.empty(tiles * split_k * (2 if gated else 1) * ROWS_KERNEL_MAX_ROWS * block_n,
                                dtype=torch.float32, device=x.device)  # fmt: skip
+    norm_groups = 0 if norm_squares is None else norm_squares.shape[1]
     pdl = programmatic_launch(x.device)
     _decode_rows_kernel[(tiles, split_k)](
         x, weight, *(_pointer(t, x) for t in (bias, up_weight, up_bias, norm_weight, residual)), out, partials,
-        counters, *part_pointers, rows, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        counters, *part_pointers, _pointer(norm_squares, x), _pointer(squares, x), rows, x.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_M=ROWS_KERNEL_MAX_ROWS, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, K_SPLIT=triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k,
         NORM_BLOCK_K=min(triton.next_power_of_2(in_features), ROWS_NORM_CHUNK_ELEMENTS // ROWS_KERNEL_MAX_ROWS),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, **_part_flags(part_ends),
-        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, num_warps=num_warps,
-        launch_pdl=pdl,
+        NUM_STAGES=num_stages, SWAP_AB=swap_ab, EARLY_RESIDUAL=ROWS_EARLY_RESIDUAL, NORM_GROUPS=norm_groups,
+        NORM_GROUPS_BLOCK=triton.next_power_of_2(max(norm_groups, 1)), STORE_SQUARES=squares is not None,
+        GROUP=SQUARES_GROUP, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
+
+
+def squares_groups(features: int) -> int:
+    """Columns of the sums of squares of `features`-wide rows: one per `SQUARES_GROUP` features, the last partial."""
+    return -(-features // SQUARES_GROUP)
+
+
+def row_squares(rows: torch.Tensor) -> torch.Tensor:
+    """`(n, features)` -> `(n, squares_groups(features))` float32: each `SQUARES_GROUP` columns' sum of squares, the
+    layout `launch_decode_linear(with_squares=True)` returns and `norm_squares` takes (here in PyTorch)."""
+    features = rows.shape[-1]
+    padded = nn.functional.pad(rows.float(), (0, squares_groups(features) * SQUARES_GROUP - features))
+    return padded.square().view(rows.shape[0], -1, SQUARES_GROUP).sum(-1)
 
 
 def launch_decode_linear(
@@ -565,7 +619,9 @@ def launch_decode_linear(
     part_weights: list[torch.Tensor] | tuple = (),
     part_biases: list[torch.Tensor] | tuple = (),
     split_k_counters: torch.Tensor | None = None,
-) -> torch.Tensor:
+    norm_squares: torch.Tensor | None = None,
+    with_squares: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`residual + act(linear(norm(x)))` for a few rows; the body of the `funaudiochat::decode_linear` operator.
 
     Args:
@@ -586,8 +642,13 @@ def launch_decode_linear(
             `ROWS_KERNEL_MAX_ROWS` rows the several-row kernel runs instead of the GEMV kernel (unless a part
             boundary is not a multiple of `MIN_ROWS_BLOCK_N` columns); its programs count their arrivals there and
             leave it zero. Not to be shared by launches that may run at the same time (another stream).
+        norm_squares: None, or x's sums of squares `(rows, squares_groups(in_features))` float32 (`row_squares`'
+            layout: what the launch that wrote x returned `with_squares`), for the norm: the several-row kernel then
+            adds these up instead of reading all of x in every program. Needs `norm_weight`.
+        with_squares: also return the output's `row_squares` (the several-row kernel stores them in its epilogue).
     Returns:
-        `(rows, out_features)` in x's dtype (`out_features` summed over the parts).
+        `(rows, out_features)` in x's dtype (`out_features` summed over the parts); with `with_squares`, a tuple of
+        it and its `(rows, squares_groups(out_features))` float32 sums of squares.
     """
     if len(part_weights) > 2 or (gated and part_weights):
         raise ValueError("`part_weights` takes at most two weights, and not with `gated`.")
@@ -600,22 +661,28 @@ def launch_decode_linear(
     rows, in_features = x.shape
     if any(part.shape[1] != in_features for part in part_weights):
         raise ValueError(f"Every part weight must take the {in_features} input features of `x`.")
+    if norm_squares is not None:
+        _check_norm_squares(norm_squares, norm_weight, rows, in_features)
     if gated and up_weight is None:  # views of the fused copy: its two halves are contiguous
         out_features = weight.shape[0] // 2
         weight, up_weight = weight[:out_features], weight[out_features:]
         if bias is not None:
             bias, up_bias = bias[:out_features], bias[out_features:]
     part_ends = list(itertools.accumulate(t.shape[0] for t in (weight, *part_weights)))
+    out_features = part_ends[-1]
     parts = [*itertools.zip_longest(part_weights, part_biases), (None, None), (None, None)][:2]
     part_pointers = [_pointer(t, x) for part in parts for t in part]  # weight_1, bias_1, weight_2, bias_2
     if split_k_counters is not None and 1 < rows <= ROWS_KERNEL_MAX_ROWS:
+        squares = None
+        if with_squares:
+            squares = torch.empty(rows, squares_groups(out_features), dtype=torch.float32, device=x.device)
         out = _launch_rows_kernel(
             x, weight, bias, up_weight, up_bias, part_ends, part_pointers, norm_weight, eps, residual, gated,
-            split_k_counters,
-        )
+            split_k_counters, norm_squares, squares,
+        )  # fmt: skip
         if out is not None:
-            return out
-    out_features = part_ends[-1]
+            return (out, squares) if with_squares else out
+    # The GEMV kernel: each program reads its row whole, and computes the norm from it.
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = kernel_tile(out_features, in_features, gated)
     block_n = _part_tile(block_n, part_ends)
@@ -627,13 +694,34 @@ def launch_decode_linear(
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         **_part_flags(part_ends), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
-    return out
+    return (out, row_squares(out)) if with_squares else out
+
+
+def _check_norm_squares(norm_squares: torch.Tensor, norm_weight: torch.Tensor | None, rows: int, in_features: int):
+    """`launch_decode_linear`'s `norm_squares` argument: for a normed input, of `row_squares`' layout."""
+    if norm_weight is None:
+        raise ValueError("`norm_squares` are the sums of squares of a normed input: give `norm_weight` too.")
+    expected = (rows, squares_groups(in_features))
+    if tuple(norm_squares.shape) != expected or norm_squares.dtype != torch.float32:
+        raise ValueError(
+            f"`norm_squares` must be float32 of shape {expected} (the sums of squares of x's {in_features} features "
+            f"by {SQUARES_GROUP}), got {norm_squares.dtype} {tuple(norm_squares.shape)}."
+        )
+    if not norm_squares.is_contiguous():
+        raise ValueError("`norm_squares` must be contiguous.")
+
+
+def _fake_output(x, weight, gated, up_weight, part_weights) -> torch.Tensor:
+    """The `(rows, out_features)` output of `launch_decode_linear` as a fake (meta) tensor."""
+    out_features = weight.shape[0] // 2 if gated and up_weight is None else weight.shape[0]
+    return x.new_empty(x.shape[0], out_features + sum(part.shape[0] for part in part_weights))
 
 
 if triton is not None:
-    # An opaque operator (not `triton_op`): torch.compile's own launches of traced Triton kernels cannot ask for a
+    # Opaque operators (not `triton_op`): torch.compile's own launches of traced Triton kernels cannot ask for a
     # programmatic dependent launch; with CUDA graphs (the compiled loop's default) the launcher's host code only
-    # runs while recording.
+    # runs while recording. `split_k_counters` is written while the kernels run but left as it was found (zeros):
+    # not a mutation.
     @torch.library.custom_op("funaudiochat::decode_linear", mutates_args=())
     def _decode_linear_op(
         x: torch.Tensor,
@@ -648,18 +736,44 @@ if triton is not None:
         part_weights: list[torch.Tensor],
         part_biases: list[torch.Tensor],
         split_k_counters: torch.Tensor | None,
+        norm_squares: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # `split_k_counters` is written while the kernel runs but left as it was found (zeros): not a mutation.
         return launch_decode_linear(
             x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-            split_k_counters,
-        )
+            split_k_counters, norm_squares,
+        )  # fmt: skip
 
     @_decode_linear_op.register_fake
     def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-          split_k_counters):  # fmt: skip
-        out_features = weight.shape[0] // 2 if gated and up_weight is None else weight.shape[0]
-        return x.new_empty(x.shape[0], out_features + sum(part.shape[0] for part in part_weights))
+          split_k_counters, norm_squares=None):  # fmt: skip
+        return _fake_output(x, weight, gated, up_weight, part_weights)
+
+    @torch.library.custom_op("funaudiochat::decode_linear_and_squares", mutates_args=())
+    def _decode_linear_and_squares_op(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        residual: torch.Tensor | None,
+        gated: bool,
+        up_weight: torch.Tensor | None,
+        up_bias: torch.Tensor | None,
+        part_weights: list[torch.Tensor],
+        part_biases: list[torch.Tensor],
+        split_k_counters: torch.Tensor | None,
+        norm_squares: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch_decode_linear(
+            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
+            split_k_counters, norm_squares, with_squares=True,
+        )  # fmt: skip
+
+    @_decode_linear_and_squares_op.register_fake
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
+          split_k_counters, norm_squares=None):  # fmt: skip
+        out = _fake_output(x, weight, gated, up_weight, part_weights)
+        return out, x.new_empty(x.shape[0], squares_groups(out.shape[1]), dtype=torch.float32)
 
 
 def kernel_readable(linears, norms=()) -> bool:
@@ -759,17 +873,23 @@ def decode_linear(
     up: nn.Linear | None = None,
     parts: tuple[nn.Linear, ...] = (),
     split_k_counters: torch.Tensor | None = None,
-) -> torch.Tensor:
+    norm_squares: torch.Tensor | None = None,
+    with_squares: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`(..., in_features)` -> `(..., out_features)`: `residual + act(linear(norm(x)))` through the operator.
 
     `norm` is a Qwen3 RMSNorm module (its weight and `variance_epsilon` are used); `gated` as in
     [`launch_decode_linear`], with `up` the up projection when it is not part of `weight`; `parts`: up to two more
     linears of the same input whose outputs follow (`launch_decode_linear`'s `part_weights`); `split_k_counters`: for
-    2 to `ROWS_KERNEL_MAX_ROWS` rows, the several-row kernel's counters (see `launch_decode_linear`)."""
+    2 to `ROWS_KERNEL_MAX_ROWS` rows, the several-row kernel's counters (see `launch_decode_linear`). `with_squares`:
+    also return the output rows' `(rows, groups)` sums of squares, which a next call whose `norm` reads this output
+    takes as `norm_squares` (`funaudiochat::decode_linear_and_squares`)."""
     shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     flat_residual = None if residual is None else residual.reshape(rows.shape[0], -1)
-    out = torch.ops.funaudiochat.decode_linear(
+    operators = torch.ops.funaudiochat
+    operator = operators.decode_linear_and_squares if with_squares else operators.decode_linear
+    result = operator(
         rows,
         weight,
         bias,
@@ -782,8 +902,11 @@ def decode_linear(
         [part.weight for part in parts],
         [] if bias is None else [part.bias for part in parts],
         split_k_counters,
+        norm_squares,
     )
-    return out.view(*shape, out.shape[-1])
+    out, squares = result if with_squares else (result, None)
+    out = out.view(*shape, out.shape[-1])
+    return (out, squares) if with_squares else out
 
 
 __all__ = [
@@ -795,9 +918,11 @@ __all__ = [
     "kernel_tile",
     "launch_decode_linear",
     "own_weight_kernels",
+    "row_squares",
     "rows_kernel_tile",
     "smaller_rows_tiles",
     "split_k_counters_for",
+    "squares_groups",
     "use_decode_kernels",
     "use_rows_kernel",
 ]
