@@ -15,7 +15,8 @@ Here each projection is one kernel of many small programs (2-8 output columns ov
 
 Rounding follows the eager layer: the norm output, each GEMM output and the activation are rounded to the model
 dtype where transformers rounds them; only the float32 summation order differs from cuBLAS (results equal the eager
-layer up to one rounding of the model dtype; in float32 to ~1e-6). The launcher is an opaque PyTorch operator
+layer up to one rounding of the model dtype; in float32 to ~1e-6). One exception: the one-row kernel folds the norm
+of inputs of up to `GEMV_FOLDED_NORM_MAX_FEATURES` into its products and does not round the normed input. The launcher is an opaque PyTorch operator
 (`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA graphs replay.
 
 On Hopper GPUs the kernels are programmatic dependent launches (`PROGRAMMATIC_DEPENDENT_LAUNCH` in
@@ -72,6 +73,13 @@ NUM_WARPS = 8
 MAX_BLOCK_K = 2048
 MAX_BLOCK_K_GATED = 512
 MAX_BLOCK_K_GATED_WIDE = 256
+# The GEMV kernel's input norm folded into its products for inputs of up to this many features (the CRQ's q/k/v and
+# gate/up): `sum_k x_k g_k w_nk` and `sum_k x_k^2` accumulate in one pass and the RMS scales the sums at the end, so
+# no program waits for the norm's reduction before its first product (the normed input is not rounded to the model
+# dtype there, as the eager layer rounds it: results within one more rounding). Measured on an H200 (BENCHMARKS.md,
+# 2026-12-04, interleaved rounds): a one-row CRQ sub-step 647 against 667 µs; folded at every width the LLM's 36
+# layers took 4,550 against 3,938 µs. 0: never folded (for comparisons).
+GEMV_FOLDED_NORM_MAX_FEATURES = 1024
 # A layer with its own q, k and v weights (the LLM) runs the three as one kernel (`part_weights`) instead of three.
 # Measured on an H200 (BENCHMARKS.md, 2026-12-01 20:50–21:35): the LLM's 36 layers at batch 1, 4,031 against 4,204 µs
 # (interleaved rounds). False: three kernels (for comparisons).
@@ -172,7 +180,7 @@ if triton is not None:
         stride_x, stride_residual, stride_out,
         N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0,
+        PDL: tl.constexpr, PART_1: tl.constexpr = 0, PART_2: tl.constexpr = 0, FOLDED_NORM: tl.constexpr = False,
     ):  # fmt: skip
         """BLOCK_N output columns of row `program_id(1)`. x `(rows, K)`; weight (the gate's when GATED) and up weight
         `(N, K)`, biases `(N,)`; norm weight `(K,)`; residual / out `(rows, N)`.
@@ -188,6 +196,9 @@ if triton is not None:
         chunk are fetched before waiting for the previous kernel of the stream, whose output (x, the residual) is
         only read after the wait; the residual right after it, with x, not after the reduction (the LLM's 36 layers
         at batch 1: 4,005 against 4,040 µs; a CRQ sub-step unchanged, 695 / 693).
+
+        FOLDED_NORM: the norm in the same pass as the products, `rsqrt(mean(x^2) + eps) * sum_k x_k g_k w_nk` (not
+        rounded to the model dtype before the products), instead of a pass over x for the RMS before them.
         """
         dtype = out_ptr.dtype.element_ty
         x_row = x_ptr + tl.program_id(1) * stride_x
@@ -214,8 +225,9 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         if HAS_RESIDUAL:  # an earlier kernel's output: fetched with x, not after the reduction
             residual = tl.load(residual_ptr + tl.program_id(1) * stride_residual + col, mask=col_ok, other=0.0)
-        if HAS_NORM:  # Qwen3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded, times the weight, rounded
-            squares = tl.zeros([BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        # Qwen3RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, rounded, times the weight, rounded (FOLDED_NORM: below)
+        if HAS_NORM and not FOLDED_NORM:
             for k0 in tl.static_range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_row + k, mask=(k < K) if MASK_K else None, other=0.0 if MASK_K else None)
@@ -233,7 +245,11 @@ if triton is not None:
                 else:
                     norm_weight = tl.load(norm_weight_ptr + k, mask=k_ok if MASK_K else None,
                                           other=0.0 if MASK_K else None)  # fmt: skip
-                x = (x.to(tl.float32) * inverse_rms).to(dtype) * norm_weight
+                if FOLDED_NORM:  # x * weight now, times the inverse RMS after the reduction
+                    squares += x.to(tl.float32) * x.to(tl.float32)
+                    x = x.to(tl.float32) * norm_weight.to(tl.float32)
+                else:
+                    x = (x.to(tl.float32) * inverse_rms).to(dtype) * norm_weight
             x = x.to(tl.float32)[None, :]
             if PDL and k0 == 0:
                 w = first_weight
@@ -249,11 +265,16 @@ if triton is not None:
         if PDL:  # the next kernel may start fetching its weights
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.sum(products, axis=1)
+        if HAS_NORM and FOLDED_NORM:
+            inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + EPS)
+            acc = acc * inverse_rms
         if HAS_BIAS:
             acc += tl.load(bias_ptr + weight_col, mask=col_ok, other=0.0).to(tl.float32)
         out = acc.to(dtype)
         if GATED:  # act_fn(gate) * up on the rounded GEMM outputs, the activation rounded first
             acc_up = tl.sum(up_products, axis=1)
+            if HAS_NORM and FOLDED_NORM:
+                acc_up = acc_up * inverse_rms
             if HAS_BIAS:
                 acc_up += tl.load(up_bias_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
             gate = out.to(tl.float32)
@@ -692,7 +713,8 @@ def launch_decode_linear(
         *part_pointers, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         N=out_features, K=in_features, EPS=float(eps), HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        **_part_flags(part_ends), num_warps=num_warps, launch_pdl=pdl,
+        **_part_flags(part_ends), FOLDED_NORM=in_features <= GEMV_FOLDED_NORM_MAX_FEATURES,
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return (out, row_squares(out)) if with_squares else out
 
