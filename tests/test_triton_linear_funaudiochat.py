@@ -830,14 +830,16 @@ def test_kernel_view_is_one_object_sharing_the_fused_weights():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernel_matches_eager_composition(dtype):
-    """Float32: 1e-5; bfloat16: one rounding of the model dtype on values of order 1-4 (3e-2)."""
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    """Float32: 1e-5; bfloat16: one rounding of the model dtype on values of order 1-4 (3e-2), and where the norm is
+    folded into the products (inputs of up to 1,024 features, the normed input not rounded) one or two roundings of
+    the outputs, which reach 8-16 after SiLU * up (relative 2e-2)."""
+    atol, rtol = (1e-5, 0.0) if dtype == torch.float32 else (3e-2, 2e-2)
     full_size = [(1, 4096, 1024, True, False, False, False, False), (1, 3072, 1024, True, False, False, True, False)]
     for case in [*CASES, *full_size, (1, 12288, 4096, True, False, False, True, True)]:
         kwargs, expected = case_tensors(*case, dtype=dtype, device="cuda")
         got = torch.ops.funaudiochat.decode_linear(*kwargs.values(), [], [], None)
         assert got.dtype == dtype and got.shape == expected.shape
-        assert (got.float() - expected.float()).abs().max().item() < tolerance, case
+        torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol, msg=str(case))
 
 
 @pytest.mark.gpu
