@@ -16,8 +16,9 @@ Here each projection is one kernel of many small programs (2-8 output columns ov
 Rounding follows the eager layer: the norm output, each GEMM output and the activation are rounded to the model
 dtype where transformers rounds them; only the float32 summation order differs from cuBLAS (results equal the eager
 layer up to one rounding of the model dtype; in float32 to ~1e-6). One exception: the one-row kernel folds the norm
-of inputs of up to `GEMV_FOLDED_NORM_MAX_FEATURES` into its products and does not round the normed input. The launcher is an opaque PyTorch operator
-(`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA graphs replay.
+of inputs of up to `GEMV_FOLDED_NORM_MAX_FEATURES` into its products and does not round the normed input. The
+launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA
+graphs replay.
 
 On Hopper GPUs the kernels are programmatic dependent launches (`PROGRAMMATIC_DEPENDENT_LAUNCH` in
 `triton_attention_funaudiochat`): each program fetches its first weight tiles before `griddepcontrol.wait`, so the
@@ -739,61 +740,40 @@ def _fake_output(x, weight, gated, up_weight, part_weights) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features + sum(part.shape[0] for part in part_weights))
 
 
+# The operators' bodies (`launch_decode_linear` looked up at each call).
+def _decode_linear(*args) -> torch.Tensor:
+    return launch_decode_linear(*args)
+
+
+def _decode_linear_and_squares(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    return launch_decode_linear(*args, with_squares=True)
+
+
+# The operators' arguments: `launch_decode_linear`'s but `with_squares`, which picks the operator.
+_OPERATOR_ARGUMENTS = (
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, Tensor? residual, bool gated, "
+    "Tensor? up_weight, Tensor? up_bias, Tensor[] part_weights, Tensor[] part_biases, Tensor? split_k_counters, "
+    "Tensor? norm_squares=None)"
+)
 if triton is not None:
     # Opaque operators (not `triton_op`): torch.compile's own launches of traced Triton kernels cannot ask for a
     # programmatic dependent launch; with CUDA graphs (the compiled loop's default) the launcher's host code only
     # runs while recording. `split_k_counters` is written while the kernels run but left as it was found (zeros):
     # not a mutation.
-    @torch.library.custom_op("funaudiochat::decode_linear", mutates_args=())
-    def _decode_linear_op(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        norm_weight: torch.Tensor | None,
-        eps: float,
-        residual: torch.Tensor | None,
-        gated: bool,
-        up_weight: torch.Tensor | None,
-        up_bias: torch.Tensor | None,
-        part_weights: list[torch.Tensor],
-        part_biases: list[torch.Tensor],
-        split_k_counters: torch.Tensor | None,
-        norm_squares: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return launch_decode_linear(
-            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-            split_k_counters, norm_squares,
-        )  # fmt: skip
+    _decode_linear_op = torch.library.custom_op(
+        "funaudiochat::decode_linear", _decode_linear, mutates_args=(), schema=f"{_OPERATOR_ARGUMENTS} -> Tensor"
+    )
+    _decode_linear_and_squares_op = torch.library.custom_op(
+        "funaudiochat::decode_linear_and_squares", _decode_linear_and_squares, mutates_args=(),
+        schema=f"{_OPERATOR_ARGUMENTS} -> (Tensor, Tensor)",
+    )  # fmt: skip
 
     @_decode_linear_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-          split_k_counters, norm_squares=None):  # fmt: skip
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, *rest):
         return _fake_output(x, weight, gated, up_weight, part_weights)
 
-    @torch.library.custom_op("funaudiochat::decode_linear_and_squares", mutates_args=())
-    def _decode_linear_and_squares_op(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        norm_weight: torch.Tensor | None,
-        eps: float,
-        residual: torch.Tensor | None,
-        gated: bool,
-        up_weight: torch.Tensor | None,
-        up_bias: torch.Tensor | None,
-        part_weights: list[torch.Tensor],
-        part_biases: list[torch.Tensor],
-        split_k_counters: torch.Tensor | None,
-        norm_squares: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch_decode_linear(
-            x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-            split_k_counters, norm_squares, with_squares=True,
-        )  # fmt: skip
-
     @_decode_linear_and_squares_op.register_fake
-    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, part_biases,
-          split_k_counters, norm_squares=None):  # fmt: skip
+    def _(x, weight, bias, norm_weight, eps, residual, gated, up_weight, up_bias, part_weights, *rest):
         out = _fake_output(x, weight, gated, up_weight, part_weights)
         return out, x.new_empty(x.shape[0], squares_groups(out.shape[1]), dtype=torch.float32)
 
