@@ -227,7 +227,6 @@ def _decoder_layer(
     decode_step = kernel_step or _one_position_on_gpu(hidden_states)
     static_layer = writable_static_layer(cache, attention.layer_idx) if decode_step else None
     if static_layer is not None:  # a decode step over a static cache on CUDA
-        norm_squares = norm_squares if with_squares else None
         query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters, norm_squares)
         # With the Triton attention, the q/k norms, rotary and cache write run inside its kernels (at any batch size:
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
