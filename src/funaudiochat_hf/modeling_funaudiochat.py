@@ -12,6 +12,7 @@ Data flow (spec §4-5):
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioAttention,
@@ -79,6 +80,23 @@ class FunAudioChatCausalLMOutputWithPast(CausalLMOutputWithPast):
     speech_loss: torch.FloatTensor | None = None
     speech_logits: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
+
+
+@dataclass
+class FunAudioChatAudioFeaturesOutput(BaseModelOutputWithPooling):
+    r"""
+    Output of [`FunAudioChatForConditionalGeneration.get_audio_features`].
+
+    last_hidden_state (`torch.FloatTensor` of shape `(clips, speech_maxlen, output_dim)`): 25 Hz continuous features,
+        already projected to the LLM width inside the encoder (official layout); zero past each clip's length.
+    pooler_output: always None. The continuous features reach the LLM pooled to 5 Hz together with the speech ids, by
+        the discrete encoder (`audio_tower`), not on their own.
+    hidden_states, attentions: the encoder layers', see [`FunAudioChatAudioEncoder.forward`].
+    audio_output_lengths (`torch.LongTensor` of shape `(clips,)`): valid frames of each clip in `last_hidden_state`
+        (before truncation to `speech_maxlen`).
+    """
+
+    audio_output_lengths: torch.LongTensor | None = None
 
 
 @dataclass
@@ -254,6 +272,17 @@ class FunAudioChatPreTrainedModel(PreTrainedModel):
         if isinstance(module, FunAudioChatAudioEncoder):
             table = sinusoid_position_table(module.positional_embedding.shape[0], module.positional_embedding.shape[1])
             init.copy_(module.positional_embedding, table)
+        elif isinstance(module, FunAudioChatUnusedTable):
+            init.zeros_(module.weight)
+
+
+class FunAudioChatUnusedTable(nn.Module):
+    """A `(num_rows, dim)` table the official checkpoint stores (`<prefix>.weight`) but the model never reads: a
+    persistent buffer, so it round-trips through checkpoints without being a parameter that never gets a gradient."""
+
+    def __init__(self, num_rows: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_rows, dim))
 
 
 class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
@@ -265,8 +294,12 @@ class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
     padded to `chunk_frames` rows each, `(num_chunks * chunk_frames, d_model)`, and one batched call covers them all.
     """
 
-    def forward(self, hidden_states, cu_seqlens, attention_mask=None, **kwargs):
+    def forward(self, hidden_states, cu_seqlens, attention_mask=None, attention_weights: list | None = None, **kwargs):
+        """`attention_weights`: a list that gets this layer's `(num_chunks, heads, chunk_frames, chunk_frames)`
+        weights appended (padded-chunk path with eager attention; other kernels give None)."""
         if attention_mask is None:
+            if attention_weights is not None:
+                raise ValueError("Attention weights are only returned for the padded-chunk path (eager attention).")
             return super().forward(hidden_states, cu_seqlens, **kwargs)
         num_chunks, chunk_frames = attention_mask.shape[0], attention_mask.shape[-1]
 
@@ -274,7 +307,7 @@ class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
             return projection(hidden_states).view(num_chunks, chunk_frames, self.num_heads, -1).transpose(1, 2)
 
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attn_output, _ = attention(
+        attn_output, weights = attention(
             self,
             heads(self.q_proj),
             heads(self.k_proj),
@@ -285,6 +318,8 @@ class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
             is_causal=False,
             **kwargs,
         )
+        if attention_weights is not None:
+            attention_weights.append(weights)
         return self.out_proj(attn_output.reshape(num_chunks * chunk_frames, -1))
 
 
@@ -318,8 +353,9 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             sinusoid_position_table(config.max_source_positions, embed_dim),
             persistent=False,
         )
-        # Present in the official checkpoint (Qwen2.5-Omni heritage) but never used by the model.
-        self.audio_bos_eos_token = nn.Embedding(2, config.output_dim)
+        # Present in the official checkpoint (Qwen2.5-Omni heritage) but never used by the model: kept as a buffer
+        # under the same key, so checkpoints load and save unchanged and no trained parameter goes without gradient.
+        self.audio_bos_eos_token = FunAudioChatUnusedTable(2, config.output_dim)
         self.layers = nn.ModuleList([Qwen2_5OmniAudioEncoderLayer(config) for _ in range(config.encoder_layers)])
         for layer in self.layers:
             layer.self_attn = FunAudioChatAudioAttention(config)
@@ -342,23 +378,36 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         input_features: torch.Tensor,
         feature_lens: torch.Tensor,
         speech_maxlen: int,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
     ) -> BaseModelOutput:
         """
         Args:
             input_features: `(num_mel_bins, total_frames)` the valid mel frames of all clips, concatenated clip-major.
             feature_lens: `(num_clips,)` mel frames per clip (0 for a clip without audio).
             speech_maxlen: output length per clip (`S`, the padded speech-id length).
+            output_hidden_states: also return the input of every layer and the last layer's output (default: config).
+            output_attentions: also return every layer's attention weights (default: config; eager attention).
         Returns:
             `last_hidden_state` `(num_clips, speech_maxlen, output_dim)`: 25 Hz features, zero past each clip's length
-            (and for empty clips), truncated to `speech_maxlen`.
+            (and for empty clips), truncated to `speech_maxlen`. `hidden_states`: `encoder_layers + 1` tensors,
+            `(num_chunks, chunk_frames, d_model)` chunks padded to one length (flash attention: the packed valid
+            frames `(frames, d_model)`). `attentions`: `encoder_layers` tensors `(num_chunks, heads, chunk_frames,
+            chunk_frames)`.
         """
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        all_hidden_states = [] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         num_clips = feature_lens.shape[0]
         dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
         input_features, feature_lens = input_features.to(device), feature_lens.to(device)
         nonempty = feature_lens > 0
         if not bool(nonempty.any()):
             output = torch.zeros(num_clips, speech_maxlen, self.proj.out_features, dtype=dtype, device=device)
-            return BaseModelOutput(last_hidden_state=output)
+            return BaseModelOutput(last_hidden_state=output, hidden_states=None, attentions=None)
         clip_lens = feature_lens[nonempty]
         if int(clip_lens.sum()) != input_features.shape[-1]:
             raise ValueError(
@@ -380,10 +429,16 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         if not self.pad_chunks or "flash" in (self.config._attn_implementation or ""):
             # The valid frames packed, (total_frames_after_conv, d_model), chunk boundaries in cu_seqlens: flash
             # attention's varlen kernel, or transformers' per-chunk attention calls.
+            if output_attentions:
+                raise ValueError("output_attentions needs the padded-chunk path: eager attention and pad_chunks.")
             hidden = hidden[valid]
             cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
             for layer in self.layers:
+                if output_hidden_states:
+                    all_hidden_states.append(hidden)
                 hidden = layer(hidden, cu_seqlens=cu_seqlens)[0]
+            if output_hidden_states:
+                all_hidden_states.append(hidden)
         else:
             # The chunks padded to one length, (num_chunks * frames, d_model), padded keys masked: one attention call
             # per layer for every chunk, no host sync (every op but attention is per frame, so padding rows do not
@@ -393,7 +448,11 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
             hidden = hidden.reshape(num_chunks * frames, -1)
             for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
-                hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask)[0]
+                if output_hidden_states:
+                    all_hidden_states.append(hidden.view(num_chunks, frames, -1))
+                hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask, attention_weights=all_attentions)[0]
+            if output_hidden_states:
+                all_hidden_states.append(hidden.view(num_chunks, frames, -1))
             hidden = hidden.view(num_chunks, frames, -1)[valid]
 
         # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
@@ -409,7 +468,11 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         for clip_index, clip_features in zip(nonempty.nonzero().squeeze(1).tolist(), projected):
             length = min(clip_features.shape[0], speech_maxlen)
             output[clip_index, :length] = clip_features[:length]
-        return BaseModelOutput(last_hidden_state=output)
+        return BaseModelOutput(
+            last_hidden_state=output,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            attentions=tuple(all_attentions) if output_attentions else None,
+        )
 
 
 def _check_token_ids(name: str, ids: torch.Tensor, num_embeddings: int) -> None:
@@ -434,8 +497,6 @@ class FunAudioChatForConditionalGeneration(
     accepts_loss_kwargs = False
     # A leftover CRQ token embedding (never used: the CRQ only gets `inputs_embeds`) is dropped at load time.
     _keys_to_ignore_on_load_unexpected = [r"audio_invert_tower\.crq_transformer\.embed_tokens\."]
-    # A bundled speech decoder runs in float32 whatever the chat model's dtype (its flow overflows in half precision).
-    _keep_in_fp32_modules_strict = ["token2wav"]
 
     def __init__(self, config: FunAudioChatConfig):
         super().__init__(config)
@@ -457,6 +518,9 @@ class FunAudioChatForConditionalGeneration(
         self.language_model = AutoModelForCausalLM.from_config(config.text_config)
         # Optional bundled speech-token decoder (one-folder Hub repos); `generate_speech` uses it for audio.
         self.token2wav = CosyVoice3Token2Wav(config.token2wav_config) if config.token2wav_config is not None else None
+        # A bundled speech decoder runs in float32 whatever the chat model's dtype (its flow overflows in half
+        # precision). Set per instance: a model without one must not name a module it lacks.
+        self._keep_in_fp32_modules_strict = ["token2wav"] if self.token2wav is not None else []
         self.post_init()
 
     @classmethod
@@ -490,18 +554,28 @@ class FunAudioChatForConditionalGeneration(
     def get_audio_features(
         self,
         input_features: torch.Tensor,
-        feature_attention_mask: torch.Tensor,
-        speech_maxlen: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Continuous audio features of every clip with a waveform.
+        feature_attention_mask: torch.Tensor | None = None,
+        speech_maxlen: int | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> FunAudioChatAudioFeaturesOutput | tuple:
+        """Continuous audio features of every clip with a waveform (the `continuous_audio_tower`).
 
         Args:
             input_features: `(A_w, num_mel_bins, frames)` log-mels (right-padded).
-            feature_attention_mask: `(A_w, frames)` 1 on valid mel frames.
-            speech_maxlen: output length `S` (the padded speech-id length).
+            feature_attention_mask: `(A_w, frames)` 1 on valid mel frames (default: all valid).
+            speech_maxlen: output length `S` (the padded speech-id length; default: the longest clip's output length).
+            output_hidden_states, output_attentions: the encoder layers' states / weights (default: the audio config).
+            return_dict: a [`FunAudioChatAudioFeaturesOutput`] (default: `config.return_dict`), else its tuple.
         Returns:
-            `(audio_features (A_w, S, output_dim), audio_output_lengths (A_w,))`; rows past a clip's length are zero.
+            `last_hidden_state` `(A_w, S, output_dim)` 25 Hz features, zero past each clip's length;
+            `audio_output_lengths` `(A_w,)`; `hidden_states` / `attentions` of the encoder when asked for.
         """
+        if feature_attention_mask is None:
+            feature_attention_mask = torch.ones(
+                input_features.shape[0], input_features.shape[-1], dtype=torch.long, device=input_features.device
+            )
         if feature_attention_mask.shape != (input_features.shape[0], input_features.shape[-1]):
             raise ValueError(
                 f"feature_attention_mask {tuple(feature_attention_mask.shape)} does not match input_features "
@@ -509,10 +583,25 @@ class FunAudioChatForConditionalGeneration(
             )
         frame_mask = feature_attention_mask.to(input_features.device).bool()
         feature_lens = frame_mask.sum(-1)
-        packed = input_features.transpose(1, 2)[frame_mask].T  # (num_mel_bins, total_valid_frames), clip-major
-        audio_features = self.continuous_audio_tower(packed, feature_lens, speech_maxlen).last_hidden_state
         _, audio_output_lengths = self.continuous_audio_tower.output_lengths(feature_lens)
-        return audio_features, audio_output_lengths
+        if speech_maxlen is None:
+            speech_maxlen = int(audio_output_lengths.max()) if audio_output_lengths.numel() else 0
+        packed = input_features.transpose(1, 2)[frame_mask].T  # (num_mel_bins, total_valid_frames), clip-major
+        encoder_output = self.continuous_audio_tower(
+            packed,
+            feature_lens,
+            speech_maxlen,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+        )
+        output = FunAudioChatAudioFeaturesOutput(
+            last_hidden_state=encoder_output.last_hidden_state,
+            hidden_states=encoder_output.hidden_states,
+            attentions=encoder_output.attentions,
+            audio_output_lengths=audio_output_lengths,
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
 
     def _embed_prompt(
         self,
@@ -560,8 +649,9 @@ class FunAudioChatForConditionalGeneration(
         if input_features is not None:
             if feature_attention_mask is None:
                 raise ValueError("input_features were given without feature_attention_mask.")
-            continuous, _ = self.get_audio_features(input_features, feature_attention_mask, speech_len)
-            continuous = continuous.to(text_embeds.dtype)
+            continuous = self.get_audio_features(
+                input_features, feature_attention_mask, speech_len, return_dict=True
+            ).last_hidden_state.to(text_embeds.dtype)
         if feature_exist_mask is not None:
             feature_exist_mask = feature_exist_mask.bool()
         audio_embeds = self.audio_tower(speech_ids, continuous, feature_exist_mask).to(text_embeds.device)
@@ -697,7 +787,7 @@ class FunAudioChatForConditionalGeneration(
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.FloatTensor | None = None,
         speech_ids: torch.LongTensor | None = None,
         speech_attention_mask: torch.Tensor | None = None,
@@ -713,8 +803,9 @@ class FunAudioChatForConditionalGeneration(
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values=None,
         **kwargs,
-    ) -> FunAudioChatCausalLMOutputWithPast:
+    ) -> FunAudioChatCausalLMOutputWithPast | tuple:
         r"""
         The official training / evaluation pass (spec §5).
 
@@ -723,15 +814,22 @@ class FunAudioChatForConditionalGeneration(
             speech_ids, speech_attention_mask, input_features, feature_attention_mask, feature_exist_mask, text_ids,
                 text_attention_mask: the audio inputs, see [`~FunAudioChatForConditionalGeneration.embed_prompt`].
                 Only used when `inputs_embeds` is not given.
-            past_key_values / cache: LLM cache (both names accepted).
+            cache: LLM cache. `past_key_values` is its name before transformers 5.24 (deprecated from then on, as in
+                transformers' own models). Both are named parameters, so `generate(..., <name>=cache)` passes
+                generate's check of the model kwargs on every supported release.
             labels: `(batch, seq)` un-shifted labels, -100 outside the assistant turns. Adds `text_loss`,
                 `speech_loss` (CRQ teacher forcing) and `loss = text_loss + speech_loss`.
             disable_speech: skip the CRQ (no `speech_logits` / `speech_loss`), e.g. for text-only generation.
             logits_to_keep: compute text logits only for the last `logits_to_keep` positions (0 = all).
+            return_dict: the output dataclass (default: `config.return_dict`), else its tuple (None fields left out).
         """
-        cache = kwargs.pop("cache", None)
-        if cache is None:
-            cache = past_key_values
+        if past_key_values is not None:
+            if CACHE_KWARG == "cache":
+                warnings.warn(
+                    "`past_key_values` is deprecated in favour of `cache` (as in transformers >= 5.24).", FutureWarning
+                )
+            if cache is None:
+                cache = past_key_values
         kwargs.pop("num_items_in_batch", None)  # the reference losses are plain means
         if input_ids is None and inputs_embeds is None:
             raise ValueError("Pass input_ids or inputs_embeds.")
@@ -812,7 +910,7 @@ class FunAudioChatForConditionalGeneration(
         if text_loss is not None:
             loss = text_loss if speech_loss is None else text_loss + speech_loss.to(text_loss.device)
 
-        return FunAudioChatCausalLMOutputWithPast(
+        output = FunAudioChatCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             hidden_states=decoder_outputs.hidden_states,
@@ -823,6 +921,8 @@ class FunAudioChatForConditionalGeneration(
             last_hidden_state=last_hidden_state,
             **{OUTPUT_CACHE_FIELD: getattr(decoder_outputs, OUTPUT_CACHE_FIELD, None)},
         )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if return_dict else output.to_tuple()
 
     # ----------------------------------------------------------------------------------------------------------
     # Text-only generation through the standard `generate`
@@ -888,13 +988,24 @@ class FunAudioChatForConditionalGeneration(
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
         """The prefill embeds the prompt with its audio; later steps only feed the new token ids. The CRQ never runs
-        inside `generate` (text-only answers); speech answers come from the speech generation loop."""
+        inside `generate` (text-only answers); speech answers come from the speech generation loop.
+
+        Continuing from a cache (`generate(..., cache=...)`), the prefill feeds only the uncached ids: the audio goes
+        with them only when they hold `<|AUDIO|>` slots (the cached prefix already holds its audio)."""
         audio_inputs = {name: kwargs.pop(name, None) for name in self._AUDIO_INPUT_NAMES}
         model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         is_prefill = kwargs.get("is_first_iteration", False)
         if not is_prefill:
             cache = model_inputs.get(CACHE_KWARG)
             is_prefill = cache is None or cache.get_seq_length() == 0
+        new_ids = model_inputs.get("input_ids")
+        if (
+            is_prefill
+            and audio_inputs["speech_ids"] is not None
+            and new_ids is not None
+            and new_ids.shape[-1] < input_ids.shape[-1]
+        ):
+            is_prefill = bool((new_ids == self.config.audio_token_index).any())
         if is_prefill and model_inputs.get("inputs_embeds") is None:
             model_inputs.update({k: v for k, v in audio_inputs.items() if v is not None})
         model_inputs["disable_speech"] = True

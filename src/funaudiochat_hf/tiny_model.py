@@ -111,8 +111,15 @@ def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
     biases N(0, 0.02^2), norm weights 1 + N(0, 0.1^2), embeddings N(0, 0.5^2), matrices N(0, 1/fan_in). Large,
     fan-in-scaled weights give peaky logits, so greedy decoding makes clear (if meaningless) choices."""
     generator = torch.Generator().manual_seed(seed)
+    # Parameters and persistent buffers (the unused `audio_bos_eos_token` table is one) in checkpoint order, tied
+    # tensors once: the order of `named_parameters()` when that table was a parameter, so the weights stay the same.
+    tensors, seen = [], set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.is_floating_point() and id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append((name, tensor))
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in tensors:
             if name.startswith("token2wav."):
                 continue
             if param.ndim == 1:
