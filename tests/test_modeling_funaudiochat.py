@@ -1,6 +1,7 @@
 """FunAudioChatForConditionalGeneration: parity with the reference outputs (fixtures b, c, d), loading quirks,
 text-only `generate`, and training details (gradient checkpointing)."""
 
+import copy
 import os
 import subprocess
 
@@ -10,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForSeq2SeqLM
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
+from funaudiochat_hf.compat import OUTPUT_CACHE_FIELD, cache_kwargs
 from funaudiochat_hf.configuration_funaudiochat import FunAudioChatConfig
 from funaudiochat_hf.modeling_funaudiochat import (
     FunAudioChatAudioEncoder,
@@ -357,6 +359,78 @@ def test_generate_with_several_return_sequences_keeps_each_rows_clips(model):
                 torch.testing.assert_close(out.logits[0][copy], first_logits[row], atol=1e-4, rtol=1e-4)
                 if "top_k" in expand:
                     assert torch.equal(out.sequences[copy, -4:], greedy[row]), (row, copy)
+
+
+def test_generate_continues_from_a_returned_cache(model, prompt_inputs):
+    """`generate(..., cache=<returned cache>)` (`past_key_values=` before transformers 5.24) gives the tokens of one
+    uninterrupted call. The same audio inputs are passed again: the cached prefix holds them already."""
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=320)
+    audio = {k: v for k, v in prompt_inputs.items() if k not in ("input_ids", "attention_mask")}
+    whole = model.generate(**prompt_inputs, max_new_tokens=6, **kwargs)
+    first = model.generate(**prompt_inputs, max_new_tokens=3, return_dict_in_generate=True, **kwargs)
+    cache = getattr(first, OUTPUT_CACHE_FIELD)
+    assert cache.get_seq_length() == first.sequences.shape[1] - 1
+    mask = torch.ones_like(first.sequences)
+    rest = model.generate(first.sequences, attention_mask=mask, **audio, **cache_kwargs(cache), max_new_tokens=3, **kwargs)
+    assert torch.equal(rest, whole)
+
+
+def test_return_dict_false_gives_the_outputs_tuple(model, prompt_inputs):
+    with torch.no_grad():
+        out = model(**prompt_inputs)
+        flat = model(**prompt_inputs, return_dict=False)
+    assert isinstance(flat, tuple) and len(flat) == len(out.to_tuple())
+    for got, expected in zip(flat, out.to_tuple()):
+        if isinstance(expected, torch.Tensor):
+            assert torch.equal(got, expected)
+    with torch.no_grad():
+        features = model.get_audio_features(prompt_inputs["input_features"], return_dict=False)
+    assert isinstance(features, tuple) and features[0].shape[-1] == model.config.text_config.hidden_size
+
+
+def test_get_audio_features_follows_the_transformers_convention(model, prompt_inputs):
+    """Only `input_features` needed; `output_hidden_states` / `output_attentions` / `return_dict` as transformers' own
+    audio models take them; the features do not depend on what else is returned."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    features = prompt_inputs["input_features"]
+    layers = model.config.audio_config.encoder_layers
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        plain = model.get_audio_features(input_features=features)
+        full = eager.get_audio_features(input_features=features, output_hidden_states=True, output_attentions=True)
+    assert isinstance(plain, BaseModelOutputWithPooling)
+    # Default mask: every frame valid; default length: the clip's output length.
+    assert plain.last_hidden_state.shape == (1, int(plain.audio_output_lengths[0]), model.config.hidden_size)
+    assert plain.hidden_states is None and plain.attentions is None
+    assert_close(full.last_hidden_state, plain.last_hidden_state)
+    assert len(full.hidden_states) == layers + 1 and len(full.attentions) == layers
+    chunks, frames = full.hidden_states[0].shape[:2]
+    heads = model.config.audio_config.encoder_attention_heads
+    assert full.attentions[0].shape == (chunks, heads, frames, frames)
+    # Softmax rows over the valid keys of each chunk.
+    assert_close(full.attentions[-1].sum(-1), torch.ones(chunks, heads, frames))
+
+
+def test_keep_in_fp32_modules_name_only_modules_the_model_has(model):
+    from funaudiochat_hf.tiny_model import tiny_model_config
+
+    assert model.token2wav is None and not model._keep_in_fp32_modules_strict
+    with_decoder = FunAudioChatForConditionalGeneration(tiny_model_config())
+    assert with_decoder._keep_in_fp32_modules_strict == {"token2wav"}
+    assert any(name.startswith("token2wav.") for name in with_decoder.state_dict())
+
+
+def test_every_trainable_parameter_gets_a_gradient_from_audio_inputs(model, train_golden):
+    """The official checkpoint's unused `audio_bos_eos_token` table still loads (a buffer under the same key), but is
+    no parameter that never gets a gradient."""
+    key = "continuous_audio_tower.audio_bos_eos_token.weight"
+    assert torch.equal(model.state_dict()[key], load_file(FUNAUDIOCHAT_TINY / "model.safetensors")[key])
+    trained = copy.deepcopy(model).train()
+    trained(**train_batch(train_golden)).loss.backward()
+    no_gradient = [name for name, param in trained.named_parameters() if param.requires_grad and param.grad is None]
+    assert not no_gradient
 
 
 @pytest.mark.skipif(not os.path.exists(OLD_TRANSFORMERS_PYTHON), reason="no transformers 5.17 interpreter")
