@@ -234,3 +234,10 @@ def test_complete_files_do_not_warn(waveform):
         for fmt, subtype in (("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS")):
             load_audio(_encode(waveform, 16000, fmt=fmt, subtype=subtype))
         load_audio(WAV_PATH)
+
+
+def test_float64_beyond_float32_range_is_named():
+    with pytest.raises(ValueError, match="reach 1e"):
+        load_audio(np.array([0.0, 1e300, 0.5]))
+    with pytest.raises(ValueError, match="1 Inf"):  # a real Inf stays named as such
+        load_audio(np.array([0.0, np.inf, 0.5]))

@@ -258,6 +258,8 @@ def test_decoding_helpers(processor):
         ("<|AUDIO|>", ["/no/such/file.wav"], "not found"),
         ("<|AUDIO|>", ['{"path": "", "token": '], "could not be parsed"),
         (None, None, "`text` is required"),
+        ("", None, "Prompt 0 is empty"),
+        (["hi", ""], None, "Prompt 1 is empty"),
     ],
 )
 def test_errors(processor, text, audio, message):

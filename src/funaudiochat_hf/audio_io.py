@@ -182,7 +182,14 @@ def _array_from_value(value: Any) -> np.ndarray:
         return _integer_pcm_to_float(value)
     if np.issubdtype(value.dtype, np.bool_) or not np.issubdtype(value.dtype, np.floating):
         raise ValueError(f"Expected a floating-point or integer PCM waveform, got dtype {value.dtype}.")
-    return value.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):
+        converted = value.astype(np.float32, copy=False)
+    if converted is not value and np.isinf(converted).any() and np.isfinite(value[np.isinf(converted)]).any():
+        raise ValueError(
+            f"Audio samples reach {float(np.abs(value[np.isfinite(value)]).max()):.3g}, beyond the float32 range; "
+            "expected a waveform in [-1, 1]."
+        )
+    return converted
 
 
 def resample(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:

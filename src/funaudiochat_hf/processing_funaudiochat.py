@@ -398,6 +398,8 @@ class FunAudioChatProcessor(ProcessorMixin):
         else:
             raise ValueError("`text` must be a string or a list of strings.")
         for index, prompt in enumerate(texts):
+            if not prompt:  # would tokenize to an empty float tensor, not to ids
+                raise ValueError(f"Prompt {index} is empty: pass the chat prompt, e.g. from `apply_chat_template`.")
             check_text_length(prompt, f"Prompt {index}")
         if padding_side not in (None, "left", "right"):
             raise ValueError(f"`padding_side` must be 'left' or 'right', got {padding_side!r}.")
