@@ -40,6 +40,10 @@ HOSTILE_YAMLS = {
     "reference cycle": ("a: !ref <b>\nb: !ref <a> + 1\nflow: {x: 1}\nhift: {}\n", "circular `!ref`"),
     "recursive alias": ("flow: &f {x: *f}\nhift: {}\n", "nests deeper than"),
     "deep nesting": ("flow: " + "[" * 100 + "]" * 100 + "\nhift: {}\n", "nests deeper than"),
+    "long reference chain": (
+        "".join(f"a{i}: !ref <a{i + 1}> + 1\n" for i in range(5000)) + "a5000: 1\nflow: {x: !ref <a0>}\nhift: {}\n",
+        "chains longer than 32",
+    ),
     "division by zero": ("a: 0\nflow: {x: !ref 1 / <a>}\nhift: {}\n", "divides by zero"),
     "unknown name": ("flow: {x: !ref <nowhere>}\nhift: {}\n", "names no top-level value"),
     "function call": ("a: 1\nflow: {x: !ref <a>.__class__}\nhift: {}\n", "names no top-level value|cannot resolve"),

@@ -111,6 +111,8 @@ class _Resolver:
             raise self._error(f"circular `!ref` ({' -> '.join(self.resolving + [name])})")
         if name not in self.top:
             raise self._error(f"`!ref <{name}>` names no top-level value")
+        if len(self.resolving) >= MAX_YAML_DEPTH:
+            raise self._error(f"`!ref` chains longer than {MAX_YAML_DEPTH} ({' -> '.join(self.resolving[:3])} -> ...)")
         self.resolving.append(name)
         try:
             value = self(self.top[name], depth=0)
