@@ -151,7 +151,8 @@ def processor():
 
 
 TEXT_PIECES = st.sampled_from(
-    ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|audio_pad|>", "<|im_start|>", "hello ", "\n", "你好", "x" * 5000]
+    ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|audio_pad|>", "<|im_start|>", "hello ", "\n", "你好"]
+    + ["x" * 5000]
 )
 CLIPS = st.one_of(
     hnp.arrays(np.float32, st.integers(0, 40_000), elements=st.floats(-1, 1, width=32)),
@@ -221,7 +222,8 @@ def _decode_fixed(decoder):
     tokens = torch.arange(0, 600, 20).reshape(1, -1)
     offline = decoder(tokens).waveform
     stream = decoder.streaming_decoder(token_hop_len=10)
-    streamed = torch.cat([stream.push(tokens[0, i : i + 7]) for i in range(0, tokens.shape[1], 7)] + [stream.finalize()])
+    pieces = [stream.push(tokens[0, i : i + 7]) for i in range(0, tokens.shape[1], 7)]
+    streamed = torch.cat(pieces + [stream.finalize()])
     return offline, streamed
 
 

@@ -97,7 +97,8 @@ def _decode_file(source: Any, description: str, max_seconds: float) -> tuple[np.
             try:
                 data = sound_file.read(dtype="float32", always_2d=True)
             except Exception as error:
-                raise ValueError(f"Could not decode {description} as audio ({type(error).__name__}: {error}).") from None
+                message = f"Could not decode {description} as audio ({type(error).__name__}: {error})."
+                raise ValueError(message) from None
             _warn_if_truncated(sound_file, data.shape[0], what)
         return data, sr
     # soundfile cannot read some containers (m4a, webm, ...); librosa falls back to audioread/ffmpeg for paths.

@@ -70,7 +70,7 @@ def _number(value: Any, expression: str) -> Any:
 def _evaluate(node: ast.AST, expression: str) -> Any:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body, expression)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left, expression), _evaluate(node.right, expression)

@@ -108,7 +108,8 @@ class FunAudioChatDataCollator:
         except StopIteration as error:
             # A DataLoader takes a StopIteration escaping the collator as the end of the data and ends the epoch
             # silently; a defect must surface as an error instead.
-            raise RuntimeError("The collator hit an internal StopIteration; this is a bug, please report it.") from error
+            message = "The collator hit an internal StopIteration; this is a bug, please report it."
+            raise RuntimeError(message) from error
 
     def _collate(self, samples: list[dict[str, Any]]) -> BatchFeature:
         tokenizer = self.processor.tokenizer

@@ -1,4 +1,5 @@
-"""The input limits every surface enforces (processor, pipeline, CLI, demo Space, server): one place, one set of numbers.
+"""The input limits every surface enforces (processor, pipeline, CLI, demo Space, server): one place, one set of
+numbers.
 
 Small inputs must not cost large memory or time, so each limit is checked on what the input *claims* (a file
 header's frame count and rate, an array's length, a string's length) before anything is decoded, resampled,
