@@ -112,15 +112,43 @@ def stream_audio_enabled() -> bool:
     return shutil.which("ffmpeg") is not None
 
 
+def read_question(audio_path: str, max_input_seconds: float) -> np.ndarray:
+    """The 16 kHz question clip, refused (`gr.Error`) when unreadable or longer than `max_input_seconds`: the length
+    is checked on the file header, before the file is decoded or resampled."""
+    from funaudiochat_hf.audio_io import load_audio
+    from funaudiochat_hf.limits_funaudiochat import InputTooLongError
+
+    try:
+        return load_audio(audio_path, target_sampling_rate=INPUT_SAMPLING_RATE, max_seconds=max_input_seconds)
+    except InputTooLongError:
+        raise gr.Error(f"That recording is too long; please keep questions under {max_input_seconds:g} s.") from None
+    except ValueError as error:
+        raise gr.Error(f"Could not read that audio: {error}") from None
+
+
+def check_system_prompt(system_prompt: str | None) -> str | None:
+    """The system prompt box's text (None when empty); over `MAX_SYSTEM_PROMPT_CHARS` it is refused (`gr.Error`).
+    The box caps typing at the same length, but a client can send anything."""
+    from funaudiochat_hf.limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS
+
+    if system_prompt and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
+        raise gr.Error(
+            f"The system prompt has {len(system_prompt)} characters; please keep it under {MAX_SYSTEM_PROMPT_CHARS}."
+        )
+    return system_prompt or None
+
+
 def _to_int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
 
 
 def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool | None = None) -> gr.Blocks:
     """The Blocks app around a `SpeechToSpeechPipeline` (call `.queue(...).launch()` on it)."""
-    from funaudiochat_hf.audio_io import load_audio
+    from funaudiochat_hf.limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS
 
     max_input_seconds = max_input_seconds or _env_int("FUNAUDIOCHAT_MAX_INPUT_SECONDS", 30)
+    # never more than the model's processor accepts (its feature window)
+    max_input_seconds = min(max_input_seconds, getattr(pipe.processor, "max_audio_seconds", max_input_seconds))
     stream_audio = stream_audio_enabled() if stream_audio is None else stream_audio
     voices = pipe.speakers
 
@@ -128,15 +156,9 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
         """Stream one reply: yields (audio chunk, transcript, chat messages, history) updates."""
         if not audio_path:
             raise gr.Error("Record or upload a question first.")
-        try:
-            clip = load_audio(audio_path, target_sampling_rate=INPUT_SAMPLING_RATE)
-        except ValueError as error:
-            raise gr.Error(f"Could not read that audio: {error}") from None
+        system_prompt = check_system_prompt(system_prompt)
+        clip = read_question(audio_path, max_input_seconds)
         seconds = len(clip) / INPUT_SAMPLING_RATE
-        if seconds > max_input_seconds:
-            raise gr.Error(
-                f"That recording is {seconds:.0f} s long; please keep questions under {max_input_seconds:.0f} s."
-            )
         turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
         chat = list(history[-2 * (MAX_TURNS - 1) :]) + [turn]
         messages = list(messages) + [
@@ -149,7 +171,7 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
             temperature=float(temperature),
             top_p=float(top_p),
             max_new_tokens=int(max_new_tokens),
-            system_prompt=system_prompt or None,
+            system_prompt=system_prompt,
             **getattr(pipe, "fast_generate_kwargs", {}),
         )
         for event in pipe.stream(chat, **kwargs):
@@ -198,7 +220,11 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
                         8, 1024, value=64 if getattr(pipe, "is_tiny_model", False) else 512, step=8,
                         label="Max reply length (LLM steps, 0.2 s of speech each)",
                     )
-                    system_prompt = gr.Textbox(label="System prompt (empty: the official spoken-chat prompt)", lines=2)
+                    system_prompt = gr.Textbox(
+                        label="System prompt (empty: the official spoken-chat prompt)",
+                        lines=2,
+                        max_length=MAX_SYSTEM_PROMPT_CHARS,
+                    )
                 gr.Examples(examples=[[example_wav()]], inputs=[question], label="Example question")
             with gr.Column():
                 reply_audio = gr.Audio(

@@ -152,3 +152,92 @@ def test_bad_sampling_rates(waveform):
         load_audio(waveform, sampling_rate=-16000)
     with pytest.raises(ValueError, match="sampled at 16000 Hz"):
         load_audio(WAV_PATH, sampling_rate=48000)
+
+
+def _wav_with_header_rate(rate: int, seconds: float = 1.0) -> bytes:
+    """A 16 kHz PCM-16 wav whose header claims `rate` (the data is unchanged: 32 KB per second)."""
+    data = bytearray(_encode(np.zeros(int(16000 * seconds), np.float32), 16000, subtype="PCM_16"))
+    data[24:28] = rate.to_bytes(4, "little")
+    data[28:32] = (2 * rate).to_bytes(4, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize("rate", [1, 2, 4000, 400_000])
+def test_file_header_rate_outside_the_range_is_refused_before_decoding(rate, tmp_path, monkeypatch):
+    """A 32 KB wav claiming 1 Hz became an 80,328-token prompt and a 25.8 GB allocation."""
+    import soxr
+
+    monkeypatch.setattr(soxr, "resample", lambda *a, **k: pytest.fail("resampled a refused file"))
+    data = _wav_with_header_rate(rate)
+    with pytest.raises(ValueError, match=f"sampled at {rate} Hz; supported rates are 8000-384000 Hz"):
+        load_audio(data)
+    (tmp_path / "claims.wav").write_bytes(data)
+    with pytest.raises(ValueError, match=f"The file '.*claims.wav' is sampled at {rate} Hz"):
+        load_audio(tmp_path / "claims.wav")
+
+
+@pytest.mark.parametrize("rate", [2, 7999, 384_001, float("nan"), float("inf"), 16000.5])
+def test_waveform_rate_outside_the_range_is_refused(waveform, rate):
+    """`{"raw": ..., "sampling_rate": 2}` tried to allocate 40.7 GB; NaN failed with int()'s message."""
+    with pytest.raises(ValueError, match="`sampling_rate"):
+        load_audio({"raw": waveform, "sampling_rate": rate})
+    with pytest.raises(ValueError, match="`sampling_rate"):
+        load_audio(waveform, sampling_rate=rate)
+
+
+def test_duration_limit_is_checked_on_the_header_before_decoding(monkeypatch):
+    sf_module = pytest.importorskip("soundfile")
+    data = _encode(np.zeros(3 * 16000, np.float32), 16000, subtype="PCM_16")
+    assert load_audio(data, max_seconds=3).shape == (48000,)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("decoded a file that is over the limit")
+
+    monkeypatch.setattr(sf_module.SoundFile, "read", no_read)
+    with pytest.raises(ValueError, match=r"lasts 3.0 s \(48000 samples at 16000 Hz\), longer than the 2.5 s limit"):
+        load_audio(data, max_seconds=2.5)
+
+
+def test_duration_limit_for_waveforms_and_the_default(waveform):
+    with pytest.raises(ValueError, match="longer than the 2 s limit"):
+        load_audio(np.zeros(32001, np.float32), max_seconds=2)
+    # 48 kHz input: the limit is on the real duration, checked before resampling
+    with pytest.raises(ValueError, match=r"lasts 2.0 s \(96048 samples at 48000 Hz\)"):
+        load_audio(np.zeros(96048, np.float32), sampling_rate=48000, max_seconds=2)
+    with pytest.raises(ValueError, match="longer than the 300 s limit"):
+        load_audio(np.zeros(300 * 8000 + 1, np.int16), sampling_rate=8000)
+    for bad in (0, -1, float("nan"), "10", True):
+        with pytest.raises(ValueError, match="max_seconds"):
+            load_audio(waveform, max_seconds=bad)
+
+
+def test_truncated_wav_warns_and_decodes_what_is_there(tmp_path):
+    data = _encode(np.full(16000, 0.25, np.float32), 16000, subtype="PCM_16")
+    cut = data[: len(data) // 2]
+    with pytest.warns(UserWarning, match=r"looks truncated.*decoded the 7989 samples present"):
+        loaded = load_audio(cut)
+    np.testing.assert_allclose(loaded, 0.25, atol=1e-4)
+    (tmp_path / "cut.wav").write_bytes(cut)
+    with pytest.warns(UserWarning, match="The file '.*cut.wav' looks truncated"):
+        load_audio(tmp_path / "cut.wav")
+    noise = (0.1 * np.random.default_rng(0).standard_normal(5 * 16000)).astype(np.float32)
+    ogg = _encode(noise, 16000, fmt="OGG", subtype="VORBIS")
+    with pytest.warns(UserWarning, match="looks truncated"):
+        assert 0 < len(load_audio(ogg[: len(ogg) // 2])) < len(noise)
+
+
+def test_complete_files_do_not_warn(waveform):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fmt, subtype in (("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS")):
+            load_audio(_encode(waveform, 16000, fmt=fmt, subtype=subtype))
+        load_audio(WAV_PATH)
+
+
+def test_float64_beyond_float32_range_is_named():
+    with pytest.raises(ValueError, match="reach 1e"):
+        load_audio(np.array([0.0, 1e300, 0.5]))
+    with pytest.raises(ValueError, match="1 Inf"):  # a real Inf stays named as such
+        load_audio(np.array([0.0, np.inf, 0.5]))

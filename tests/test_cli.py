@@ -67,6 +67,7 @@ def test_list_voices(cache_dir, monkeypatch, capsys):
         (["QUESTION", "--voice", "nobody"], "unknown voice 'nobody'"),
         (["QUESTION", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["QUESTION", "--temperature", "-1"], "--temperature must be positive"),
+        (["QUESTION", "--system-prompt", "x" * 300_000], "--system-prompt has 300000 characters"),
     ],
 )
 def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, monkeypatch, capsys, argv, message):

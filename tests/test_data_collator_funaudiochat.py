@@ -216,3 +216,49 @@ def test_invalid_samples(collator, reply_tokens, mutate, message):
 def test_empty_batch(collator):
     with pytest.raises(ValueError, match="empty"):
         collator([])
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s["messages"][0].update(text="transcribe " + AUDIO_TEMPLATE),
+        lambda s: s["messages"][0].update(text="<|AUDIO|>"),
+        lambda s: s["messages"][1].update(text="Sure " + AUDIO_TEMPLATE),
+        lambda s: s.update(system="be brief <|audio_bos|>"),
+    ],
+)
+def test_audio_tokens_in_text_raise_naming_the_sample(collator, reply_tokens, mutate):
+    """A sample whose text holds the audio template used to raise StopIteration inside the collator, which a
+    DataLoader takes as the end of the data: training stopped after 0 steps without a word."""
+    good = reference_sample(list(reply_tokens))
+    bad = reference_sample(list(reply_tokens))
+    bad["messages"] = [dict(m) for m in bad["messages"]]
+    mutate(bad)
+    loader = torch.utils.data.DataLoader([good, bad, good], batch_size=1, collate_fn=collator)
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(ValueError, match=r"Sample 0, (message \d|system prompt): the text contains the audio token"):
+        next(batches)
+
+
+def test_reference_sample_with_a_bare_audio_token_is_refused(collator, assistant_json):
+    sample = {
+        "messages": [
+            {"role": "user", "content": "<|AUDIO|> and " + AUDIO_TEMPLATE},
+            {"role": "assistant", "content": AUDIO_TEMPLATE},
+        ],
+        "audio": [json.dumps({"path": str(WAV_PATH), "token": "<|audio_pad|>" * 30, "text": ""}), assistant_json],
+    }
+    with pytest.raises(ValueError, match="Sample 0, message 0: the text contains the audio token"):
+        collator([sample])
+
+
+def test_overlong_text_and_audio_are_refused(collator, reply_tokens, processor):
+    sample = reference_sample(list(reply_tokens), system="x" * 20000)
+    with pytest.raises(ValueError, match="system prompt: the text has 20000 characters"):
+        collator([sample])
+    too_long = np.zeros(int(processor.max_audio_seconds * 16000) + 16, np.float32)
+    sample = reference_sample(list(reply_tokens))
+    sample["messages"][0] = {"role": "user", "audio": too_long}
+    with pytest.raises(ValueError, match="longer than the 30 s limit"):
+        collator([sample])

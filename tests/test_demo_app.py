@@ -51,3 +51,29 @@ def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch)
         torch._dynamo.reset()
     audio = np.concatenate([event["audio"] for event in events])
     assert audio.size > 0 and np.isfinite(audio).all()
+
+
+def test_question_length_is_checked_on_the_header_before_decoding(app, tmp_path, monkeypatch):
+    """The Space decoded and resampled a whole upload before checking its 30 s limit."""
+    import gradio as gr
+    import soundfile
+
+    path = tmp_path / "long.wav"
+    soundfile.write(path, np.zeros(31 * 8000, np.float32), 8000)
+    short = tmp_path / "short.wav"
+    soundfile.write(short, synthetic_question(1.0), 16000)
+    assert app.read_question(str(short), 30).shape == (16000,)
+    monkeypatch.setattr(soundfile.SoundFile, "read", lambda *a, **k: pytest.fail("decoded an over-long upload"))
+    with pytest.raises(gr.Error, match="please keep questions under 30 s"):
+        app.read_question(str(path), 30)
+
+
+def test_system_prompt_box_is_bounded(app):
+    import gradio as gr
+
+    from funaudiochat_hf.limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS
+
+    assert app.check_system_prompt("") is None
+    assert app.check_system_prompt("Be brief.") == "Be brief."
+    with pytest.raises(gr.Error, match=f"{MAX_SYSTEM_PROMPT_CHARS + 1} characters"):
+        app.check_system_prompt("x" * (MAX_SYSTEM_PROMPT_CHARS + 1))

@@ -342,3 +342,23 @@ def test_official_two_repo_layout():
     assert pipe.speakers  # read from the speaker file
     reply = pipe(synthetic_question(1.0), max_new_tokens=10, do_sample=False, speaker=pipe.speakers[0])
     assert reply["sampling_rate"] == 24000 and reply["audio"].size > 0 and np.isfinite(reply["audio"]).all()
+
+
+def test_limits_are_checked_before_decoding(tmp_path):
+    """The pipeline loads clips with the processor's limit (the feature window) and bounds the system prompt."""
+    import soundfile
+
+    from funaudiochat_hf.limits_funaudiochat import MAX_TEXT_CHARS, InputTooLongError
+    from funaudiochat_hf.pipeline_speech_to_speech import SpeechToSpeechPipeline
+
+    path = tmp_path / "long.wav"
+    soundfile.write(path, np.zeros(31 * 8000, np.float32), 8000)
+    with pytest.raises(InputTooLongError, match="longer than the 30 s limit"):
+        SpeechToSpeechPipeline._user_content([{"type": "audio", "audio": str(path)}], None, 30.0)
+    with pytest.raises(InputTooLongError, match="longer than the 30 s limit"):
+        SpeechToSpeechPipeline._user_content([{"type": "audio", "audio": np.zeros(31 * 16000, np.float32)}], None, 30)
+    pipe = SpeechToSpeechPipeline.__new__(SpeechToSpeechPipeline)  # only `_render` is exercised
+    pipe.processor = None
+    turn = {"role": "user", "content": [{"type": "audio", "audio": np.zeros(16000, np.float32)}]}
+    with pytest.raises(InputTooLongError, match="The system prompt has"):
+        pipe._render([turn], "x" * (MAX_TEXT_CHARS + 1), None)

@@ -258,6 +258,8 @@ def test_decoding_helpers(processor):
         ("<|AUDIO|>", ["/no/such/file.wav"], "not found"),
         ("<|AUDIO|>", ['{"path": "", "token": '], "could not be parsed"),
         (None, None, "`text` is required"),
+        ("", None, "Prompt 0 is empty"),
+        (["hi", ""], None, "Prompt 1 is empty"),
     ],
 )
 def test_errors(processor, text, audio, message):
@@ -300,3 +302,45 @@ def test_custom_group_size_and_chat_template(tmp_path):
     outputs = custom(text="<|AUDIO|>", audio=np.zeros(16000, np.float32))  # 25 frames -> ceil(25/4) = 7
     assert outputs["speech_ids"].shape == (1, 28)
     assert (outputs["input_ids"] == 346).sum().item() == 7
+
+
+def test_audio_longer_than_the_feature_window_is_refused(processor, tmp_path):
+    """The extractor cuts features at its window (30 s here) while the prompt kept placeholders for the whole clip, so
+    two clips differing only after 30 s gave identical replies. Such clips are refused, naming the limit."""
+    assert processor.max_audio_seconds == 30.0
+    rng = np.random.default_rng(0)
+    at_limit = (0.1 * rng.standard_normal(30 * 16000)).astype(np.float32)
+    inputs = processor(text="<|AUDIO|>", audio=at_limit, feature_padding="longest")
+    assert inputs["feature_attention_mask"].sum() == 3000
+    over = np.concatenate([at_limit, at_limit[:160]])
+    with pytest.raises(ValueError, match=r"30.0 s \(480160 samples at 16000 Hz\), longer than the 30 s limit"):
+        processor(text="<|AUDIO|>", audio=over)
+    # a file is refused on its header, before decoding; the same for the JSON path
+    sf = pytest.importorskip("soundfile")
+    path = tmp_path / "long.wav"
+    sf.write(path, over, 16000)
+    with pytest.raises(ValueError, match="longer than the 30 s limit"):
+        processor(text="<|AUDIO|>", audio=str(path))
+    item = json.dumps({"path": str(path), "token": "<|audio_pad|>" * 10, "text": ""})
+    with pytest.raises(ValueError, match="longer than the 30 s limit"):
+        processor(text="<|AUDIO|>", audio=[item])
+    for padding in ("max_length", "longest"):
+        with pytest.raises(ValueError, match="Audio clip 1 lasts"):
+            processor.extract_features([at_limit, over], padding=padding)
+
+
+def test_overlong_prompt_text_is_refused(processor):
+    from funaudiochat_hf.limits_funaudiochat import MAX_TEXT_CHARS
+
+    clip = np.zeros(16000, np.float32)
+    processor(text="x" * (MAX_TEXT_CHARS - 9) + "<|AUDIO|>", audio=clip)
+    with pytest.raises(ValueError, match=f"Prompt 1 has {MAX_TEXT_CHARS + 1} characters"):
+        processor(text=["<|AUDIO|>", "x" * (MAX_TEXT_CHARS - 8) + "<|AUDIO|>"], audio=[clip, clip])
+
+
+@pytest.mark.parametrize("rate", [2, 1.0, float("nan"), float("inf"), 10**9])
+def test_implausible_sampling_rates_are_refused_before_resampling(processor, rate):
+    with pytest.raises(ValueError, match="sampling_rate"):
+        processor(text="<|AUDIO|>", audio=np.zeros(32000, np.float32), sampling_rate=rate)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        processor(text="<|AUDIO|>", audio={"raw": np.zeros(32000, np.float32), "sampling_rate": rate})

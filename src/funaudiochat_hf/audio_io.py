@@ -16,17 +16,31 @@ more than `MAX_CHANNELS` channels is refused (that is almost always a batch of c
 instead).
 Integer PCM arrays are scaled to [-1, 1] by their type's range (int16 / 32768, ...). Other sampling rates are resampled
 with soxr_hq, bit-identical to `librosa.resample` (what the reference implementation uses).
+
+Bounded work: the duration (`max_seconds`, default `MAX_AUDIO_SECONDS`) and the sampling rate (`MIN_SAMPLING_RATE` ..
+`MAX_SAMPLING_RATE`) are checked on the file header or the array length *before* decoding or resampling, so a small
+file whose header claims a tiny rate cannot turn into hours of audio. A file whose data is shorter than its header
+says (a cut download or upload) decodes what is there, with a warning naming the file.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
+
+from .limits_funaudiochat import (
+    MAX_AUDIO_SECONDS,
+    check_audio_duration,
+    check_max_seconds,
+    check_sampling_rate_range,
+)
 
 
 try:  # torch is a hard dependency of the package, but keep this module importable on its own
@@ -44,15 +58,49 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _decode_file(source: Any, description: str) -> tuple[np.ndarray, int]:
-    """Decode an audio file (a path or a file-like object) to `(samples, channels)` float32 and its sampling rate."""
+def _warn_if_truncated(sound_file: Any, num_read: int, description: str) -> None:
+    """Warn when the file holds less audio than its header declares (libsndfile decodes what is there silently)."""
+    declared_frames = sound_file.frames
+    info = sound_file.extra_info or ""
+    # WAV/AIFF: libsndfile notes "data : <declared bytes> (should be <bytes present>)" for a cut data chunk. Streaming
+    # writers (ffmpeg to a pipe) declare 0 or 0xFFFFFFFF bytes on purpose: those are not truncations.
+    cut = re.search(r"^data\s*:\s*(\d+)\s*\(should be (\d+)\)", info, re.MULTILINE)
+    truncated = cut is not None and int(cut.group(1)) not in (0, 0xFFFFFFFF) and int(cut.group(2)) < int(cut.group(1))
+    truncated |= "lacks an end-of-stream" in info  # Ogg: the last page is missing
+    truncated |= 0 <= num_read < declared_frames
+    if truncated:
+        warnings.warn(
+            f"{description} looks truncated: its header declares more audio than it contains; decoded the "
+            f"{num_read} samples present ({num_read / max(sound_file.samplerate, 1):.2f} s).",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def _decode_file(source: Any, description: str, max_seconds: float) -> tuple[np.ndarray, int]:
+    """Decode an audio file (a path or a file-like object) to `(samples, channels)` float32 and its sampling rate.
+
+    The header's rate and length are checked against the limits before any sample is decoded.
+    """
     import soundfile as sf
 
+    what = description[0].upper() + description[1:]
     try:
-        data, sr = sf.read(source, dtype="float32", always_2d=True)
-        return data, int(sr)
+        sound_file = sf.SoundFile(source)
     except Exception as sf_error:  # soundfile raises several types (LibsndfileError, RuntimeError, TypeError, ...)
         first_error = sf_error
+    else:
+        with sound_file:
+            sr = int(sound_file.samplerate)
+            check_sampling_rate_range(sr, what)
+            check_audio_duration(max(sound_file.frames, 0), sr, max_seconds, what)
+            try:
+                data = sound_file.read(dtype="float32", always_2d=True)
+            except Exception as error:
+                message = f"Could not decode {description} as audio ({type(error).__name__}: {error})."
+                raise ValueError(message) from None
+            _warn_if_truncated(sound_file, data.shape[0], what)
+        return data, sr
     # soundfile cannot read some containers (m4a, webm, ...); librosa falls back to audioread/ffmpeg for paths.
     if isinstance(source, (str, os.PathLike)):
         try:
@@ -60,27 +108,33 @@ def _decode_file(source: Any, description: str) -> tuple[np.ndarray, int]:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                data, sr = librosa.load(source, sr=None, mono=False, dtype=np.float32)
+                # Decode at most a second past the limit: enough to tell that the file is too long.
+                limit = max_seconds + 1.0 if math.isfinite(max_seconds) else None
+                data, sr = librosa.load(source, sr=None, mono=False, dtype=np.float32, duration=limit)
             data = np.atleast_2d(data).T  # librosa returns (channels, samples)
-            return np.ascontiguousarray(data), int(sr)
+            decoded = (np.ascontiguousarray(data), int(sr))
         except Exception:
-            pass
+            decoded = None
+        if decoded is not None:
+            check_sampling_rate_range(decoded[1], what)
+            check_audio_duration(decoded[0].shape[0], decoded[1], max_seconds, what)
+            return decoded
     raise ValueError(f"Could not decode {description} as audio ({type(first_error).__name__}: {first_error}).")
 
 
-def _load_path(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+def _load_path(path: str | os.PathLike, max_seconds: float) -> tuple[np.ndarray, int]:
     expanded = Path(os.path.expanduser(os.fspath(path)))
     if not expanded.exists():
         raise ValueError(f"Audio file not found: '{path}'.")
     if expanded.is_dir():
         raise ValueError(f"Expected an audio file but '{path}' is a directory.")
-    return _decode_file(str(expanded), f"the file '{path}'")
+    return _decode_file(str(expanded), f"the file '{path}'", max_seconds)
 
 
-def _load_bytes(data: bytes | bytearray | memoryview) -> tuple[np.ndarray, int]:
+def _load_bytes(data: bytes | bytearray | memoryview, max_seconds: float) -> tuple[np.ndarray, int]:
     if len(data) == 0:
         raise ValueError("Audio input is empty: got 0 bytes.")
-    return _decode_file(io.BytesIO(bytes(data)), f"the {len(data)} bytes given")
+    return _decode_file(io.BytesIO(bytes(data)), f"the audio data ({len(data)} bytes)", max_seconds)
 
 
 def _integer_pcm_to_float(array: np.ndarray) -> np.ndarray:
@@ -129,7 +183,14 @@ def _array_from_value(value: Any) -> np.ndarray:
         return _integer_pcm_to_float(value)
     if np.issubdtype(value.dtype, np.bool_) or not np.issubdtype(value.dtype, np.floating):
         raise ValueError(f"Expected a floating-point or integer PCM waveform, got dtype {value.dtype}.")
-    return value.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):
+        converted = value.astype(np.float32, copy=False)
+    if converted is not value and np.isinf(converted).any() and np.isfinite(value[np.isinf(converted)]).any():
+        raise ValueError(
+            f"Audio samples reach {float(np.abs(value[np.isfinite(value)]).max()):.3g}, beyond the float32 range; "
+            "expected a waveform in [-1, 1]."
+        )
+    return converted
 
 
 def resample(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
@@ -156,17 +217,20 @@ def resample(waveform: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
 
 
 def _check_sampling_rate(sampling_rate: Any, name: str) -> int:
-    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer, float)):
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer, float, np.floating)):
         raise ValueError(f"`{name}` must be a positive number of samples per second, got {sampling_rate!r}.")
-    if sampling_rate <= 0 or int(sampling_rate) != sampling_rate:
+    if not math.isfinite(sampling_rate) or sampling_rate <= 0 or int(sampling_rate) != sampling_rate:
         raise ValueError(f"`{name}` must be a positive integer number of samples per second, got {sampling_rate!r}.")
-    return int(sampling_rate)
+    rate = int(sampling_rate)
+    check_sampling_rate_range(rate, f"`{name}={rate}`: the audio")
+    return rate
 
 
 def load_audio(
     audio: AudioInput,
     sampling_rate: int | None = None,
     target_sampling_rate: int = 16000,
+    max_seconds: float = MAX_AUDIO_SECONDS,
 ) -> np.ndarray:
     """Load / convert `audio` to a mono float32 waveform `(samples,)` at `target_sampling_rate`.
 
@@ -177,14 +241,21 @@ def load_audio(
         sampling_rate: rate of a waveform given as an array/tensor; defaults to `target_sampling_rate`. Files carry
             their own rate, and passing a different one here is an error.
         target_sampling_rate: rate of the returned waveform.
+        max_seconds: the longest accepted audio (default `MAX_AUDIO_SECONDS`), checked on the file header or the
+            array length before decoding or resampling.
 
     Returns:
         `np.ndarray` of dtype float32 and shape `(samples,)`.
 
     Raises:
-        ValueError: missing or undecodable file/bytes, empty audio, NaN/Inf samples, unsupported shape or type.
+        ValueError: missing or undecodable file/bytes, empty audio, NaN/Inf samples, unsupported shape or type,
+            audio longer than `max_seconds`, a sampling rate outside the supported range.
+
+    Warns:
+        UserWarning: a file holds less audio than its header declares (decoded as far as it goes).
     """
     target_sampling_rate = _check_sampling_rate(target_sampling_rate, "target_sampling_rate")
+    max_seconds = check_max_seconds(max_seconds)
     if sampling_rate is not None:
         sampling_rate = _check_sampling_rate(sampling_rate, "sampling_rate")
 
@@ -192,11 +263,11 @@ def load_audio(
         if "raw" in audio or "array" in audio:
             waveform = audio["raw"] if "raw" in audio else audio["array"]
             dict_rate = audio.get("sampling_rate", sampling_rate)
-            return load_audio(waveform, sampling_rate=dict_rate, target_sampling_rate=target_sampling_rate)
+            return load_audio(waveform, dict_rate, target_sampling_rate, max_seconds)
         if audio.get("bytes") is not None:
-            return load_audio(audio["bytes"], sampling_rate=sampling_rate, target_sampling_rate=target_sampling_rate)
+            return load_audio(audio["bytes"], sampling_rate, target_sampling_rate, max_seconds)
         if audio.get("path"):
-            return load_audio(audio["path"], sampling_rate=sampling_rate, target_sampling_rate=target_sampling_rate)
+            return load_audio(audio["path"], sampling_rate, target_sampling_rate, max_seconds)
         raise ValueError(
             "An audio dict needs a waveform under 'raw' or 'array' (with 'sampling_rate'), or 'bytes' / 'path'; "
             f"got keys {sorted(audio)}."
@@ -205,10 +276,10 @@ def load_audio(
     if isinstance(audio, (str, os.PathLike)):
         if isinstance(audio, str) and not audio.strip():
             raise ValueError("Audio input is an empty string; expected a path to an audio file.")
-        waveform, native_rate = _load_path(audio)
+        waveform, native_rate = _load_path(audio, max_seconds)
         waveform = _downmix_decoded(waveform)
     elif isinstance(audio, (bytes, bytearray, memoryview)):
-        waveform, native_rate = _load_bytes(audio)
+        waveform, native_rate = _load_bytes(audio, max_seconds)
         waveform = _downmix_decoded(waveform)
     elif isinstance(audio, np.ndarray) or _is_tensor(audio) or isinstance(audio, (list, tuple)):
         waveform = _array_from_value(audio)
@@ -230,6 +301,7 @@ def load_audio(
 
     if waveform.size == 0:
         raise ValueError("Audio input is empty: it contains 0 samples.")
+    check_audio_duration(waveform.size, native_rate, max_seconds)
     if not np.all(np.isfinite(waveform)):
         num_nan = int(np.isnan(waveform).sum())
         num_inf = int(np.isinf(waveform).sum())

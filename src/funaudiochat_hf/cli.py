@@ -89,6 +89,9 @@ def _generate_kwargs(args) -> dict:
     if args.voice is not None:
         kwargs["speaker"] = args.voice
     if args.system_prompt is not None:
+        from .limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS, check_text_length
+
+        check_text_length(args.system_prompt, "--system-prompt", MAX_SYSTEM_PROMPT_CHARS)
         kwargs["system_prompt"] = args.system_prompt
     return kwargs
 

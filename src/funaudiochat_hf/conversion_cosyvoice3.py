@@ -2,7 +2,8 @@
 
 Only used when converting / loading with `CosyVoice3Token2Wav.from_original`; inference never imports it.
 The yaml is read without hyperpyyaml: its `!new:` / `!name:` / `!apply:` tags are dropped and `!ref <name>`
-expressions are resolved against the top-level values (only integer arithmetic such as `<chunk_size> * 2`).
+expressions are resolved against the top-level values (only arithmetic such as `<chunk_size> * 2`), within bounds on
+size, nesting and expansion, so a small hostile file gets a clear error instead of a hang.
 """
 
 import ast
@@ -50,40 +51,115 @@ _TagTolerantLoader.add_multi_constructor("!", _construct_tagged)
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
               ast.Div: operator.truediv, ast.USub: operator.neg}
 
-
-def _evaluate(node: ast.AST) -> Any:
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
-    raise ValueError(f"unsupported expression in cosyvoice3.yaml: {ast.dump(node)}")
+# Bounds on what a cosyvoice3.yaml may cost to read. The official file is ~10 KB with a few hundred values nested a
+# few levels deep; yaml aliases (`&a` / `*a`) can make a 1 KB file describe an exponentially large tree, and `!ref`
+# expressions can build huge numbers or strings, so the reader counts what it builds and refuses past these.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000  # values produced by resolution (an alias counts once per place it is used)
+MAX_YAML_DEPTH = 32  # nesting of mappings / sequences (a self-referencing alias is infinitely deep)
+MAX_REF_MAGNITUDE = 1 << 62  # numbers a `!ref` expression may produce
+MAX_REF_STRING = 4096  # characters a `!ref` expression may produce
 
 
-def _resolve(value: Any, top: dict) -> Any:
-    if isinstance(value, _Ref):
-        expression = re.sub(r"<([\w.]+)>", lambda m: repr(_resolve(top[m.group(1)], top)), value)
-        try:
-            return _evaluate(ast.parse(expression, mode="eval"))
-        except (SyntaxError, KeyError) as error:
-            raise ValueError(f"cannot resolve `!ref {value}` in cosyvoice3.yaml") from error
-    if isinstance(value, dict):
-        return {key: _resolve(item, top) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_resolve(item, top) for item in value]
+def _number(value: Any, expression: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`!ref {expression}`: arithmetic needs numbers, got {value!r}")
     return value
 
 
+def _evaluate(node: ast.AST, expression: str) -> Any:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, expression)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left, expression), _evaluate(node.right, expression)
+        if isinstance(node.op, ast.Add) and isinstance(left, str) and isinstance(right, str):
+            result = left + right
+        else:
+            try:
+                result = _OPERATORS[type(node.op)](_number(left, expression), _number(right, expression))
+            except ZeroDivisionError:
+                raise ValueError(f"`!ref {expression}` divides by zero") from None
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        result = _OPERATORS[type(node.op)](_number(_evaluate(node.operand, expression), expression))
+    else:
+        raise ValueError(f"unsupported expression `!ref {expression}`")
+    too_big = len(result) > MAX_REF_STRING if isinstance(result, str) else not abs(result) <= MAX_REF_MAGNITUDE
+    if too_big:
+        raise ValueError(f"`!ref {expression}` gives a value out of range")
+    return result
+
+
+class _Resolver:
+    """Resolves `!ref` expressions against the top-level scalars, counting the values it builds (see the bounds)."""
+
+    def __init__(self, top: dict, path: Union[str, Path]):
+        self.top = top
+        self.path = path
+        self.num_values = 0
+        self.resolving: list[str] = []  # names being resolved, to catch `a: !ref <b>`, `b: !ref <a>`
+        self.resolved: dict[str, Any] = {}
+
+    def _error(self, reason: str) -> ValueError:
+        return ValueError(f"{self.path}: {reason}; is it a CosyVoice3 yaml?")
+
+    def name(self, name: str) -> Any:
+        if name in self.resolved:
+            return self.resolved[name]
+        if name in self.resolving:
+            raise self._error(f"circular `!ref` ({' -> '.join(self.resolving + [name])})")
+        if name not in self.top:
+            raise self._error(f"`!ref <{name}>` names no top-level value")
+        if len(self.resolving) >= MAX_YAML_DEPTH:
+            raise self._error(f"`!ref` chains longer than {MAX_YAML_DEPTH} ({' -> '.join(self.resolving[:3])} -> ...)")
+        self.resolving.append(name)
+        try:
+            value = self(self.top[name], depth=0)
+        finally:
+            self.resolving.pop()
+        self.resolved[name] = value
+        return value
+
+    def __call__(self, value: Any, depth: int = 0) -> Any:
+        self.num_values += 1
+        if self.num_values > MAX_YAML_VALUES:
+            raise self._error(f"it expands to more than {MAX_YAML_VALUES} values (nested yaml aliases?)")
+        if depth > MAX_YAML_DEPTH:
+            raise self._error(f"it nests deeper than {MAX_YAML_DEPTH} levels (a self-referencing alias?)")
+        if isinstance(value, _Ref):
+            expression = re.sub(r"<([\w.]+)>", lambda m: repr(self.name(m.group(1))), value)
+            try:
+                return _evaluate(ast.parse(expression, mode="eval"), value)
+            except ValueError as error:
+                raise self._error(str(error)) from None
+            except (SyntaxError, RecursionError, MemoryError) as error:
+                raise self._error(f"cannot resolve `!ref {value}`") from error
+        if isinstance(value, dict):
+            return {key: self(item, depth + 1) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self(item, depth + 1) for item in value]
+        return value
+
+
 def read_cosyvoice3_yaml(path: Union[str, Path]) -> dict:
-    """The `flow` and `hift` sections of cosyvoice3.yaml as plain dicts (references resolved)."""
-    raw = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_TagTolerantLoader)
+    """The `flow` and `hift` sections of cosyvoice3.yaml as plain dicts (references resolved).
+
+    Raises `ValueError` for a file that is not a CosyVoice3 yaml or costs more than the bounds above to read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{path} is {size} bytes, more than a CosyVoice3 yaml ({MAX_YAML_BYTES} bytes at most)")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_TagTolerantLoader)
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not a readable yaml file: {error}") from None
     if not isinstance(raw, dict) or "flow" not in raw or "hift" not in raw:
         raise ValueError(f"{path} has no `flow:` / `hift:` sections; is it a CosyVoice3 yaml?")
     top = {key: value for key, value in raw.items() if not isinstance(value, (dict, list))}
-    return {"top": _resolve(top, top), "flow": _resolve(raw["flow"], top), "hift": _resolve(raw["hift"], top)}
+    resolve = _Resolver(top, path)
+    return {"top": resolve(top), "flow": resolve(raw["flow"]), "hift": resolve(raw["hift"])}
 
 
 def config_from_yaml(path: Union[str, Path], speaker_names: Optional[list[str]] = None) -> CosyVoice3Config:

@@ -40,6 +40,9 @@ Batch (B samples, A audios in sample order, right padding): `input_ids`, `attent
 `(A_wav, F)` (padded to the longest clip); `feature_exist_mask` `(A,)`; `text_ids` `(A, T)` (padded with the text pad
 id); `text_attention_mask` `(A,)`.
 
+A bad sample (audio tokens written into a text, a clip longer than the processor's `max_audio_seconds`, a text over
+`MAX_TEXT_CHARS`, ...) raises `ValueError` naming the sample and message; filter such samples out of the dataset.
+
 Use with `Trainer(..., data_collator=FunAudioChatDataCollator(processor), args=TrainingArguments(...,
 remove_unused_columns=False))` so the raw conversation fields reach the collator.
 """
@@ -56,6 +59,7 @@ import torch
 from transformers import BatchFeature
 
 from .audio_io import load_audio
+from .limits_funaudiochat import check_text_length
 from .processing_funaudiochat import AUDIO_TEMPLATE, DEFAULT_S2M_PROMPT, FunAudioChatProcessor
 
 
@@ -99,6 +103,15 @@ class FunAudioChatDataCollator:
     def __call__(self, samples: list[dict[str, Any]]) -> BatchFeature:
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
+        try:
+            return self._collate(samples)
+        except StopIteration as error:
+            # A DataLoader takes a StopIteration escaping the collator as the end of the data and ends the epoch
+            # silently; a defect must surface as an error instead.
+            message = "The collator hit an internal StopIteration; this is a bug, please report it."
+            raise RuntimeError(message) from error
+
+    def _collate(self, samples: list[dict[str, Any]]) -> BatchFeature:
         tokenizer = self.processor.tokenizer
 
         parsed = [self._parse_sample(sample, index) for index, sample in enumerate(samples)]
@@ -178,9 +191,24 @@ class FunAudioChatDataCollator:
         pieces = content.split(AUDIO_TEMPLATE)
         out = [pieces[0]]
         for piece in pieces[1:]:
-            out.append(self._expanded_audio(next(counts)))
+            count = next(counts, None)
+            if count is None:  # the parsers reject audio tokens in texts, so each template has its clip
+                raise ValueError(f"More {AUDIO_TEMPLATE} placeholders than audio clips in the batch.")
+            out.append(self._expanded_audio(count))
             out.append(piece)
         return "".join(out)
+
+    def _check_text(self, text: str, where: str) -> None:
+        """Texts must not carry the audio special tokens: each placeholder has to come from an audio clip."""
+        p = self.processor
+        found = [token for token in (p.audio_token, p.audio_bos_token, p.audio_eos_token) if token in text]
+        if found:
+            raise ValueError(
+                f"{where}: the text contains the audio token(s) {found}; audio goes in the "
+                "turn's 'audio' / 'speech_tokens' fields, never in its text. Remove such samples from the dataset "
+                "(or strip the tokens from their text)."
+            )
+        check_text_length(text, f"{where}: the text")
 
     def _pad_text(self, sequences: list[list[int]], label_sequences: list[list[int]]) -> dict[str, torch.Tensor]:
         pad_id = self.processor.tokenizer.pad_token_id
@@ -237,6 +265,10 @@ class FunAudioChatDataCollator:
                 "`TrainingArguments(remove_unused_columns=False)` so the conversation columns are kept)."
             )
         system = sample.get("system") or self.default_system_prompt
+        if system is not None:
+            if not isinstance(system, str):
+                raise ValueError(f"Sample {index}: 'system' must be a string.")
+            self._check_text(system, f"Sample {index}, system prompt")
         messages = sample["messages"]
         if not messages or len(messages) % 2:
             raise ValueError(
@@ -258,15 +290,21 @@ class FunAudioChatDataCollator:
                 turns.append(("assistant", self._parse_assistant(message, items, index, turn)))
         return system, turns, items
 
+    def _load_audio(self, audio: Any) -> np.ndarray:
+        # The processor's duration limit: longer clips would lose features past the extractor's window.
+        processor = self.processor
+        return load_audio(audio, target_sampling_rate=processor.sampling_rate, max_seconds=processor.max_audio_seconds)
+
     def _parse_user(self, message: dict, items: list[_AudioItem], index: int, turn: int) -> str:
         text = message.get("text") or ""
         if not isinstance(text, str):
             raise ValueError(f"Sample {index}, message {turn}: 'text' must be a string.")
+        self._check_text(text, f"Sample {index}, message {turn}")
         if message.get("audio") is None:
             if not text:
                 raise ValueError(f"Sample {index}, message {turn}: a user turn needs 'audio' and/or 'text'.")
             return text
-        waveform = load_audio(message["audio"], target_sampling_rate=self.processor.sampling_rate)
+        waveform = self._load_audio(message["audio"])
         frames = self.processor.num_speech_frames(waveform)
         items.append(_AudioItem(self.processor.audio_pad_token * frames, waveform, "", frames))
         return AUDIO_TEMPLATE + ("\n" + text if text else "")
@@ -275,6 +313,7 @@ class FunAudioChatDataCollator:
         text = message.get("text", "")
         if not isinstance(text, str):
             raise ValueError(f"Sample {index}, message {turn}: assistant 'text' must be a string.")
+        self._check_text(text, f"Sample {index}, message {turn}")
         tokens = message.get("speech_tokens")
         if tokens is None:
             if not text:
@@ -302,6 +341,10 @@ class FunAudioChatDataCollator:
     def _parse_reference_sample(self, sample: dict, system: str | None, index: int):
         """The official LLaMA-Factory sample: messages with `AUDIO_TEMPLATE` content + JSON audio items."""
         turns = [(m["role"], m["content"]) for m in sample["messages"]]
+        for turn, (_, content) in enumerate(turns):
+            if not isinstance(content, str):
+                raise ValueError(f"Sample {index}, message {turn}: 'content' must be a string.")
+            self._check_text(content.replace(AUDIO_TEMPLATE, ""), f"Sample {index}, message {turn}")
         raw_items = sample["audio"] or []
         num_placeholders = sum(content.count(AUDIO_TEMPLATE) for _, content in turns)
         if num_placeholders != len(raw_items):
@@ -316,7 +359,7 @@ class FunAudioChatDataCollator:
             path = item.get("path", item.get("wav_path", "")) or ""
             if token.startswith(self.processor.audio_bos_token) and "AU" in token:
                 path = ""  # the reference plugin never loads a waveform for assistant speech
-            waveform = load_audio(path, target_sampling_rate=self.processor.sampling_rate) if path else None
+            waveform = self._load_audio(path) if path else None
             items.append(_AudioItem(token, waveform, item.get("text", "") or ""))
         return system, turns, items
 

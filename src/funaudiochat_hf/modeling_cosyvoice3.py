@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -24,6 +25,7 @@ from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
+from .weights_files_funaudiochat import unreadable_weights_error
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -640,6 +642,28 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
             self.hift.init_source_tables(generator=generator)
 
 
+def _check_finite_float(value, name: str) -> torch.Tensor:
+    """A floating-point tensor without NaN/Inf (one host synchronisation for an accelerator tensor): a non-finite
+    speaker embedding or mel would otherwise come out as NaN audio."""
+    value = torch.as_tensor(value)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return value
+
+
+def _check_lengths(lengths, batch: int, max_tokens: int) -> torch.Tensor:
+    """`speech_token_lengths`: (batch,) integers in [0, max_tokens] -> int64 on the CPU."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"speech_token_lengths must be integers, got {lengths.dtype}")
+    lengths = lengths.long().cpu()
+    if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > max_tokens).any():
+        raise ValueError(f"speech_token_lengths must be {batch} values in [0, {max_tokens}], got {lengths.tolist()}")
+    return lengths
+
+
 class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     """CosyVoice3 speech-token decoder: `flow` (tokens -> mel) + `hift` (mel -> waveform) + stored speakers.
 
@@ -681,6 +705,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             if unknown:
                 raise ValueError(f"Unknown speaker(s) {unknown}; stored speakers: {names}")
             speaker_embedding = self.speaker_embeddings[[names.index(name) for name in requested]]
+        else:
+            speaker_embedding = _check_finite_float(speaker_embedding, "speaker_embedding")
         speaker_embedding = torch.as_tensor(speaker_embedding)
         if speaker_embedding.dim() == 1:
             speaker_embedding = speaker_embedding.unsqueeze(0)
@@ -712,6 +738,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             tokens = tokens.unsqueeze(0)
         if tokens.dim() != 2:
             raise ValueError(f"{name} must have shape (batch, tokens), got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise ValueError(f"{name} has 0 rows: pass at least one sequence, shape (batch >= 1, tokens)")
         return tokens
 
     def _check_token_range(self, tokens: torch.Tensor, name: str = "speech_tokens") -> None:
@@ -767,7 +795,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             if prompt_tokens is None or prompt_mel is None:
                 raise ValueError("prompt_tokens and prompt_mel must be given together")
             prompt_tokens = self._check_tokens(prompt_tokens, "prompt_tokens")
-            prompt_mel = torch.as_tensor(prompt_mel).to(self.device, torch.float32)
+            prompt_mel = _check_finite_float(prompt_mel, "prompt_mel").to(self.device, torch.float32)
             num_prompt = prompt_tokens.shape[1]
             expected = (batch, config.mel_bins, config.token_mel_ratio * num_prompt)
             if prompt_tokens.shape[0] != batch or tuple(prompt_mel.shape) != expected:
@@ -780,7 +808,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         if speech_token_lengths is not None:
             if not finalize:
                 raise ValueError("speech_token_lengths (padded batches) requires finalize=True")
-            lengths = torch.as_tensor(speech_token_lengths, device=self.device).long() + num_prompt
+            lengths = _check_lengths(speech_token_lengths, batch, tokens.shape[1] - num_prompt).to(self.device)
+            lengths = lengths + num_prompt
         if not finalize and tokens.shape[1] <= config.pre_lookahead_len:
             raise ValueError(
                 f"finalize=False needs more than pre_lookahead_len={config.pre_lookahead_len} tokens, "
@@ -810,6 +839,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         finalize=True: samples = samples_per_mel_frame * frames; False: the last frames (8 with the default HiFT:
         3 F0 + 4 conv_pre look-ahead + 1) are held back.
         """
+        mel = _check_finite_float(mel, "mel")
+        if mel.dim() != 3 or mel.shape[1] != self.config.mel_bins:
+            raise ValueError(f"mel must have shape (batch, {self.config.mel_bins}, frames), got {tuple(mel.shape)}")
         wav, _ = self.hift(mel.to(self.device, torch.float32), finalize=finalize, source=source)
         return wav
 
@@ -849,11 +881,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         if speech_token_lengths is None:
             lengths = torch.full((batch,), max_tokens, dtype=torch.long)
         else:
-            lengths = torch.as_tensor(speech_token_lengths).long().cpu()
-            if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > max_tokens).any():
-                raise ValueError(
-                    f"speech_token_lengths must be {batch} values in [0, {max_tokens}], got {lengths.tolist()}"
-                )
+            lengths = _check_lengths(speech_token_lengths, batch, max_tokens)
         spk = self.get_speaker_embedding(speaker, speaker_embedding, batch)
         # Pieces: (row, first token, end token); each is decoded independently as one row of a flow batch.
         pieces = []
@@ -1025,6 +1053,18 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             pre_lookahead_len=self.config.pre_lookahead_len if pre_lookahead_len is None else pre_lookahead_len,
             **kwargs,
         )
+
+    # -- loading --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "CosyVoice3Token2Wav":
+        """`PreTrainedModel.from_pretrained`; an unreadable `.safetensors` file raises an `OSError` naming it."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:  # its message does not say which file is broken
+            raise unreadable_weights_error(
+                pretrained_model_name_or_path, error, kwargs.get("subfolder") or "", kwargs.get("revision")
+            ) from error
 
     # -- loading the official files -------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -33,6 +34,7 @@ from .compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, cache_kwargs
 from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
 from .generation_funaudiochat import FunAudioChatSpeechGenerationMixin
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
+from .weights_files_funaudiochat import unreadable_weights_error
 
 
 def sinusoid_position_table(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -528,7 +530,12 @@ class FunAudioChatForConditionalGeneration(
         # `~/models/...` means the expanded local path (transformers alone would read it as an invalid Hub id).
         if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path.startswith("~"):
             pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:  # its message does not say which file is broken
+            raise unreadable_weights_error(
+                pretrained_model_name_or_path, error, kwargs.get("subfolder") or "", kwargs.get("revision")
+            ) from error
 
     # ----------------------------------------------------------------------------------------------------------
     # Embedding accessors (the LLM's)
@@ -571,7 +578,21 @@ class FunAudioChatForConditionalGeneration(
         Returns:
             `last_hidden_state` `(A_w, S, output_dim)` 25 Hz features, zero past each clip's length;
             `audio_output_lengths` `(A_w,)`; `hidden_states` / `attentions` of the encoder when asked for.
+
+        Raises:
+            ValueError: features of the wrong shape (e.g. 80 mel bins) or with NaN/Inf values.
         """
+        num_mel_bins = self.config.audio_config.num_mel_bins
+        if input_features.dim() != 3 or input_features.shape[1] != num_mel_bins:
+            raise ValueError(
+                f"input_features must have shape (clips, {num_mel_bins}, frames) ({num_mel_bins}-bin log-mels from the "
+                f"model's processor), got {tuple(input_features.shape)}."
+            )
+        if not input_features.dtype.is_floating_point:
+            raise TypeError(f"input_features must be a floating-point tensor, got {input_features.dtype}.")
+        # NaN features would encode to NaN hidden states and silently decode to all-zero speech tokens.
+        if not bool(torch.isfinite(input_features).all()):
+            raise ValueError("input_features contain NaN or infinite values.")
         if feature_attention_mask is None:
             feature_attention_mask = torch.ones(
                 input_features.shape[0], input_features.shape[-1], dtype=torch.long, device=input_features.device

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModel, Pipeline
 
 from .audio_io import load_audio
+from .limits_funaudiochat import MAX_AUDIO_SECONDS, check_text_length
 from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
 
 
@@ -63,6 +64,9 @@ class SpeechToSpeechPipeline(Pipeline):
     `repetition_penalty`, `do_sample`, `speaker`, `seed`, ...), which pass through unchanged.
 
     Returns per input: `{"text": str, "audio": np.ndarray float32 (samples,), "sampling_rate": int}`.
+
+    Limits (docs/limits.md): a clip longer than the processor's `max_audio_seconds` or a prompt longer than
+    `MAX_TEXT_CHARS` characters raises `ValueError` before any audio is decoded or resampled.
 
     Constructor extras: `decoder` (a CosyVoice3 token2wav model, a converted folder, an official CosyVoice3 folder or
     a Hub id) for the official two-repo layout, where the chat checkpoint carries no speech decoder;
@@ -228,6 +232,10 @@ class SpeechToSpeechPipeline(Pipeline):
     # ---------------------------------------------------------------------------------------------------------------
     # Helpers
 
+    @property
+    def _max_audio_seconds(self) -> float:
+        return getattr(self.processor, "max_audio_seconds", MAX_AUDIO_SECONDS)
+
     def _generate_kwargs(self, generate_kwargs: dict[str, Any]) -> dict[str, Any]:
         generate_kwargs = dict(generate_kwargs)
         if generate_kwargs.get("speaker") is None and self.default_speaker is not None:
@@ -279,7 +287,7 @@ class SpeechToSpeechPipeline(Pipeline):
         for turn in conversation:
             role, content = turn["role"], turn["content"]
             if role == "user":
-                text, turn_clips = self._user_content(content, sampling_rate)
+                text, turn_clips = self._user_content(content, sampling_rate, self._max_audio_seconds)
                 clips.extend(turn_clips)
                 messages.append({"role": "user", "content": text})
             elif role in ("assistant", "system"):
@@ -293,6 +301,7 @@ class SpeechToSpeechPipeline(Pipeline):
             raise ValueError("The conversation has no user audio: speech-to-speech needs at least one spoken turn.")
         if messages[-1]["role"] != "user":
             raise ValueError("The last turn of the conversation must be a user turn (the one to reply to).")
+        check_text_length(system_prompt, "The system prompt")
         if messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt or SPOKEN_S2M_PROMPT})
         elif system_prompt is not None:
@@ -301,7 +310,7 @@ class SpeechToSpeechPipeline(Pipeline):
         return text, clips
 
     @staticmethod
-    def _user_content(content, sampling_rate) -> tuple[str, list[np.ndarray]]:
+    def _user_content(content, sampling_rate, max_seconds) -> tuple[str, list[np.ndarray]]:
         if isinstance(content, str) and AUDIO_TEMPLATE in content:
             raise ValueError(
                 "A user turn holds the audio placeholder text but no audio: put the audio itself in the turn, e.g. "
@@ -319,7 +328,7 @@ class SpeechToSpeechPipeline(Pipeline):
         for part in items:
             if _is_audio_item(part):
                 audio = part.get("audio", part.get("input_audio", part.get("path")))
-                clips.append(_load_clip(audio, sampling_rate))
+                clips.append(_load_clip(audio, sampling_rate, max_seconds))
                 pieces.append(AUDIO_TEMPLATE)
             elif part.get("type") == "text":
                 pieces.append(part["text"])
@@ -333,11 +342,12 @@ def _looks_like_path(text: str) -> bool:
     return os.path.exists(os.path.expanduser(text)) or Path(text).suffix.lower() in (".wav", ".flac", ".mp3", ".ogg")
 
 
-def _load_clip(audio, sampling_rate) -> np.ndarray:
-    # `sampling_rate` describes raw waveforms only: files and dicts carry their own rate.
+def _load_clip(audio, sampling_rate, max_seconds) -> np.ndarray:
+    # `sampling_rate` describes raw waveforms only: files and dicts carry their own rate. `max_seconds` is checked
+    # on the file header / array length, before decoding or resampling.
     if isinstance(audio, (np.ndarray, torch.Tensor)):
-        return load_audio(audio, sampling_rate=sampling_rate)
-    return load_audio(audio)
+        return load_audio(audio, sampling_rate=sampling_rate, max_seconds=max_seconds)
+    return load_audio(audio, max_seconds=max_seconds)
 
 
 def load_speech_decoder(decoder, speakers_file=None, **kwargs):

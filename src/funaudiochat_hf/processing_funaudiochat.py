@@ -26,6 +26,7 @@ import torch
 from transformers import BatchFeature, ProcessorMixin
 
 from .audio_io import load_audio
+from .limits_funaudiochat import MAX_AUDIO_SECONDS, check_audio_duration, check_text_length
 
 
 # Official prompts (Fun-Audio-Chat utils/constant.py).
@@ -167,6 +168,16 @@ class FunAudioChatProcessor(ProcessorMixin):
         return int(self.feature_extractor.sampling_rate)
 
     @property
+    def max_audio_seconds(self) -> float:
+        """The longest clip accepted: the feature extractor's window (`n_samples`, 30 s for a `chunk_length=30`
+        extractor, 300 s for the official one), capped at `MAX_AUDIO_SECONDS`. The reference processor cuts the
+        features of a longer clip at the window while its prompt keeps placeholders for the whole clip (the model
+        then never hears the rest); this processor refuses such clips instead."""
+        window = getattr(self.feature_extractor, "n_samples", None)
+        window_seconds = window / self.sampling_rate if window else MAX_AUDIO_SECONDS
+        return min(float(window_seconds), MAX_AUDIO_SECONDS)
+
+    @property
     def model_input_names(self) -> list[str]:
         return [
             "input_ids",
@@ -232,7 +243,12 @@ class FunAudioChatProcessor(ProcessorMixin):
                 30000 frames per clip for a 300 s extractor). `"longest"` pads only to the longest clip and gives the
                 same values on every valid frame (up to float32 rounding) and the same mask there - the encoder only
                 reads valid frames, so the model output is unchanged while the extraction is much cheaper.
+
+        Raises:
+            ValueError: a waveform is longer than the extractor's window (see `max_audio_seconds`).
         """
+        for index, waveform in enumerate(waveforms):
+            check_audio_duration(len(waveform), self.sampling_rate, self.max_audio_seconds, f"Audio clip {index}")
         if padding == "max_length":
             features = self.feature_extractor(
                 waveforms,
@@ -318,9 +334,9 @@ class FunAudioChatProcessor(ProcessorMixin):
                 if not item["token"]:
                     raise ValueError("A JSON audio item has an empty 'token' string: it needs a speech token.")
                 speech.append(item["token"])
-                waveforms.append(load_audio(path, target_sampling_rate=self.sampling_rate) if path else None)
+                waveforms.append(self._load_clip(path, None) if path else None)
                 continue
-            waveform = load_audio(clip, sampling_rate=sampling_rate, target_sampling_rate=self.sampling_rate)
+            waveform = self._load_clip(clip, sampling_rate)
             frames = self.num_speech_frames(waveform)
             if frames == 0:
                 raise ValueError(
@@ -330,6 +346,9 @@ class FunAudioChatProcessor(ProcessorMixin):
             speech.append(self.audio_pad_token * frames)
             waveforms.append(waveform)
         return speech, waveforms
+
+    def _load_clip(self, clip: Any, sampling_rate: int | None) -> np.ndarray:
+        return load_audio(clip, sampling_rate, self.sampling_rate, max_seconds=self.max_audio_seconds)
 
     # ------------------------------------------------------------------------------------------------------------
     # main entry points
@@ -355,6 +374,8 @@ class FunAudioChatProcessor(ProcessorMixin):
                 tensor, `{"array", "sampling_rate"}` dict) or a reference JSON item `{"path", "token", "text"}`
                 (string or dict) whose `token` string is used as its speech tokens.
             sampling_rate: rate of clips given as bare arrays/tensors (default 16 kHz); they are resampled.
+                Clips longer than `max_audio_seconds` and prompts longer than `MAX_TEXT_CHARS` characters are
+                refused (`ValueError`) before any decoding or tokenization.
             return_tensors: `"pt"` (default), `"np"` or None.
             padding: text padding (default pads a batch to its longest prompt).
             padding_side: `"left"` for batched generation, `"right"` otherwise (default: the tokenizer's).
@@ -376,6 +397,10 @@ class FunAudioChatProcessor(ProcessorMixin):
             texts = list(text)
         else:
             raise ValueError("`text` must be a string or a list of strings.")
+        for index, prompt in enumerate(texts):
+            if not prompt:  # would tokenize to an empty float tensor, not to ids
+                raise ValueError(f"Prompt {index} is empty: pass the chat prompt, e.g. from `apply_chat_template`.")
+            check_text_length(prompt, f"Prompt {index}")
         if padding_side not in (None, "left", "right"):
             raise ValueError(f"`padding_side` must be 'left' or 'right', got {padding_side!r}.")
 

@@ -165,7 +165,7 @@ class CosyVoice3StreamingDecoder:
 
     @torch.no_grad()
     def push(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Add speech tokens (n,) and return the audio (samples,) that became final (possibly empty).
+        """Add speech tokens (n,) (or (1, n)) and return the audio (samples,) that became final (possibly empty).
 
         Ids outside the codebook raise a ValueError. Tokens on the CPU are checked here; tokens on an accelerator
         are checked when a chunk first needs them (by the push that decodes it, or `finalize`), so that pushes
@@ -174,7 +174,11 @@ class CosyVoice3StreamingDecoder:
         """
         if self.finished:
             raise ValueError("push() after finalize(); start a new streaming_decoder for the next reply")
-        tokens = self.model._check_token_layout(torch.as_tensor(tokens).reshape(1, -1)).reshape(-1)
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() > 2 or (tokens.dim() == 2 and tokens.shape[0] != 1):
+            # rows of a batch would be concatenated into one stream: one decoder per reply
+            raise ValueError(f"push() takes the tokens of one stream, shape (n,) or (1, n); got {tuple(tokens.shape)}")
+        tokens = self.model._check_token_layout(tokens.reshape(1, -1)).reshape(-1)
         checked = _checked_when_pushed(tokens)
         if checked:
             self.model._check_token_range(tokens)
