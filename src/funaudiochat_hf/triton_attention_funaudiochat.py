@@ -592,7 +592,7 @@ def triton_decode_attention(
     if scaling is None:
         scaling = 1.0 / math.sqrt(head_dim)
     config = kwargs.get("kernel_config")
-    launch = [] if config is None else list(AttentionLaunch.of(config, batch))
+    launch = [] if config is None else list(AttentionLaunch.of(config, int(batch)))
     return torch.ops.funaudiochat.decode_attention(query, key, value, mask, float(scaling), launch), None
 
 

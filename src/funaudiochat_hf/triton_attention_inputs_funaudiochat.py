@@ -300,7 +300,7 @@ def decode_attention_with_inputs(
     if not usable:
         return None
     arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
-    launch = [] if kernel_config is None else list(AttentionLaunch.of(kernel_config, query.shape[0]))
+    launch = [] if kernel_config is None else list(AttentionLaunch.of(kernel_config, int(query.shape[0])))
     operator = torch.ops.funaudiochat.decode_attention_with_inputs
     return operator(*arguments, mask, float(attention.scaling), counters, launch)
 

@@ -353,7 +353,8 @@ def decode_linear(
     launch = []
     if kernel_config is not None:
         out_features = _output_features(weight, gated, None if up is None else up.weight, parts)
-        launch = LinearLaunch.of(kernel_config, out_features, x.shape[-1], gated).to_ints()
+        # Python ints: a compiled graph specialises on these shapes anyway (the tiles are constants of it).
+        launch = LinearLaunch.of(kernel_config, int(out_features), int(x.shape[-1]), gated).to_ints()
     result = operator(
         rows,
         weight,
