@@ -111,3 +111,19 @@ def test_rows_tile_candidates_shrink_stages_then_chunks_then_columns():
 def test_text_head_grid_follows_the_config():
     assert DecodeKernelConfig(multiprocessors=132).text_head_programs() == 66
     assert DecodeKernelConfig(multiprocessors=1, text_head_programs_per_multiprocessor=0.25).text_head_programs() == 1
+
+
+def test_generate_speech_carries_its_kernel_config_in_the_step_config(inputs):
+    """`generate_speech(kernel_config=...)` lands in the run's step configuration (so in every graph key); None takes
+    the device's; anything else is a clear error."""
+    from transformers import AutoModel
+
+    from conftest import FUNAUDIOCHAT_TINY
+
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
+    ids = inputs["input_ids"]
+    assert model._speech_run(ids, None, {}, {}).cfg.kernels == DecodeKernelConfig.for_device("cpu")
+    config = DecodeKernelConfig(attention_pipeline_stages=3)
+    assert model._speech_run(ids, None, {}, {"kernel_config": config}).cfg.kernels is config
+    with pytest.raises(ValueError, match="`kernel_config` must be a DecodeKernelConfig"):
+        model._speech_run(ids, None, {}, {"kernel_config": {"attention_pipeline_stages": 3}})

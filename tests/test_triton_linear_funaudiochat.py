@@ -312,7 +312,7 @@ def test_rows_kernel_takes_the_first_tile_that_fits_the_shared_memory():
     assert fitted_rows_tile(tuned, [3072], fits) == (128, 64, 4, 8, 1, True)
     assert tried == [tuned, (128, 256, 4, 8, 1, True), (128, 128, 4, 8, 1, True), (128, 64, 4, 8, 1, True)]
     assert fitted_rows_tile(tuned, [3072], fits) == (128, 64, 4, 8, 1, True)  # the same answer every time
-    assert fitted_rows_tile(tuned, [32, 48], lambda tile: True) == (16, 256, 4, 8, 2, True)  # 32 | 48: 16 columns
+    assert fitted_rows_tile(tuned, [48, 96], lambda tile: True) == (16, 256, 4, 8, 2, True)  # 16 divides 48
     assert fitted_rows_tile(tuned, [24, 48], lambda tile: True) is None  # no 16-column tile divides 24
     with pytest.raises(ValueError, match="shared memory"):
         fitted_rows_tile(tuned, [3072], lambda tile: False)
