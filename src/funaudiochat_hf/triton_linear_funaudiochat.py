@@ -352,7 +352,8 @@ def decode_linear(
     operator = operators.decode_linear_and_squares if with_squares else operators.decode_linear
     launch = []
     if kernel_config is not None:
-        out_features = _output_features(weight, gated, None if up is None else up.weight, parts)
+        up_weight = None if up is None else up.weight
+        out_features = _output_features(weight, gated, up_weight, [part.weight for part in parts])
         # Python ints: a compiled graph specialises on these shapes anyway (the tiles are constants of it).
         launch = LinearLaunch.of(kernel_config, int(out_features), int(x.shape[-1]), gated).to_ints()
     result = operator(
