@@ -9,12 +9,14 @@ per layer (`triton.testing.do_bench_cudagraph`), every layer with its own weight
 decode step, not from L2; the weight bytes / time and the largest difference.
 
 `--sweep-tiles`: instead, each projection's µs per call for 11 kernel tiles (columns per program, warps, reduction
-chunk: `triton_linear_funaudiochat.kernel_tile`) and the fastest, then a whole compiled CRQ sub-step and the LLM's 36
-layers (one row, random weights) with `TUNED_TILES` against the default tiles, in interleaved rounds (`--only NAME`:
-the sweep of the projections whose name contains NAME, e.g. "lm_head", without the rounds).
+chunk: `DecodeKernelConfig.gemv_kernel_tile`) and the fastest, then a whole compiled CRQ sub-step and the LLM's 36
+layers (one row, random weights) with the GPU's config (its tuned tiles) against one without tuned tiles, in
+interleaved rounds (`--only NAME`: the sweep of the projections whose name contains NAME, e.g. "lm_head", without the
+rounds).
 
 `--sweep-rows-tiles [CRQ | LLM]`: the CRQ's (default) or the LLM's four projections at 16 rows (a batch-16 decode
-step) through the several-row kernel (`rows_kernel_tile`: columns per program, reduction chunk, reduction splits,
+step) through the several-row kernel (`DecodeKernelConfig.rows_kernel_tile`: columns per program, reduction chunk,
+reduction splits,
 warps), 12-14 tiles per shape against the compiled torch composition, and the fastest. The LLM's q, k and v are read
 as three weights (`part_weights`), its gate and up as two; the torch column runs one GEMM over their concatenation.
 
@@ -24,9 +26,9 @@ With `--rows N` (N from 2 to 16) the table's kernel column is the several-row ke
 returning an empty tensor (outputs garbage, timing only), and the attention's µs per layer.
 
 `--stack-ab VARIANT [VARIANT ...]`: whole compiled decode steps of the CRQ (a sub-step) and of the LLM's 36 layers at
-each of `--rows`, once per variant, in `--rounds` interleaved rounds; a variant sets package constants read when a
-kernel is launched, as benchmark.py's `--set` (`''` keeps the shipped ones), e.g.
-`--stack-ab '' 'triton_attention_funaudiochat.SPLIT_NUM_WARPS=8' --rows 16,1`.
+each of `--rows`, once per variant, in `--rounds` interleaved rounds; a variant is a JSON object of
+`DecodeKernelConfig` field overrides over the GPU's config (`'{}'` keeps it), passed down as `kernel_config`, e.g.
+`--stack-ab '{}' '{"attention_split_warps": [[1, 4]]}' --rows 16,1`.
 
 `--substep`: also one whole CRQ sub-step (the default config's 28 layers, random weights, a 1,280-position static
 cache of which 700 are written), `decoder_stack_forward` compiled with the fused projections and the Triton attention,
@@ -135,10 +137,10 @@ def _replayable_step(step, stack, projections, x, mask, positions, cache, writte
 
 
 def _decode_stack_steps(rows: int, split_k_counters: bool = False):
-    """`(name, call)` of a compiled `rows`-row decode step of the CRQ (28 layers, fused projections on the kernels,
-    1,280 cache positions of which 700 written) and of the LLM (36 layers, own weights, 640 / 350), random weights,
-    through the Triton attention, each replayable ([`_replayable_step`]); `split_k_counters`: with the several-row
-    kernel's counters."""
+    """`(name, step(kernel_config))` of a compiled `rows`-row decode step of the CRQ (28 layers, fused projections on
+    the kernels, 1,280 cache positions of which 700 written) and of the LLM (36 layers, own weights, 640 / 350), random
+    weights, through the Triton attention: `step(config)` is a replayable call ([`_replayable_step`]) whose kernels
+    take `config` (a `DecodeKernelConfig`); `split_k_counters`: with the several-row kernel's counters."""
     from funaudiochat_hf import FunAudioChatConfig
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
     from funaudiochat_hf.decoder_stack_funaudiochat import decoder_stack_forward
@@ -162,7 +164,13 @@ def _decode_stack_steps(rows: int, split_k_counters: bool = False):
             step_kwargs["split_k_counters"] = triton_linear.split_k_counters_for(stack_config, "cuda", rows)
         cache, mask, x, positions = _prefilled_decode_inputs(stack, rows, cache_length, written)
         stack.config._attn_implementation = attention
-        yield stack_name, _replayable_step(step, stack, projections, x, mask, positions, cache, written, **step_kwargs)
+
+        def with_config(kernel_config, stack=stack, projections=projections, inputs=(x, mask, positions, cache),
+                        step_kwargs=step_kwargs):  # fmt: skip
+            return _replayable_step(step, stack, projections, *inputs, written, kernel_config=kernel_config,
+                                    **step_kwargs)  # fmt: skip
+
+        yield stack_name, with_config
 
 
 def crq_substep(rows: list[int], cache_length: int = 1280, written: int = 700) -> None:
@@ -214,7 +222,9 @@ def sweep_tiles(only: str | None = None) -> None:
     import triton
 
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
+    generic = DecodeKernelConfig.for_device("cuda").replace(gemv_tiles=())
     options = dict(device="cuda", dtype=torch.bfloat16)
     tiles = " | ".join(f"{n} col, {w} warps, k x{k}" for n, w, k in SWEPT_TILES)
     print(f"| stack | projection | {tiles} | fastest (columns, chunk, warps) |")
@@ -229,26 +239,24 @@ def sweep_tiles(only: str | None = None) -> None:
         norm_weight = torch.rand(in_features, **options) + 0.5 if norm else None
         residual_t = torch.randn(1, out_features, **options) if residual else None
         arguments = [(x, w, None, norm_weight, 1e-6, residual_t, gated, up) for w, up in zip(weights, ups)]
-        tuned = triton_linear.TUNED_TILES
-        triton_linear.TUNED_TILES = {}
-        default_block_k = triton_linear.kernel_tile(out_features, in_features, gated)[1]
-        expected = triton_linear.launch_decode_linear(*arguments[0]).float()
+        default_block_k = generic.gemv_kernel_tile(out_features, in_features, gated)[1]
+        expected = triton_linear.launch_decode_linear(*arguments[0], config=generic).float()
         times = {}
         for block_n, warps, k_scale in SWEPT_TILES:
             tile = (block_n, max(16, int(default_block_k * k_scale)), warps)
-            triton_linear.TUNED_TILES = {(out_features, in_features, gated): tile}
-            error = (triton_linear.launch_decode_linear(*arguments[0]).float() - expected).abs().max().item()
+            config = generic.replace(gemv_tiles={(out_features, in_features, gated): tile})
+            got = triton_linear.launch_decode_linear(*arguments[0], config=config).float()
+            error = (got - expected).abs().max().item()
             if error > 0.05:
                 raise RuntimeError(f"{stack} {name}: tile {tile} is {error} off the default tile")
 
-            def run(arguments=arguments):
+            def run(arguments=arguments, config=config):
                 for args in arguments:
-                    triton_linear.launch_decode_linear(*args)
+                    triton_linear.launch_decode_linear(*args, config=config)
 
             run()
             torch.cuda.synchronize()
             times[tile] = triton.testing.do_bench_cudagraph(run, rep=60) * 1e3 / layers
-        triton_linear.TUNED_TILES = tuned
         cells = " | ".join(f"{t:.2f}" for t in times.values())
         print(f"| {stack} | {name} | {cells} | {min(times, key=times.get)} |", flush=True)
         del weights, ups
@@ -356,7 +364,9 @@ def _compile_worker(stack: str, tiles_by_name: dict, rows: int) -> int:
     import triton
 
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
+    device_config = DecodeKernelConfig.for_device("cuda").replace(max_shared_memory=None)  # every tile as it is
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     done = 0
     for name, out_features, in_features, norm, gated, residual, _, make in _rows_projections(stack, 1):
@@ -367,11 +377,12 @@ def _compile_worker(stack: str, tiles_by_name: dict, rows: int) -> int:
         norm_weight = torch.ones(in_features, device="cuda", dtype=torch.bfloat16) if norm else None
         residual_t = torch.zeros(rows, out_features, device="cuda", dtype=torch.bfloat16) if residual else None
         for tile in tiles_by_name.get(name, ()):
-            triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
+            config = device_config.replace(rows_tiles={(out_features, in_features, gated): tile})
             try:
                 triton_linear.launch_decode_linear(
-                    x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters, **weights
-                )
+                    x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters,
+                    config=config, **weights,
+                )  # fmt: skip
                 done += 1
             except triton.runtime.errors.OutOfResources:  # too much shared memory: the timing process skips it too
                 pass
@@ -434,7 +445,8 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
                      ) -> dict:  # fmt: skip
     """The CRQ's (or the LLM's) projections at `rows` rows: µs per call of the compiled torch composition and of the
     several-row kernel with each candidate tile (a chain of 28 / 36 distinct weights per CUDA graph), and the
-    fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `ROWS_TUNED_TILES` keys them.
+    fastest; returns the fastest tile by `(out_features, in_features, gated)`, as `DecodeKernelConfig.rows_tiles` keys
+    them.
     `wide`: the candidates of `_wide_rows_tiles` (pipeline depths, SWAP_AB) and each shape's tuned tile; `prefetch`:
     those of `_prefetch_rows_tiles` (whole splits fetched before the wait) and the tuned tile; `jobs` > 1:
     compiled first in that many processes. A tile that does not fit the GPU (shared memory) is skipped."""
@@ -442,14 +454,16 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
+    device_config = DecodeKernelConfig.for_device("cuda").replace(max_shared_memory=None)  # every tile as it is
     compiled = torch.compile(torch_composition, fullgraph=True, dynamic=False)
     options = dict(device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     layers = 28 if stack == "CRQ" else 36
     print(f"{stack}, {rows} rows, µs per call; tiles (columns, chunk, splits, warps)")
     print("| projection | torch compiled | tiles | fastest |\n|---|---|---|---|")
-    tuned = triton_linear.ROWS_TUNED_TILES
+    tuned = dict(device_config.rows_tiles)
     fastest_tiles = {}
     projections = list(_rows_projections(stack, layers))
     ranked_report = wide or prefetch  # the fastest tiles and the tuned one, not every candidate
@@ -481,31 +495,31 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
             for w in concatenated:
                 compiled(x, w["weight"], norm_module, residual_t, gated, w.get("up_weight"))
 
-        def kernel(w):
+        def kernel(w, config):
             return triton_linear.launch_decode_linear(
-                x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters, **w
-            )
+                x, norm_weight=norm_weight, residual=residual_t, gated=gated, split_k_counters=counters,
+                config=config, **w,
+            )  # fmt: skip
 
-        def run_kernel():
+        def run_kernel(config):
             for w in weights:
-                kernel(w)
+                kernel(w, config)
 
         run_torch()
         torch.cuda.synchronize()
         torch_us = triton.testing.do_bench_cudagraph(run_torch, rep=60) * 1e3 / layers
         times = {}
         for tile in dict.fromkeys(tiles):
-            triton_linear.ROWS_TUNED_TILES = {(out_features, in_features, gated): tile}
+            config = device_config.replace(rows_tiles={(out_features, in_features, gated): (*tile, 3, False)[:6]})
             try:
-                got = kernel(weights[0]).float()
+                got = kernel(weights[0], config).float()
             except triton.runtime.errors.OutOfResources:
                 continue
             if not torch.isfinite(got).all() or (got - expected).abs().max().item() > tolerance or counters.any():
                 raise RuntimeError(f"{name}: tile {tile} is off the torch composition (or left its counters set)")
-            run_kernel()
+            run_kernel(config)
             torch.cuda.synchronize()
-            times[tile] = triton.testing.do_bench_cudagraph(run_kernel, rep=60) * 1e3 / layers
-        triton_linear.ROWS_TUNED_TILES = tuned
+            times[tile] = triton.testing.do_bench_cudagraph(lambda: run_kernel(config), rep=60) * 1e3 / layers
         ranked = sorted(times, key=times.get)
         cells = ", ".join(f"{tile}: {times[tile]:.2f}" for tile in (ranked[:8] if ranked_report else times))
         fastest = ranked[0]
@@ -521,11 +535,12 @@ def sweep_rows_tiles(rows: int = 16, stack: str = "CRQ", wide: bool = False, job
 
 def tuned_tiles_ab(rounds: int = 5) -> None:
     """A compiled one-row decode step of the CRQ (28 layers, fused projections) and of the LLM (36 layers, own
-    weights), random weights, with `TUNED_TILES` and with the default tiles: µs per step, median (range)."""
-    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    weights), random weights, with the GPU's config (its tuned GEMV tiles) and without tuned tiles: µs per step,
+    median (range)."""
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
-    variants = {"tuned": [(triton_linear, "TUNED_TILES", triton_linear.TUNED_TILES)],
-                "default": [(triton_linear, "TUNED_TILES", {})]}  # fmt: skip
+    tuned = DecodeKernelConfig.for_device("cuda")
+    variants = {"tuned": tuned, "default": tuned.replace(gemv_tiles=())}
     print("| stack (one row) | tuned tiles (µs) | default tiles (µs) |\n|---|---|---|")
     for stack_name, _, times, _ in _stack_rounds(variants, [1], rounds):
         print(f"| {stack_name} | {_median_cells(times)} |", flush=True)
@@ -533,31 +548,33 @@ def tuned_tiles_ab(rounds: int = 5) -> None:
 
 def rows_tiles_ab(candidate: dict, rows: int = 16, rounds: int = 5) -> None:
     """A compiled decode step of `rows` rows through the several-row kernel, of the CRQ and of the LLM
-    ([`_decode_stack_steps`]), with `ROWS_TUNED_TILES` and with it updated by `candidate`: µs per step, median (range)
-    of interleaved rounds, and the largest difference of their outputs."""
-    from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+    ([`_decode_stack_steps`]), with the GPU's config and with its `rows_tiles` updated by `candidate`: µs per step,
+    median (range) of interleaved rounds, and the largest difference of their outputs."""
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
-    tuned = triton_linear.ROWS_TUNED_TILES
-    variants = {"tuned": [(triton_linear, "ROWS_TUNED_TILES", tuned)],
-                "candidate": [(triton_linear, "ROWS_TUNED_TILES", {**tuned, **candidate})]}  # fmt: skip
+    tuned = DecodeKernelConfig.for_device("cuda")
+    candidate = {shape: (*tile, 3, False)[:6] for shape, tile in candidate.items()}
+    variants = {"tuned": tuned, "candidate": tuned.replace(rows_tiles={**dict(tuned.rows_tiles), **candidate})}
     print(f"| stack ({rows} rows) | tuned tiles (µs) | candidate tiles (µs) |\n|---|---|---|")
     for stack_name, _, times, outputs in _stack_rounds(variants, [rows], rounds):
         difference = (outputs["tuned"] - outputs["candidate"]).abs().max().item()
         print(f"| {stack_name} | {_median_cells(times)} | (max difference {difference:.3f})", flush=True)
 
 
-def stack_settings_ab(variants: list[str], rows: list[int], rounds: int = 5) -> None:
+def stack_configs_ab(variants: list[str], rows: list[int], rounds: int = 5) -> None:
     """Compiled decode steps of the CRQ and of the LLM ([`_decode_stack_steps`], the several-row kernel's counters
-    given) at each of `rows`, once per variant: a variant is `;`-separated `MODULE.NAME=VALUE` settings of package
-    constants (benchmark.py's `--set`; "" keeps the shipped values), applied around its calls only. µs per step,
-    median (range) of interleaved rounds, and each variant's largest difference from the first's output."""
-    from benchmark import parse_setting
+    given) at each of `rows`, once per variant: a variant is a JSON object of `DecodeKernelConfig` field overrides
+    over the GPU's config ("{}" keeps it), passed down as `kernel_config`. µs per step, median (range) of interleaved
+    rounds, and each variant's largest difference from the first's output."""
+    import json
 
-    settings = {variant or "shipped": [parse_setting(s) for s in variant.split(";") if s.strip()]
-                for variant in variants}  # fmt: skip
-    print(f"| stack | rows | {' | '.join(f'{name} (µs)' for name in settings)} | max difference from the first |")
-    print(f"|---|---|{'---|' * len(settings)}---|")
-    for stack_name, batch, times, outputs in _stack_rounds(settings, rows, rounds):
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
+
+    device_config = DecodeKernelConfig.for_device("cuda")
+    configs = {variant or "{}": device_config.replace(**json.loads(variant or "{}")) for variant in variants}
+    print(f"| stack | rows | {' | '.join(f'{name} (µs)' for name in configs)} | max difference from the first |")
+    print(f"|---|---|{'---|' * len(configs)}---|")
+    for stack_name, batch, times, outputs in _stack_rounds(configs, rows, rounds):
         first = next(iter(outputs.values()))
         difference = max((output - first).abs().max().item() for output in outputs.values())
         print(f"| {stack_name} | {batch} | {_median_cells(times)} | {difference:.3g} |", flush=True)
@@ -566,52 +583,62 @@ def stack_settings_ab(variants: list[str], rows: list[int], rounds: int = 5) -> 
 def attention_share(rows: list[int], rounds: int = 3) -> None:
     """Both stacks' compiled decode steps ([`_decode_stack_steps`]) at each of `rows`, with the attention kernels and
     with the attention operator returning an empty tensor (outputs garbage; timing only): µs per step, median (range)
-    of interleaved rounds, and the attention's µs per layer."""
-    from funaudiochat_hf import triton_attention_inputs_funaudiochat as attention_inputs
+    of interleaved rounds, and the attention's µs per layer. (The stand-in replaces a function for the "without"
+    step only; it is a measurement of the attention's share, not a kernel variant.)"""
+    import triton
 
-    def no_attention(query, key, value, mask, scaling, inputs=None):
+    from funaudiochat_hf import triton_attention_inputs_funaudiochat as attention_inputs
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
+
+    def no_attention(query, key, value, mask, scaling, inputs=None, counters=None, config=None):
         heads = query.shape[1] if inputs is None else query.shape[1] // key.shape[-1]
         return query.new_empty(key.shape[0], 1, heads, key.shape[-1])
 
-    variants = {"with": [], "without": [(attention_inputs, "launch_decode_attention", no_attention)]}
+    config = DecodeKernelConfig.for_device("cuda")
     print("| stack | rows | with the attention (µs) | without (µs) | attention per layer (µs) |\n|---|---|---|---|---|")
-    for stack_name, batch, times, _ in _stack_rounds(variants, rows, rounds):
-        layers = 28 if stack_name.startswith("CRQ") else 36
-        share = (statistics.median(times["with"]) - statistics.median(times["without"])) / layers
-        print(f"| {stack_name} | {batch} | {_median_cells(times)} | {share:.1f} |", flush=True)
-
-
-def _stack_rounds(variants: dict, rows: list[int], rounds: int):
-    """`(stack name, rows, times, outputs)` of [`_interleaved_rounds`] over both stacks' decode steps
-    ([`_decode_stack_steps`], the several-row kernel's counters given) at each of `rows`."""
     for batch in rows:
-        for stack_name, call in _decode_stack_steps(batch, split_k_counters=True):
-            yield stack_name, batch, *_interleaved_rounds(call, variants, rounds)
+        for stack_name, step in _decode_stack_steps(batch, split_k_counters=True):
+            call = step(config)
+            times = {"with": [], "without": []}
+            original = attention_inputs.launch_decode_attention
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for variant in times:
+                        attention_inputs.launch_decode_attention = original if variant == "with" else no_attention
+                        try:
+                            call()
+                            torch.cuda.synchronize()
+                            times[variant].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
+                        finally:
+                            attention_inputs.launch_decode_attention = original
+            layers = 28 if stack_name.startswith("CRQ") else 36
+            share = (statistics.median(times["with"]) - statistics.median(times["without"])) / layers
+            print(f"| {stack_name} | {batch} | {_median_cells(times)} | {share:.1f} |", flush=True)
 
 
-def _interleaved_rounds(call, variants: dict, rounds: int):
-    """`({variant: [µs per call, one per round]}, {variant: float32 output})`: `call` replayed as a CUDA graph with
-    each variant's `(module, NAME, value)` settings applied in turn, `rounds` times; the constants restored after.
-    Only for constants read when a kernel is launched or a graph is recorded: every timing records a new graph."""
+def _stack_rounds(configs: dict, rows: list[int], rounds: int):
+    """`(stack name, rows, times, outputs)` of [`_interleaved_rounds`] over both stacks' decode steps
+    ([`_decode_stack_steps`], the several-row kernel's counters given) at each of `rows`, one call per
+    `DecodeKernelConfig` of `configs` (each compiles and records its own graphs)."""
+    for batch in rows:
+        for stack_name, step in _decode_stack_steps(batch, split_k_counters=True):
+            calls = {name: step(config) for name, config in configs.items()}
+            yield stack_name, batch, *_interleaved_rounds(calls, rounds)
+
+
+def _interleaved_rounds(calls: dict, rounds: int):
+    """`({variant: [µs per call, one per round]}, {variant: float32 output})`: each variant's call replayed as a CUDA
+    graph in turn, `rounds` times."""
     import triton
 
-    originals = {(module, name): getattr(module, name) for settings in variants.values() for module, name, _ in settings}
-    times = {variant: [] for variant in variants}
+    times = {variant: [] for variant in calls}
     outputs = {}
-    try:
-        with torch.no_grad():
-            for _ in range(rounds):
-                for variant, settings in variants.items():
-                    for (module, name), value in originals.items():
-                        setattr(module, name, value)
-                    for module, name, value in settings:
-                        setattr(module, name, value)
-                    outputs[variant] = call().float()
-                    torch.cuda.synchronize()
-                    times[variant].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
-    finally:
-        for (module, name), value in originals.items():
-            setattr(module, name, value)
+    with torch.no_grad():
+        for _ in range(rounds):
+            for variant, call in calls.items():
+                outputs[variant] = call().float()
+                torch.cuda.synchronize()
+                times[variant].append(triton.testing.do_bench_cudagraph(call, rep=150) * 1e3)
     return times, outputs
 
 
@@ -635,17 +662,17 @@ def main(argv: list[str] | None = None) -> None:
                         "projections (or both)")  # fmt: skip
     parser.add_argument("--wide", action="store_true",
                         help="--sweep-rows-tiles: also sweep pipeline depths and SWAP_AB, then time both stacks' "
-                        "decode steps with the fastest tiles against ROWS_TUNED_TILES")  # fmt: skip
+                        "decode steps with the fastest tiles against the GPU's tuned tiles")  # fmt: skip
     parser.add_argument("--prefetch", action="store_true",
                         help="--sweep-rows-tiles: sweep tiles whose whole split is fetched before the wait instead, "
-                        "then time both stacks' decode steps with the fastest against ROWS_TUNED_TILES")  # fmt: skip
+                        "then time both stacks' decode steps with the fastest against the GPU's tuned tiles")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=0, help="--sweep-rows-tiles: compile candidates in N processes")
     parser.add_argument("--rows-ab", default=None, metavar="TILES",
-                        help="time both stacks' 16-row decode steps with ROWS_TUNED_TILES updated by TILES (a Python "
-                        "dict literal) against ROWS_TUNED_TILES")  # fmt: skip
+                        help="time both stacks' 16-row decode steps with the GPU's several-row tiles updated by TILES "
+                        "(a Python dict literal) against them")  # fmt: skip
     parser.add_argument("--stack-ab", nargs="+", default=None, metavar="VARIANT",
-                        help="time both stacks' compiled decode steps at each --rows once per VARIANT, a ';'-separated "
-                        "list of MODULE.NAME=VALUE constant settings ('' = shipped), interleaved rounds")  # fmt: skip
+                        help="time both stacks' compiled decode steps at each --rows once per VARIANT, a JSON object "
+                        "of DecodeKernelConfig field overrides ('{}' = the GPU's config), interleaved rounds")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="--stack-ab, --attention-share: interleaved rounds")
     parser.add_argument("--attention-share", action="store_true",
                         help="time both stacks' compiled decode steps at each --rows with and without the attention")
@@ -654,7 +681,7 @@ def main(argv: list[str] | None = None) -> None:
         attention_share([int(r) for r in args.rows.split(",")], args.rounds)
         return
     if args.stack_ab:
-        stack_settings_ab(args.stack_ab, [int(r) for r in args.rows.split(",")], args.rounds)
+        stack_configs_ab(args.stack_ab, [int(r) for r in args.rows.split(",")], args.rounds)
         return
     if args.rows_ab:
         import ast

@@ -29,11 +29,9 @@ to BENCHMARKS.md (unless --no-write), and written as JSON + markdown to $OUT/ben
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import datetime
 import gc
-import importlib
 import inspect
 import json
 import math
@@ -164,8 +162,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
             f"fold_crq_matching={args.fold_crq_matching!r}, "
             f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}, "
             f"text_head={args.text_head!r}"
-            + ("; Triton kernels launched without programmatic dependent launch" if args.plain_launches else "")
-            + ("; set " + ", ".join(args.set) if args.set else "")
+            + (f"; kernel_config {json.dumps(args.kernel_config)}" if args.kernel_config else "")
             + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
@@ -544,8 +541,20 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "cache_implementation": "static",
         "return_audio": False,
     }
+    if args.kernel_config:
+        kwargs["kernel_config"] = kernel_config(model, args.kernel_config)
     kwargs.update(extra)
     return kwargs
+
+
+def kernel_config(model, overrides: dict):
+    """`DecodeKernelConfig.for_device(model's device)` with `overrides` (field name -> value, e.g. `{"split_num_warps":
+    8}` of `--kernel-config` or a `--compare` variant's "kernel_config"), for `generate_speech(kernel_config=...)`. A
+    different config is a different step configuration: it compiles and records graphs of its own."""
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
+
+    device = next(model.parameters()).device
+    return DecodeKernelConfig.for_device(device).replace(**overrides)
 
 
 def cache_length(prompt_len: int, args: argparse.Namespace) -> int:
@@ -653,20 +662,16 @@ def chat_step_row(model, bandwidth: dict, mode: str, batch: int, args: argparse.
 def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     """ms per LLM step of each `--compare` variant (generate_speech keyword arguments over the run's own), measured
     side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
-    what such a run reports; a lone step time drifts by ±0.1-0.3 ms between runs on an H200). A variant's `"set"`
-    (a list of `MODULE.NAME=VALUE`, as `--set`) holds only while it is measured ([`variant_settings`])."""
+    what such a run reports; a lone step time drifts between runs). A variant's `"kernel_config"` (field overrides of
+    `DecodeKernelConfig`, over `--kernel-config`'s) is passed as `generate_speech(kernel_config=...)`: part of the
+    step configuration, so each config compiles and records its own step graphs."""
     inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
     short, long = step_counts(mode, args)
-    variants = [
-        {"kwargs": {k: v for k, v in spec.items() if k != "set"}, "set": list(spec.get("set", [])), "ms_per_step": [],
-         "notes": []}
-        for spec in args.compare
-    ]  # fmt: skip
-    any_settings = any(variant["set"] for variant in variants)
+    variants = [{"kwargs": dict(spec), "ms_per_step": [], "notes": []} for spec in args.compare]
     for round_index in range(args.compare_rounds):
         for variant in variants:
-            with variant_settings(model, variant["set"], drop_graphs=any_settings):
-                m = measure_step_time(model, inputs, mode, args, args.device, short, long, **variant["kwargs"])
+            kwargs = variant_kwargs(model, variant["kwargs"], args)
+            m = measure_step_time(model, inputs, mode, args, args.device, short, long, **kwargs)
             variant["ms_per_step"].append(m["ms_per_step"])
             variant["notes"] = sorted(set(variant["notes"]) | set(m["notes"]))
             log(f"  round {round_index + 1}: {variant_label(variant)} {m['ms_per_step']:.3f} ms/step")
@@ -675,32 +680,18 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     return {"mode": mode, "batch": batch, "rounds": args.compare_rounds, "variants": variants}
 
 
-@contextlib.contextmanager
-def variant_settings(model, settings: list[str], drop_graphs: bool):
-    """`settings` (`MODULE.NAME=VALUE`, as `--set`) applied while the block runs, the old values restored after it.
-    `drop_graphs`: the model's cached decode workspaces are dropped before and after, so that the block records its
-    own CUDA graphs of the step (with `step_graph`, the default in a compiled loop; a constant read when a kernel is
-    launched is otherwise baked into the graph recorded first)."""
-    from funaudiochat_hf import generation_funaudiochat
-
-    parsed = [parse_setting(setting) for setting in settings]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in parsed]
-    if drop_graphs:
-        generation_funaudiochat._WORKSPACES.pop(model, None)
-    for module, name, value in parsed:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in reversed(originals):
-            setattr(module, name, value)
-        if drop_graphs:
-            generation_funaudiochat._WORKSPACES.pop(model, None)
+def variant_kwargs(model, spec: dict, args: argparse.Namespace) -> dict:
+    """A `--compare` variant's generate_speech keyword arguments: its `"kernel_config"` overrides (over
+    `--kernel-config`'s) as a `DecodeKernelConfig` object."""
+    kwargs = {name: value for name, value in spec.items() if name != "kernel_config"}
+    if "kernel_config" in spec or args.kernel_config:
+        kwargs["kernel_config"] = kernel_config(model, {**(args.kernel_config or {}), **spec.get("kernel_config", {})})
+    return kwargs
 
 
 def variant_label(variant: dict) -> str:
-    """A `--compare` variant as its JSON: the generate_speech kwargs, with its `"set"` if it has one."""
-    return json.dumps({**variant["kwargs"], **({"set": variant["set"]} if variant.get("set") else {})})
+    """A `--compare` variant as its JSON: the generate_speech kwargs (with its "kernel_config" overrides)."""
+    return json.dumps(variant["kwargs"])
 
 
 def crq_share_row(model, mode: str, batch: int, args: argparse.Namespace, full_ms: float | None) -> dict:
@@ -1451,14 +1442,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--text-head", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(text_head=...)"
     )
     p.add_argument(
-        "--plain-launches", action="store_true",
-        help="launch the Triton decode kernels without programmatic dependent launch (for comparisons)",
+        "--kernel-config", default=None, metavar="JSON",
+        help="DecodeKernelConfig field overrides for every chat call, e.g. '{\"attention_pipeline_stages\": 3}'\n"
+             "(generate_speech(kernel_config=DecodeKernelConfig.for_device(device).replace(**JSON)))",
     )
     p.add_argument(
-        "--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-        help="set a constant of funaudiochat_hf.MODULE before anything runs (VALUE a Python literal), e.g.\n"
-             "triton_attention_funaudiochat.PIPELINED_BLOCKS=False. Constants read when a kernel is launched do not\n"
-             "change the compiled graphs: compare them in separate runs, not with --compare",
+        "--plain-launches", action="store_true",
+        help="the Triton decode kernels without programmatic dependent launch: --kernel-config's\n"
+             "{\"programmatic_launch\": false}",
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(
@@ -1489,16 +1480,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="JSON",
         help="measure only chat variants, side by side: each a JSON object of generate_speech keyword arguments\n"
-             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size. In one\n"
-             "process, variants whose compiled steps are the same graphs replay the first one's CUDA graphs: a\n"
-             "module constant read only when a kernel is launched goes in the variant's \"set\" (a list of --set\n"
-             "settings, e.g. '{\"set\": [\"triton_text_head_funaudiochat.NUM_WARPS=2\"]}'), which records each\n"
-             "variant's own step graphs (step_graph, the compiled default)",
+             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size. A\n"
+             "variant's \"kernel_config\" holds DecodeKernelConfig field overrides (e.g. '{\"kernel_config\":\n"
+             "{\"attention_split_warps\": [[1, 4]]}}'): a config object passed down, which records the variant's\n"
+             "own step graphs",
     )
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (medians reported)")
     p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
     p.add_argument("--from-json", default=None, help="render a results JSON and append it to BENCHMARKS.md, then exit")
     args = p.parse_args(argv)
+    try:
+        args.kernel_config = parse_kernel_config(args.kernel_config, args.plain_launches)
+    except ValueError as error:
+        p.error(f"--kernel-config: {error}")
     if args.compare is not None:
         try:
             args.compare = [json.loads(text) for text in args.compare]
@@ -1508,10 +1502,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error("--compare takes JSON objects (e.g. '{\"text_head\": \"torch\"}') and --compare-rounds >= 1")
         try:
             for kwargs in args.compare:
-                for setting in kwargs.get("set", []):
-                    parse_setting(setting)
-        except (ValueError, AttributeError, TypeError) as error:
-            p.error(f"--compare: a variant's \"set\" takes a list of MODULE.NAME=VALUE settings: {error}")
+                parse_kernel_config(kwargs.get("kernel_config"))
+        except ValueError as error:
+            p.error(f"--compare: a variant's \"kernel_config\": {error}")
     # --tiny runs on a CPU in well under a minute: shorter audio and fewer repetitions (numbers are meaningless there).
     defaults = {
         "repeats": (3, 1),
@@ -1529,33 +1522,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def parse_setting(setting: str) -> tuple[object, str, object]:
-    """`(module, NAME, value)` of a `--set` setting `MODULE.NAME=VALUE`: the existing constant NAME of
-    `funaudiochat_hf.MODULE` and the Python literal VALUE. Raises ValueError naming the setting that is malformed or
-    names no such constant."""
-    target, equals, text = setting.partition("=")
-    module_name, dot, name = target.strip().rpartition(".")
-    if not equals or not dot or not name:
-        raise ValueError(f"--set takes MODULE.NAME=VALUE, got {setting!r}")
-    try:
-        module = importlib.import_module(f"funaudiochat_hf.{module_name}")
-    except ImportError as error:
-        raise ValueError(f"--set {setting!r}: no module funaudiochat_hf.{module_name} ({error})") from None
-    if not hasattr(module, name):
-        raise ValueError(f"--set {setting!r}: funaudiochat_hf.{module_name} has no {name}")
-    try:
-        value = ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        raise ValueError(f"--set {setting!r}: {text!r} is not a Python literal (True, 0.5, 'torch', ...)") from None
-    return module, name, value
+def parse_kernel_config(value, plain_launches: bool = False) -> dict | None:
+    """`DecodeKernelConfig` field overrides from JSON text or a parsed object (None: none), checked against the
+    config's fields and values (`DecodeKernelConfig.replace`); `plain_launches` adds `programmatic_launch=False`.
+    Raises ValueError naming what is wrong."""
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
-
-def apply_settings(settings: list[str]) -> None:
-    """`--set`: each `MODULE.NAME=VALUE` sets the existing constant NAME of `funaudiochat_hf.MODULE` to the Python
-    literal VALUE ([`parse_setting`])."""
-    for setting in settings:
-        module, name, value = parse_setting(setting)
-        setattr(module, name, value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"takes a JSON object of DecodeKernelConfig fields, got {value!r}")
+    overrides = dict(value or {}, **({"programmatic_launch": False} if plain_launches else {}))
+    try:
+        hash(DecodeKernelConfig().replace(**overrides))
+    except TypeError as error:
+        raise ValueError(f"{overrides!r}: {error}") from None
+    return overrides or None
 
 
 def csv(text: str) -> list[str]:
@@ -1630,14 +1615,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if is_cuda(args.device) and not torch.cuda.is_available():
         log("CUDA is not available; use --device cpu")
-        return 2
-    settings = list(args.set)
-    if args.plain_launches:  # a named shorthand of this setting
-        settings.append("triton_attention_funaudiochat.PROGRAMMATIC_DEPENDENT_LAUNCH=False")
-    try:
-        apply_settings(settings)
-    except ValueError as error:
-        log(str(error))
         return 2
     budget = Budget(args.time_budget)
     results = Results(args, argv)

@@ -57,10 +57,11 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def tiny_decoder_with_and_without(monkeypatch, module, switch: str) -> dict:
-    """The tiny CosyVoice3 decoder on CUDA with a bf16 estimator, with `module.<switch>` (a Triton kernel's switch) True
-    and False: `{True: (mel, streamed audio), False: (...)}` for the golden tokens, offline `tokens_to_mel` and a
-    stream of 15-token pushes (eager launches)."""
+def tiny_decoder_with_and_without(monkeypatch, module) -> dict:
+    """The tiny CosyVoice3 decoder on CUDA with a bf16 estimator, with the Triton kernel of `module` where it applies
+    (`module._kernel_applies`) and with the torch path everywhere (that test replaced by False): `{True: (mel,
+    streamed audio), False: (...)}` for the golden tokens, offline `tokens_to_mel` and a stream of 15-token pushes
+    (eager launches)."""
     from safetensors.torch import load_file
 
     from funaudiochat_hf import CosyVoice3Token2Wav
@@ -70,8 +71,9 @@ def tiny_decoder_with_and_without(monkeypatch, module, switch: str) -> dict:
     golden = load_file(COSYVOICE3_GOLDEN / "flow_full.safetensors")
     tokens, speaker = golden["speech_token"].cuda(), golden["embedding"].cuda()
     results = {}
+    kernel_applies = module._kernel_applies
     for use_kernel in (True, False):
-        monkeypatch.setattr(module, switch, use_kernel)
+        monkeypatch.setattr(module, "_kernel_applies", kernel_applies if use_kernel else lambda *args: False)
         with torch.no_grad():
             mel = model.tokens_to_mel(tokens, speaker)
             stream = model.streaming_decoder(speaker_embedding=speaker, token_hop_len=15, cuda_graphs=False)

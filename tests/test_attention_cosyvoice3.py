@@ -155,6 +155,6 @@ def test_cuda_tiny_decoder_with_the_kernel_matches_sdpa(monkeypatch):
     """The tiny decoder, bf16 estimator, offline and streamed, with and without the kernel: the mel / audio agree to
     bf16 rounding."""
     pytest.importorskip("triton")
-    results = tiny_decoder_with_and_without(monkeypatch, attention_cosyvoice3, "TRITON_DIT_ATTENTION")
+    results = tiny_decoder_with_and_without(monkeypatch, attention_cosyvoice3)
     torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=5e-2)
     assert results[True][1].shape == results[False][1].shape

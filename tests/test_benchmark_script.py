@@ -279,58 +279,37 @@ def test_cache_steps_size_the_caches_for_a_longer_call():
     assert benchmark.cache_length(100, args) == 1152  # 100 + 1024 -> 1152
 
 
-def test_set_changes_a_package_constant_for_the_run(monkeypatch, tmp_path):
-    """`--set MODULE.NAME=VALUE` sets a constant read when kernels are launched (compared in separate runs: in one
-    process the loop replays the first variant's CUDA graphs); a malformed or unknown setting is a clear error."""
+def test_kernel_config_overrides_build_config_objects(tmp_path):
+    """`--kernel-config JSON` and a `--compare` variant's "kernel_config" name `DecodeKernelConfig` fields: they become
+    config objects passed to generate_speech (`DecodeKernelConfig.for_device(device).replace(...)`, the variant's
+    over the run's), never module constants set at run time; an unknown field or malformed JSON is refused before
+    anything runs."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
-    from funaudiochat_hf import triton_attention_funaudiochat as attention
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
-    monkeypatch.setattr(attention, "PIPELINED_BLOCKS", True)
-    monkeypatch.setattr(attention, "PIPELINE_STAGES", 2)
-    module = "triton_attention_funaudiochat"
-    args = benchmark.parse_args(["--set", f"{module}.PIPELINED_BLOCKS=False", "--set", f"{module}.PIPELINE_STAGES = 3"])
-    benchmark.apply_settings(args.set)
-    assert attention.PIPELINED_BLOCKS is False and attention.PIPELINE_STAGES == 3
-    for setting, message in [
-        ("PIPELINED_BLOCKS=False", "takes MODULE.NAME=VALUE"),
-        ("no_such_module.X=1", "no module funaudiochat_hf.no_such_module"),
-        ("triton_attention_funaudiochat.NO_SUCH=1", "has no NO_SUCH"),
-        ("triton_attention_funaudiochat.PIPELINE_STAGES=three", "not a Python literal"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            benchmark.apply_settings([setting])
-    bad = _run(["--tiny", "--device", "cpu", "--no-write", "--set", f"{module}.NO_SUCH=1"], tmp_path)
-    assert bad.returncode == 2 and "has no NO_SUCH" in bad.stdout + bad.stderr
-
-
-def test_compare_variant_settings_hold_only_while_it_is_measured(monkeypatch):
-    """A `--compare` variant's `"set"`: its constants hold while it is measured and are restored after (also when the
-    measurement fails), and the model's cached decode workspaces are dropped around it, so that it records CUDA graphs
-    of its own instead of replaying another variant's; a malformed setting is refused before anything runs."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import benchmark
-    from funaudiochat_hf import generation_funaudiochat
-    from funaudiochat_hf import triton_text_head_funaudiochat as text_head
-
-    monkeypatch.setattr(text_head, "NUM_WARPS", 4)
+    args = benchmark.parse_args(["--kernel-config", '{"attention_pipeline_stages": 3}', "--plain-launches"])
+    assert args.kernel_config == {"attention_pipeline_stages": 3, "programmatic_launch": False}
     model = torch.nn.Linear(1, 1)
-    generation_funaudiochat._WORKSPACES[model] = "recorded graphs"
-    with pytest.raises(RuntimeError, match="measurement failed"):
-        with benchmark.variant_settings(model, ["triton_text_head_funaudiochat.NUM_WARPS=2"], drop_graphs=True):
-            assert text_head.NUM_WARPS == 2 and model not in generation_funaudiochat._WORKSPACES
-            generation_funaudiochat._WORKSPACES[model] = "this variant's graphs"
-            raise RuntimeError("measurement failed")
-    assert text_head.NUM_WARPS == 4 and model not in generation_funaudiochat._WORKSPACES
-    generation_funaudiochat._WORKSPACES[model] = "kept"
-    with benchmark.variant_settings(model, [], drop_graphs=False):
-        pass
-    assert generation_funaudiochat._WORKSPACES.pop(model) == "kept"
-    variant = '{"text_head": "triton", "set": ["triton_text_head_funaudiochat.NUM_WARPS=1"]}'
-    args = benchmark.parse_args(["--compare", "{}", variant])
-    assert args.compare[1]["set"] == ["triton_text_head_funaudiochat.NUM_WARPS=1"]
-    with pytest.raises(SystemExit):
-        benchmark.parse_args(["--compare", '{"set": ["triton_text_head_funaudiochat.NO_SUCH=1"]}'])
+    expected = DecodeKernelConfig().replace(attention_pipeline_stages=3, programmatic_launch=False)
+    assert benchmark.kernel_config(model, args.kernel_config) == expected
+    args = benchmark.parse_args(
+        ["--kernel-config", '{"attention_pipeline_stages": 3}', "--compare", "{}",
+         '{"text_head": "torch", "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
+    )  # fmt: skip
+    first, second = (benchmark.variant_kwargs(model, spec, args) for spec in args.compare)
+    assert first == {"kernel_config": DecodeKernelConfig(attention_pipeline_stages=3)}
+    assert second == {
+        "text_head": "torch",
+        "kernel_config": DecodeKernelConfig(attention_split_warps=((1, 4),), attention_pipeline_stages=1),
+    }
+    assert benchmark.variant_kwargs(model, {}, benchmark.parse_args([])) == {}  # no overrides: the run's default
+    for argv in (["--kernel-config", '{"no_such_field": 1}'], ["--kernel-config", "{"],
+                 ["--compare", '{"kernel_config": {"split_num_warps": 8}}']):  # fmt: skip
+        with pytest.raises(SystemExit):
+            benchmark.parse_args(argv)
+    bad = _run(["--tiny", "--device", "cpu", "--no-write", "--kernel-config", '{"no_such_field": 1}'], tmp_path)
+    assert bad.returncode == 2 and "no field no_such_field" in bad.stdout + bad.stderr
 
 
 def test_compare_measures_variants_side_by_side(tmp_path):

@@ -115,7 +115,7 @@ positions = (torch.arange(prompt + steps)[None] - padding[:, None]).clamp(min=0)
 updates = []
 
 
-def run(decode_step, projections=None, counters=None):
+def run(decode_step, projections=None, counters=None, config=None):
     # Prefill then `steps` decode steps, ours (decode steps through `decode_step`) against the stack's own forward:
     # per call its largest error and the number of `cache.update` calls; the largest key error.
     caches = [StaticCache(config=stack.config, max_cache_len=max_len) for stack in (reference_stack, ours_stack)]
@@ -134,7 +134,8 @@ def run(decode_step, projections=None, counters=None):
             if start == 0 or counters is None:
                 ours = step(ours_stack, None, *inputs, caches[1])
             else:
-                ours = step(ours_stack, projections, *inputs, caches[1], split_k_counters=counters)
+                ours = step(ours_stack, projections, *inputs, caches[1], split_k_counters=counters,
+                            kernel_config=config)
             errors.append({"error": (ours - reference).abs().max().item(), "cache_updates": len(updates)})
     # torch's max propagates a NaN; Python's max() of floats may pass over one, so the cache errors stay a list.
     keys = [(a.keys - b.keys).abs().max().item() for a, b in zip(caches[0].layers, caches[1].layers)]
@@ -144,15 +145,16 @@ def run(decode_step, projections=None, counters=None):
 errors, keys = run(stack_module.decoder_stack_forward)
 # The decode steps' projections through the several-row kernel (fused weights; the counters given), split in two.
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
-triton_linear.ROWS_TUNED_TILES = {(64, 64, False): (16, 16, 2, 4), (64, 32, False): (32, 16, 2, 4),
-                                  (128, 64, True): (16, 32, 2, 4), (64, 128, False): (16, 32, 4, 4)}
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
+config = DecodeKernelConfig().replace(rows_tiles={
+    (64, 64, False): (16, 16, 2, 4, 3, False), (64, 32, False): (32, 16, 2, 4, 3, False),
+    (128, 64, True): (16, 32, 2, 4, 3, False), (64, 128, False): (16, 32, 4, 4, 3, False),
+})
 counters = split_k_counters_for(ours_stack.config, "cpu", batch)
 launches, merge_kernels = [], []
-rows_kernel = triton_linear._launch_rows_kernel
-# Each launch: (whether it reads its norm's sums of squares, whether it stores its output's; `NORM_SQUARES`).
-triton_linear._launch_rows_kernel = lambda *args: launches.append([a is not None for a in args[12:]]) or rows_kernel(
-    *args
-)
+rows_kernel = triton_linear.launch_rows
+# Each launch: (whether it reads its norm's sums of squares, whether it stores its output's).
+triton_linear.launch_rows = lambda *args: launches.append([a is not None for a in args[12:14]]) or rows_kernel(*args)
 from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 combine_kernel = triton_attention._combine_kernel
 
@@ -165,26 +167,21 @@ class CountedLaunches:  # `_combine_kernel[grid](...)`, counted
 
 triton_attention._combine_kernel = CountedLaunches()
 rows_steps, rows_keys = run(stack_module.decoder_stack_forward, with_decode_kernels(fused_crq_projections(ours_stack)),
-                            counters)
+                            counters, config)
 rows_launches, rows_merge_kernels, rows_squares = len(launches), len(merge_kernels), [sum(x) for x in zip(*launches)]
 rows_counters = counters.abs().sum().item()
 # The same over the layers' own weights (the LLM: q, k and v as the parts of one launch, gate and up two weights).
 launches.clear()
-own_steps, own_keys = run(stack_module.decoder_stack_forward, triton_linear.own_weight_kernels(ours_stack), counters)
+own_steps, own_keys = run(stack_module.decoder_stack_forward, triton_linear.own_weight_kernels(ours_stack), counters,
+                          config)
 own_launches, own_counters = len(launches), counters.abs().sum().item()
-# Every norm reading all of its input instead (`NORM_SQUARES` off): the same outputs.
-triton_linear.NORM_SQUARES = False
-launches.clear()
-unsquared_steps, _ = run(stack_module.decoder_stack_forward, triton_linear.own_weight_kernels(ours_stack), counters)
-unsquared = {"launches": [sum(x) for x in zip(*launches)], "steps": unsquared_steps}
-triton_linear.NORM_SQUARES = True
 # The same decode steps compiled by Inductor (its CPU backend here): the kernels advance the cache length the mask
 # was computed from, and without `stored_once` Inductor recomputed the mask for the later layers after that.
 compiled, _ = run(torch.compile(stack_module.decoder_stack_forward, fullgraph=True))
 compiled_errors = [step["error"] for step in compiled]
 print(json.dumps({"steps": errors, "keys": keys, "compiled": compiled_errors, "rows_steps": rows_steps,
                   "rows_keys": rows_keys, "rows_counters": rows_counters, "rows_launches": rows_launches,
-                  "rows_merge_kernels": rows_merge_kernels, "rows_squares": rows_squares, "unsquared": unsquared,
+                  "rows_merge_kernels": rows_merge_kernels, "rows_squares": rows_squares,
                   "own_steps": own_steps, "own_keys": own_keys, "own_counters": own_counters,
                   "own_launches": own_launches}))
 """
@@ -207,7 +204,7 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
     assert all(error < 1e-5 for error in result["compiled"]), result
     # With fused projections and split-K counters, the decode steps' projections take the several-row kernel (tiles
     # forced to split the reduction) and the attention's last split merges (2 query heads x 1 split: no merge
-    # kernel, `LAST_SPLIT_MERGES`): the same outputs and cache, and the counters are left at zero.
+    # kernel): the same outputs and cache, and the counters are left at zero.
     for step in result["rows_steps"][1:]:
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["rows_keys"]) and result["rows_counters"] == 0, result
@@ -218,14 +215,10 @@ def test_batched_decode_steps_fold_the_attention_inputs_into_the_triton_attentio
         assert step["cache_updates"] == 0 and step["error"] < 1e-5, result
     assert all(error < 1e-5 for error in result["own_keys"]) and result["own_counters"] == 0, result
     assert result["own_launches"] == 3 * 4 * (len(result["own_steps"]) - 1), result
-    # Per step, o_proj and down_proj store their outputs' sums of squares (`NORM_SQUARES`) and the norms after them
-    # read those (each layer's gate/up; the q/k/v of every layer but the first, whose input is the step's embedding).
+    # Per step, o_proj and down_proj store their outputs' sums of squares and the norms after them read those (each
+    # layer's gate/up; the q/k/v of every layer but the first, whose input is the step's embedding).
     decode_steps = len(result["rows_steps"]) - 1
     assert result["rows_squares"] == [(3 + 2) * decode_steps, 3 * 2 * decode_steps], result
-    # Off: every norm reads its whole input, the same outputs.
-    assert result["unsquared"]["launches"] == [0, 0], result
-    for step in result["unsquared"]["steps"][1:]:
-        assert step["error"] < 1e-5, result
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "dynamic", "factor": 2.0}])

@@ -229,6 +229,6 @@ def test_cuda_tiny_decoder_with_the_kernel_matches_the_torch_path(monkeypatch):
     """The tiny decoder, bf16 estimator, offline and streamed, with and without the kernel: the mel agrees to bf16
     rounding and the streamed audio has the same length."""
     pytest.importorskip("triton")
-    results = tiny_decoder_with_and_without(monkeypatch, position_conv_cosyvoice3, "TRITON_POSITION_CONV")
+    results = tiny_decoder_with_and_without(monkeypatch, position_conv_cosyvoice3)
     _close(results[True][0], results[False][0], rtol=0, atol=5e-2)
     assert results[True][1].shape == results[False][1].shape

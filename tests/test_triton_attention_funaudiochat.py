@@ -17,6 +17,7 @@ import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
 from funaudiochat_hf.generation_funaudiochat import _SpeechRun
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
 from conftest import (
     FUNAUDIOCHAT_GOLDEN,
@@ -136,8 +137,7 @@ def _kernel_ptx(kernel, pdl: bool, divisible: tuple = (), **constexprs) -> str:
     types.update(length_ptr="*i64", counters_ptr="*i32")
     shared = dict(KV_HEADS=8, GROUPS=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, PDL=pdl)
     if kernel is triton_attention._split_kernel:
-        shared.update(PIPELINED=False, NUM_STAGES=triton_attention.PIPELINE_STAGES, MASK_BLOCKS=0, EARLY_READS=False,
-                      MERGE=False, BLOCK_S=1)  # fmt: skip
+        shared.update(PIPELINED=False, NUM_STAGES=2, MASK_BLOCKS=0, MERGE=False, BLOCK_S=1)
     return hopper_ptx(kernel, {**shared, **constexprs}, types, divisible=divisible)
 
 
@@ -151,26 +151,16 @@ def test_programmatic_launch_waits_before_reading(pdl):
         (triton_attention._split_kernel, {**split, "PREPARE": False}),
         (triton_attention._split_kernel, {**split, "PREPARE": True}),  # with the attention inputs' work
         (triton_attention._split_kernel, {**split, "PREPARE": True, "PIPELINED": True}),
-        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": False, "EARLY_READS": False}),
-        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True, "EARLY_READS": False}),
-        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True, "EARLY_READS": True}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": False}),
+        (triton_attention._combine_kernel, {"BLOCK_S": 8, "ADVANCE": True}),
     ]:
         assert_waits_before_reading(_kernel_ptx(kernel, pdl, **constexprs), pdl)
 
 
-def test_programmatic_launch_needs_a_hopper_gpu(monkeypatch):
-    assert not triton_attention.programmatic_launch(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for capability, expected in [((8, 0), False), ((9, 0), True), ((10, 0), True)]:
-        monkeypatch.setattr(triton_attention, "_compute_capability", lambda index, capability=capability: capability)
-        assert triton_attention.programmatic_launch(torch.device("cuda", 0)) is expected
-    monkeypatch.setattr(triton_attention, "PROGRAMMATIC_DEPENDENT_LAUNCH", False)
-    assert not triton_attention.programmatic_launch(torch.device("cuda", 0))
-
-
-def test_split_kernel_warps_follow_the_batch_size(monkeypatch):
-    """The split kernel runs with `SPLIT_NUM_WARPS` warps at the batch sizes it names (8 at batch 1, faster on an
-    H200), `SPLIT_DEFAULT_NUM_WARPS` at others (4: 8 was slower at batch 16)."""
+def test_split_kernel_warps_and_grid_follow_the_kernel_config(monkeypatch):
+    """The launcher takes the split kernel's warps (by batch size) and its grid (programs per multiprocessor times
+    multiprocessors) from the `DecodeKernelConfig` it is handed, not from module globals; without one, from the
+    device's (8 warps at batch 1, 4 above)."""
     pytest.importorskip("triton")
     launches = []
 
@@ -179,17 +169,21 @@ def test_split_kernel_warps_follow_the_batch_size(monkeypatch):
             self.kind = kind
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kind, kwargs.get("num_warps")))
+            return lambda *args, **kwargs: launches.append((self.kind, grid, kwargs.get("num_warps")))
 
     monkeypatch.setattr(triton_attention, "_split_kernel", Recorder("split"))
     monkeypatch.setattr(triton_attention, "_combine_kernel", Recorder("combine"))
     for batch in (1, 2, 16):
-        query, key, value, _ = _case_tensors(batch, 4, 2, 70, 16, None)
+        query, key, value, _ = _case_tensors(batch, 4, 2, 700, 16, None)
         triton_attention.launch_decode_attention(query, key, value, None, 0.25)
-    split_warps = [warps for kind, warps in launches if kind == "split"]
-    assert split_warps == [8, 4, 4] == [triton_attention.split_warps(batch) for batch in (1, 2, 16)]
-    monkeypatch.setattr(triton_attention, "SPLIT_NUM_WARPS", {})
-    assert triton_attention.split_warps(1) == triton_attention.SPLIT_DEFAULT_NUM_WARPS == 4
+    assert [warps for kind, _, warps in launches if kind == "split"] == [8, 4, 4]
+    launches.clear()
+    config = DecodeKernelConfig(attention_split_warps=(), attention_default_split_warps=2, multiprocessors=2,
+                                attention_programs_per_multiprocessor=3)  # fmt: skip
+    query, key, value, _ = _case_tensors(1, 4, 2, 700, 16, None)
+    triton_attention.launch_decode_attention(query, key, value, None, 0.25, config=config)
+    # 2 KV heads, 11 blocks: 3 splits give the 6 programs the config aims for.
+    assert [(grid, warps) for kind, grid, warps in launches if kind == "split"] == [((2, 3), 2)]
 
 
 def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
@@ -257,7 +251,7 @@ def test_cuda_operator_compiles_into_one_graph():
     flat = mask[:, 0, 0, :]
 
     def attention(query, key, value, mask):
-        return torch.ops.funaudiochat.decode_attention(query * 2, key, value, mask, 0.1) + 1
+        return torch.ops.funaudiochat.decode_attention(query * 2, key, value, mask, 0.1, []) + 1
 
     compiled = torch.compile(attention, fullgraph=True)
     expected = attention(query, key, value, flat)
@@ -298,7 +292,7 @@ def test_pipelined_split_fetches_the_next_block_during_this_ones_math():
     """`PIPELINED`: the loop over the blocks up to the new position is software-pipelined (asynchronous copies of the
     next block in flight while this block's products run); the block loop, whose every block waits for its own mask
     test, has none. Compiled as a launch specialises it: unit strides along the mask and the head dimension, the
-    other integers multiples of 16 (batch 16 on an H200: 1,460 against 1,587 µs per CRQ sub-step)."""
+    other integers multiples of 16."""
     pytest.importorskip("triton")
     kernel = triton_attention._split_kernel
     constexprs = dict(
@@ -313,10 +307,10 @@ def test_pipelined_split_fetches_the_next_block_during_this_ones_math():
 
 @pytest.mark.parametrize("mask_blocks", [4, 0])
 def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blocks):
-    """`MAX_MASK_BLOCKS`: the pipelined loop takes each block's mask from bits loaded before the loop, so the
-    asynchronous copies of the next block's keys and values (which the mask predicates) follow no global load after
-    the block's last product. With a mask load per block (MASK_BLOCKS 0) Triton issues the next block's mask load
-    right there, and the copies wait for it."""
+    """The pipelined loop takes each block's mask from bits loaded before the loop, so the asynchronous copies of the
+    next block's keys and values (which the mask predicates) follow no global load after the block's last product.
+    With a mask load per block (MASK_BLOCKS 0: splits of more than `MAX_MASK_BLOCKS` blocks) Triton issues the next
+    block's mask load right there, and the copies wait for it."""
     pytest.importorskip("triton")
     kernel = triton_attention._split_kernel
     constexprs = dict(
@@ -333,7 +327,7 @@ def test_pipelined_split_copies_a_block_without_waiting_for_a_mask_load(mask_blo
 
 @pytest.mark.parametrize("prepare", [True, False])
 def test_last_split_counts_in_after_a_barrier_and_merges(prepare):
-    """MERGE (`LAST_SPLIT_MERGES`, sm_90 PTX): all threads' partial stores are behind a barrier before the
+    """MERGE (given arrival counters, sm_90 PTX): all threads' partial stores are behind a barrier before the
     acquire-release atomic that counts the split in; with the attention inputs' work (PREPARE) a second one counts
     the finished heads (for the length's advance), issued before the merge's loads of the other splits' partials,
     which bypass L1 (`.cg`: stored by other programs of the same grid)."""
@@ -341,7 +335,7 @@ def test_last_split_counts_in_after_a_barrier_and_merges(prepare):
     kernel = triton_attention._split_kernel
     constexprs = dict(
         BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=prepare,
-        PIPELINED=prepare, MASK_BLOCKS=4 if prepare else 0, EARLY_READS=True, MERGE=True, BLOCK_S=8,
+        PIPELINED=prepare, MASK_BLOCKS=4 if prepare else 0, MERGE=True, BLOCK_S=8,
     )  # fmt: skip
     lines = _kernel_ptx(kernel, True, **constexprs).splitlines()
     atomics = [i for i, line in enumerate(lines) if "atom." in line]
@@ -364,40 +358,35 @@ def test_counters_too_small_for_the_heads_are_refused():
             triton_attention.launch_decode_attention(query, key, value, None, 0.25, counters=counters)
 
 
-@pytest.mark.parametrize("early_reads", [True, False])
-def test_split_early_reads_come_before_the_querys_norm(early_reads):
-    """`EARLY_READS`: the cache length and the split's mask bytes (and every other read that waits only for the
-    previous kernels) are loaded right after the wait, before the query's norm, whose reductions end in barriers that
-    no load crosses; else the length is read after them, and the mask after it."""
+def test_split_reads_come_before_the_querys_norm():
+    """The cache length and the split's mask bytes (and every other read that waits only for the previous kernels) are
+    loaded right after the wait, before the query's norm, whose reductions end in barriers that no load crosses."""
     pytest.importorskip("triton")
     kernel = triton_attention._split_kernel
     constexprs = dict(
         BLOCK_N=64, SPLIT_BLOCKS=4, HAS_MASK=True, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6, PREPARE=True,
-        PIPELINED=True, MASK_BLOCKS=4, EARLY_READS=early_reads, stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
+        PIPELINED=True, MASK_BLOCKS=4, stride_mn=1, stride_kd=1, stride_vd=1, stride_qd=1,
     )  # fmt: skip
     divisible = [name for name in kernel.arg_names if name.startswith("stride_") or name == "kv_len"]
     lines = _kernel_ptx(kernel, True, divisible=divisible, **constexprs).splitlines()
     first_barrier = min(i for i, line in enumerate(lines) if "bar.sync" in line)
     length_load = min(i for i, line in enumerate(lines) if "ld.global.b64" in line)  # the int64 cache length
     loads_after_barrier = [line for line in lines[first_barrier:] if "ld.global" in line]
-    assert (length_load < first_barrier) == early_reads
-    assert (not loads_after_barrier) == early_reads, loads_after_barrier
+    assert length_load < first_barrier
+    assert not loads_after_barrier, loads_after_barrier
 
 
-@pytest.mark.parametrize("early_reads", [True, False])
-def test_merge_early_reads_come_before_its_reductions(early_reads):
-    """`EARLY_READS`: the merge program loads its partial sums with the maxima and sums, before their reductions, and
-    advances the cache length after its output's store; else the length's load (which its store waits for) comes
-    first and the partial sums after the reductions (sm_90 PTX)."""
+def test_merge_reads_come_before_its_reductions():
+    """The merge program loads its partial sums with the maxima and sums, before their reductions, and advances the
+    cache length after its output's store (sm_90 PTX)."""
     pytest.importorskip("triton")
-    lines = _kernel_ptx(triton_attention._combine_kernel, True, BLOCK_S=4, NUM_SPLITS=3, ADVANCE=True,
-                        EARLY_READS=early_reads).splitlines()  # fmt: skip
+    lines = _kernel_ptx(triton_attention._combine_kernel, True, BLOCK_S=4, NUM_SPLITS=3, ADVANCE=True).splitlines()
     first_reduction = min(i for i, line in enumerate(lines) if "shfl.sync" in line or "bar.sync" in line)
     length_load = min(i for i, line in enumerate(lines) if "ld.global.b64" in line)
     output_store = min(i for i, line in enumerate(lines) if "st.global.b16" in line)
     late_loads = [line for line in lines[first_reduction:] if "ld.global" in line and "b64" not in line]
-    assert (not late_loads) == early_reads, late_loads
-    assert (length_load > output_store) == early_reads
+    assert not late_loads, late_loads
+    assert length_load > output_store
 
 
 _MASK_BITS_SCRIPT = """
@@ -437,16 +426,15 @@ def test_split_mask_bits_give_each_blocks_visible_positions():
     assert json.loads(run_in_triton_interpreter(_MASK_BITS_SCRIPT)) == [True] * 4
 
 
-def test_mask_blocks_hold_a_splits_blocks_up_to_the_limit(monkeypatch):
+def test_mask_blocks_hold_a_splits_blocks_up_to_the_limit():
+    pytest.importorskip("triton")
     assert [triton_attention.mask_blocks(b) for b in (1, 3, 4, 5, 64)] == [1, 4, 4, 8, 64]
     assert triton_attention.mask_blocks(65) == 0  # past MAX_MASK_BLOCKS: a mask load per block
-    monkeypatch.setattr(triton_attention, "MAX_MASK_BLOCKS", 0)
-    assert triton_attention.mask_blocks(1) == 0
 
 
 def test_split_loads_a_blocks_values_with_its_keys():
     """Each cache block's values are loaded with its keys, before the scores' tensor-core products: the block costs one
-    DRAM round trip, not a second one after its softmax (batch 1: 4.8 against 5.3 µs per CRQ layer on an H200)."""
+    DRAM round trip, not a second one after its softmax."""
     pytest.importorskip("triton")
     constexprs = dict(BLOCK_N=64, SPLIT_BLOCKS=2, HAS_MASK=False, PRECISION="tf32", Q_EPS=1e-6, K_EPS=1e-6)
     lines = _kernel_ptx(triton_attention._split_kernel, True, PREPARE=False, **constexprs).splitlines()

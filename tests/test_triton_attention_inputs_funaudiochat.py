@@ -83,8 +83,14 @@ FOLDED_CASES = [(1, 16, 8, 128, 640, 200), (2, 4, 2, 24, 200, 70), (1, 6, 2, 32,
 def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32, counters: bool = False) -> list[dict]:
     """Each of `FOLDED_CASES` through `decode_attention_with_inputs` and through the attention-inputs kernel followed
     by the attention's kernels: how far apart their outputs, caches and lengths are. `counters`: the folded call
-    gets arrival counters (the last split of each head merges, `LAST_SPLIT_MERGES`; they must come back zero)."""
-    from funaudiochat_hf.triton_attention_funaudiochat import launch_decode_attention
+    gets arrival counters and a config that lets the last split of each head merge at every split count (they must
+    come back zero)."""
+    from funaudiochat_hf.triton_attention_funaudiochat import AttentionLaunch, launch_decode_attention
+    from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
+
+    config = DecodeKernelConfig.for_device(device)
+    if counters:
+        config = config.replace(attention_max_merge_parts=1 << 20)
 
     generator = torch.Generator().manual_seed(0)
     results = []
@@ -106,14 +112,15 @@ def folded_case_results(device: str = "cpu", dtype: torch.dtype = torch.float32,
         # Reference: the attention-inputs kernel, then the attention's kernels.
         keys, values = (c.clone() for c in caches)
         length = torch.tensor(used, device=device)
-        states = attention_inputs.decode_attention_inputs_op(query, key, value, *norm_args, keys, values, length)
+        states = attention_inputs.decode_attention_inputs_op(query, key, value, *norm_args, keys, values, length, [])
         expected = launch_decode_attention(states, keys, values, mask, 0.125)
 
         folded_keys, folded_values = (c.clone() for c in caches)
         folded_length = torch.tensor(used, device=device)
         arrivals = torch.zeros(batch * kv_heads + 1, dtype=torch.int32, device=device) if counters else None
         got = torch.ops.funaudiochat.decode_attention_with_inputs(
-            query, key, value, *norm_args, folded_keys, folded_values, folded_length, mask, 0.125, arrivals
+            query, key, value, *norm_args, folded_keys, folded_values, folded_length, mask, 0.125, arrivals,
+            list(AttentionLaunch.of(config, batch)),
         )
         results.append({
             "counters_zero": arrivals is None or not arrivals.any().item(),
@@ -140,10 +147,8 @@ import json
 from funaudiochat_hf import triton_attention_funaudiochat
 from test_triton_attention_inputs_funaudiochat import folded_case_results
 results = []
-# The split's reads where they are needed, or all right after its wait; a merge kernel, or the last split merging.
-triton_attention_funaudiochat.MAX_MERGE_PARTS = 1 << 20  # every split count
-for early_reads, counters in ((False, False), (True, False), (True, True)):
-    triton_attention_funaudiochat.EARLY_READS = early_reads
+# A merge kernel, or the last split merging.
+for counters in (False, True):
     triton_attention_funaudiochat.MAX_SPLITS = 64
     results.append(folded_case_results(counters=counters))
     triton_attention_funaudiochat.MAX_SPLITS = 2  # several blocks per split: the new position in a later one
@@ -156,10 +161,9 @@ def test_attention_with_inputs_matches_the_inputs_kernel_then_the_attention_in_t
     """`decode_attention_with_inputs`: the attention's split kernel norms and rotates the queries itself, the split
     that reads the new position's block writes the new key and value first, the merge kernel advances the length.
     Same output (to 1e-6) and the same cache and length as the attention-inputs kernel followed by the attention,
-    with one block per split and with several (the new position then in a split's later block), with the split's
-    reads where they are needed and all right after its wait (`EARLY_READS`), and with arrival counters: the last
-    split of each head merges the splits and the last head advances the length (`LAST_SPLIT_MERGES`), the counters
-    left at zero."""
+    with one block per split and with several (the new position then in a split's later block), and with arrival
+    counters: the last split of each head merges the splits and the last head advances the length, the counters left
+    at zero."""
     for results in json.loads(run_in_triton_interpreter(_FOLDED_SCRIPT)):
         _assert_folded_results(results, tolerance=1e-6)
 
@@ -215,25 +219,23 @@ def test_cuda_kernel_matches_eager(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early_reads, counters", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("counters", [False, True])
 @pytest.mark.parametrize("max_splits", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention(
-    dtype, max_splits, early_reads, counters, monkeypatch
+    dtype, max_splits, counters, monkeypatch
 ):
     """On the GPU the splits run concurrently: the one that writes the new position must see its write (a barrier)
     and no other split reads that block. The same arithmetic as the two-step path, up to the order of the norms'
-    float32 sums (another tile shape): to 1e-6 in both dtypes (measured: 3e-8 in float32). On the GPU the folded
-    splits take the pipelined loop up to the new position (`PIPELINED_BLOCKS`), the two-step path the block loop;
-    with at most 2 splits each split has several blocks, the new position in a later one. With arrival counters the
-    last split of each head merges (`LAST_SPLIT_MERGES`): the splits' partials must be visible to it (a barrier and
-    an acquire-release atomic), and the length advance must wait for every head."""
+    float32 sums (another tile shape): to 1e-6 in both dtypes. On the GPU the folded splits take the pipelined loop
+    up to the new position, the two-step path the block loop; with at most 2 splits each split has several blocks,
+    the new position in a later one. With arrival counters the last split of each head merges: the splits' partials
+    must be visible to it (a barrier and an acquire-release atomic), and the length advance must wait for every
+    head."""
     from funaudiochat_hf import triton_attention_funaudiochat
 
     if max_splits is not None:
         monkeypatch.setattr(triton_attention_funaudiochat, "MAX_SPLITS", max_splits)
-    monkeypatch.setattr(triton_attention_funaudiochat, "EARLY_READS", early_reads)
-    monkeypatch.setattr(triton_attention_funaudiochat, "MAX_MERGE_PARTS", 1 << 20)  # every split count
     _assert_folded_results(folded_case_results("cuda", dtype, counters), tolerance=1e-6)
 
 
@@ -241,9 +243,9 @@ def test_cuda_attention_with_inputs_matches_the_inputs_kernel_then_the_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
     """The folded attention's pipelined loop over the blocks up to the new position gives the block loop's result
-    (the same blocks in the same order; the blocks it leaves out add nothing), for new positions at the
-    start, end and middle of a block, in a split's first or later block, with left padding (NaN in its cache
-    positions, and past the new position)."""
+    (that of the attention-inputs kernel then the attention without inputs: the same blocks in the same order; the
+    blocks it leaves out add nothing), for new positions at the start, end and middle of a block, in a split's first
+    or later block, with left padding (NaN in its cache positions, and past the new position)."""
     from funaudiochat_hf import triton_attention_funaudiochat
 
     generator = torch.Generator().manual_seed(0)
@@ -261,22 +263,27 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
         mask = torch.zeros(batch, cache_len, dtype=torch.bool, device="cuda")
         mask[:, : used + 1] = True
         mask[1:, : min(used, 70)] = False  # left padding, a whole block of it
-        for cache in caches:  # what the padding holds is never read into the result (`MASK_AFTER_LOADS`: selected away)
+        for cache in caches:  # what the padding holds is never read into the result
             cache.masked_fill_(~mask[:, None, :, None], float("nan"))
         outputs = []
         for pipelined in (True, False):
-            monkeypatch.setattr(triton_attention_funaudiochat, "PIPELINED_BLOCKS", pipelined)
             keys, values = (c.clone() for c in caches)
             length = torch.tensor(used, device="cuda")
-            out = torch.ops.funaudiochat.decode_attention_with_inputs(
-                query, key, value, *norms, 1e-6, 1e-6, cos, sin, keys, values, length, mask, 0.088
-            )
+            norm_args = (*norms, 1e-6, 1e-6, cos, sin)
+            if pipelined:
+                out = torch.ops.funaudiochat.decode_attention_with_inputs(
+                    query, key, value, *norm_args, keys, values, length, mask, 0.088, None, []
+                )
+            else:
+                states = attention_inputs.decode_attention_inputs_op(query, key, value, *norm_args, keys, values,
+                                                                     length, [])  # fmt: skip
+                out = triton_attention_funaudiochat.launch_decode_attention(states, keys, values, mask, 0.088)
             outputs.append((out, keys, values, int(length)))
         (out, keys, values, length), (out_loop, keys_loop, values_loop, length_loop) = outputs
         assert torch.isfinite(out).all(), (batch, cache_len, used)
-        # float32: bit for bit. bfloat16: the pipelined loop's mask comes from registers (`MAX_MASK_BLOCKS`), another
-        # compiled kernel; its products may round once differently (measured on an H200: 1.2e-4 at most).
-        tolerance = 0 if dtype == torch.float32 else 1e-3
+        # The query normed and rotated in another kernel (the order of the norm's float32 sums), and in bfloat16 the
+        # pipelined loop's products may round once differently.
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-3
         torch.testing.assert_close(out, out_loop, rtol=0, atol=tolerance, msg=f"{(batch, cache_len, used)}")
         for cache, cache_loop in ((keys, keys_loop), (values, values_loop)):  # bit for bit, NaN where both are
             torch.testing.assert_close(cache, cache_loop, rtol=0, atol=0, equal_nan=True)
@@ -306,13 +313,11 @@ def _layers_after_a_mask(length: torch.Tensor) -> torch.Tensor:
     return torch.cat([_read_and_advance(mask.float() * cos, length) for _ in range(3)])
 
 
-@pytest.mark.parametrize("as_copies", [False, True])
-def test_stored_tensors_are_not_recomputed_after_the_length_advances(as_copies, monkeypatch):
+def test_stored_tensors_are_not_recomputed_after_the_length_advances():
     """Compiled by Inductor, a mask computed from the cache length is stored before the first layer advances the length
     and every layer reads that mask. Without `stored_once` Inductor (2.13, CPU) recomputes it inside each later
     layer's input kernel, from the advanced length: the second and third outputs here were 8.85 and 9.85 instead of
-    7.93 and 8.93. `store` (no kernel) and the copies (`STORED_AS_COPIES`) both keep the eager values."""
-    monkeypatch.setattr(attention_inputs, "STORED_AS_COPIES", as_copies)
+    7.93 and 8.93. `store` (no kernel) keeps the eager values."""
     expected = _layers_after_a_mask(torch.tensor(3))
     torch._dynamo.reset()
     got = torch.compile(_layers_after_a_mask, fullgraph=True)(torch.tensor(3))

@@ -18,6 +18,7 @@ from transformers import AutoModel
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 from funaudiochat_hf.fused_crq_funaudiochat import fused_crq_projections, with_decode_kernels
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, hopper_ptx, run_in_triton_interpreter
 
@@ -90,15 +91,14 @@ _KERNEL_SCRIPT = """
 import json
 import torch
 from test_triton_linear_funaudiochat import CASES, case_tensors
-from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 from funaudiochat_hf.triton_linear_funaudiochat import launch_decode_linear
 errors = []
-# The norm folded into the products (inputs of up to 1,024 features, `GEMV_FOLDED_NORM_MAX_FEATURES`), then never.
-for max_features in (triton_linear.GEMV_FOLDED_NORM_MAX_FEATURES, 0):
-    triton_linear.GEMV_FOLDED_NORM_MAX_FEATURES = max_features
+# The norm folded into the products (inputs of up to 1,024 features, the default config), then never (wider inputs).
+for config in (DecodeKernelConfig(), DecodeKernelConfig(gemv_folded_norm_max_features=0)):
     for case in CASES:
         kwargs, expected = case_tensors(*case)
-        got = launch_decode_linear(**kwargs)
+        got = launch_decode_linear(**kwargs, config=config)
         assert got.shape == expected.shape and got.dtype == expected.dtype, (got.shape, expected.shape)
         errors.append((got - expected).abs().max().item())
 # A strided input row (a view of a wider tensor) and a transposed-storage weight: copied, not misread.
@@ -133,20 +133,21 @@ _ROWS_SCRIPT = """
 import json
 import torch
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 from test_triton_linear_funaudiochat import ROWS_CASES, case_tensors
 errors, launches = [], []
-rows_kernel = triton_linear._launch_rows_kernel
-triton_linear._launch_rows_kernel = lambda *args: launches.append(1) or rows_kernel(*args)
+rows_kernel = triton_linear.launch_rows
+triton_linear.launch_rows = lambda *args: launches.append(1) or rows_kernel(*args)
 counters = torch.zeros(8, dtype=torch.int32)
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps[, stages, swap_ab]): one split; two; four (with a split past the reduction's end
 # for K = 96); the products as w @ x^T (SWAP_AB) unsplit and split, with other pipeline depths.
 TILES = [(16, 32, 1, 4), (32, 32, 2, 4), (16, 16, 4, 4), (32, 32, 1, 4, 2, True), (16, 16, 2, 4, 4, True)]
 for tile in TILES:
     for case in ROWS_CASES:
-        triton_linear.ROWS_TUNED_TILES = {(case[1], case[2], case[6]): tile}
+        config = DecodeKernelConfig().replace(rows_tiles={(case[1], case[2], case[6]): (*tile, 3, False)[:6]})
         kwargs, expected = case_tensors(*case)
-        got = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
-        again = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters)
+        got = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters, config=config)
+        again = triton_linear.launch_decode_linear(**kwargs, split_k_counters=counters, config=config)
         assert got.shape == expected.shape and torch.equal(got, again) and not counters.any(), (tile, case)
         errors.append((got - expected).abs().max().item())
 print(json.dumps({"errors": errors, "launches": len(launches), "tiles": len(TILES)}))
@@ -167,6 +168,7 @@ _SQUARES_SCRIPT = """
 import json
 import torch
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 from test_triton_linear_funaudiochat import case_tensors
 counters = torch.zeros(16, dtype=torch.int32)
 generator = torch.Generator().manual_seed(3)
@@ -176,15 +178,18 @@ for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (32, 32, 1, 4, 2, True)]:
     # A residual projection (o_proj / down_proj: 40 outputs, a partial last group and tile) writes h and its sums of
     # squares, which a normed projection of h (gate/up, the next q/k/v) reads instead of all of h.
     for rows, bias in [(3, True), (16, False)]:
-        triton_linear.ROWS_TUNED_TILES = {(40, 64, False): tile, (24, 40, True): tile, (48, 40, False): tile}
+        tile = (*tile, 3, False)[:6]
+        config = DecodeKernelConfig().replace(rows_tiles={(40, 64, False): tile, (24, 40, True): tile,
+                                                          (48, 40, False): tile})  # fmt: skip
         x = torch.randn(rows, 64, generator=generator)
         weight = torch.randn(40, 64, generator=generator) / 8
         residual = torch.randn(rows, 40, generator=generator)
         bias_t = torch.randn(40, generator=generator) if bias else None
         h, squares = triton_linear.launch_decode_linear(
-            x, weight, bias_t, residual=residual, split_k_counters=counters, with_squares=True
+            x, weight, bias_t, residual=residual, split_k_counters=counters, with_squares=True, config=config
         )
-        plain = triton_linear.launch_decode_linear(x, weight, bias_t, residual=residual, split_k_counters=counters)
+        plain = triton_linear.launch_decode_linear(x, weight, bias_t, residual=residual, split_k_counters=counters,
+                                                   config=config)  # fmt: skip
         expected_squares = triton_linear.row_squares(h)
         errors = {"h": (h - plain).abs().max().item(),
                   "squares": ((squares - expected_squares).abs() / expected_squares).max().item()}
@@ -197,7 +202,7 @@ for tile in [(16, 32, 1, 4), (32, 32, 2, 4), (32, 32, 1, 4, 2, True)]:
                 gate, up = expected.split(out_features, dim=-1)
                 expected = torch.nn.functional.silu(gate) * up
             args = dict(x=h, weight=next_weight, norm_weight=norm_weight, eps=1e-5, gated=gated,
-                        split_k_counters=counters)
+                        split_k_counters=counters, config=config)
             got = triton_linear.launch_decode_linear(**args, norm_squares=squares)
             errors[f"next {out_features}"] = (got - expected).abs().max().item()
             if not gated:  # sums of squares 4x larger: an RMS 2x larger, the projection of a normed input halved
@@ -249,37 +254,33 @@ def test_row_squares_sums_each_group_of_columns():
 
 
 def test_gemv_kernel_folds_the_norm_of_narrow_inputs(monkeypatch):
-    """The one-row kernel folds its input norm into the products for inputs of up to `GEMV_FOLDED_NORM_MAX_FEATURES`
-    features (the CRQ's q/k/v and gate/up: a one-row CRQ sub-step 647 against 667 µs on an H200), not for wider ones
-    (the LLM's 4,096: 4,550 against 3,938 µs for its 36 layers)."""
+    """The one-row kernel folds its input norm into the products for inputs of up to the config's
+    `gemv_folded_norm_max_features` (1,024 by default: the CRQ's q/k/v and gate/up), not for wider ones (the LLM's
+    4,096, measured slower folded)."""
     pytest.importorskip("triton")
+    from funaudiochat_hf import triton_linear_gemv_funaudiochat as gemv
+
     launches = []
 
     class Recorded:  # `_decode_linear_kernel[grid](...)`: the launch's constexprs recorded, nothing run
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs)
 
-    monkeypatch.setattr(triton_linear, "_decode_linear_kernel", Recorded())
-    monkeypatch.setattr(triton_linear, "programmatic_launch", lambda device: False)
-    for in_features in (1024, 4096):
-        x, weight, norm_weight = torch.zeros(1, in_features), torch.zeros(64, in_features), torch.ones(in_features)
-        triton_linear.launch_decode_linear(x, weight, norm_weight=norm_weight)
-    assert triton_linear.GEMV_FOLDED_NORM_MAX_FEATURES == 1024
-    assert [(kwargs["K"], kwargs["FOLDED_NORM"]) for kwargs in launches] == [(1024, True), (4096, False)]
+    monkeypatch.setattr(gemv, "_decode_linear_kernel", Recorded())
+    for config in (None, DecodeKernelConfig(gemv_folded_norm_max_features=4096)):
+        for in_features in (1024, 4096):
+            x, weight, norm_weight = torch.zeros(1, in_features), torch.zeros(64, in_features), torch.ones(in_features)
+            triton_linear.launch_decode_linear(x, weight, norm_weight=norm_weight, config=config)
+    folded = [(kwargs["K"], kwargs["FOLDED_NORM"]) for kwargs in launches]
+    assert folded == [(1024, True), (4096, False), (1024, True), (4096, True)]
 
 
-def test_rows_kernel_tiles_and_counters_are_checked():
-    """Default tiles split the reduction until the grid is large enough, never into empty splits; too few counters
-    raise before any launch; a stack's counters cover its widest projection's column tiles."""
+def test_rows_kernel_counters_are_checked():
+    """Too few counters raise before any launch; a stack's counters cover its widest projection's column tiles and
+    the decode attention's arrivals."""
+    pytest.importorskip("triton")
     from transformers import Qwen3Config
 
-    tuned = triton_linear.ROWS_TUNED_TILES[(1024, 3072, False)]
-    defaults = (triton_linear.ROWS_NUM_STAGES, False)  # a tuned tile may leave out its stages and swap
-    assert triton_linear.rows_kernel_tile(1024, 3072, False) == (*tuned, *defaults[len(tuned) - 4 :])
-    block_n, block_k, split_k, _, stages, swap_ab = triton_linear.rows_kernel_tile(512, 4096, False)
-    assert (block_n, block_k) == (32, 128) and split_k == 8  # 16 column tiles: split until 128 programs (at most 8)
-    assert (stages, swap_ab) == defaults
-    assert triton_linear.rows_kernel_tile(512, 200, False)[2] == 1  # 200 inputs: a second 128-wide split would be empty
     x, weight = torch.zeros(2, 4096), torch.zeros(512, 4096)
     with pytest.raises(ValueError, match="16 or more int32 zeros"):
         triton_linear.launch_decode_linear(x, weight, split_k_counters=torch.zeros(4, dtype=torch.int32))
@@ -289,48 +290,32 @@ def test_rows_kernel_tiles_and_counters_are_checked():
     assert triton_linear.split_k_counters_for(config, "cpu").shape == (13,)  # 200 outputs / 16-column tiles
     wider = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8, head_dim=8)
     assert triton_linear.split_k_counters_for([config, wider], "cpu").shape == (16,)  # 256 q/k/v outputs
-    # The decode attention's arrivals at 16 rows (`LAST_SPLIT_MERGES`): 16 rows x 8 KV heads, and one more.
+    # The decode attention's arrivals at 16 rows (the last split merges): 16 rows x 8 KV heads, and one more.
     assert triton_linear.split_k_counters_for([config, wider], "cpu", batch_size=16).shape == (129,)
 
 
-def test_rows_kernel_falls_back_to_smaller_tiles_when_the_gpu_lacks_shared_memory(monkeypatch):
-    """A tuned several-row tile can need more shared memory than the GPU has (the CRQ's gate/up tile: 278,528 bytes in
-    float32, over an H200's 232,448; the bfloat16 tiles of up to 148 KB on GPUs with 99 KB): Triton raises
-    `OutOfResources` before queuing anything, and the launcher tries fewer pipeline stages, then narrower reduction
-    chunks, then fewer columns, remembers the first tile that launched for the shape, dtype and device, and raises
-    the error when none does. (The float32 GPU test of the full-size shapes failed on that tile.)"""
+def test_rows_kernel_takes_the_first_tile_that_fits_the_shared_memory():
+    """A tuned several-row tile can need more shared memory than a program may use (the CRQ's gate/up tile in float32,
+    the bfloat16 tiles on GPUs with less shared memory): the launcher takes the first of `rows_tile_candidates` whose
+    need fits (fewer pipeline stages, then narrower reduction chunks, then fewer columns), its columns narrowed to
+    divide the part boundaries, and raises a clear error when none fits. Deterministic: no memo of earlier launches."""
     pytest.importorskip("triton")
-    assert list(triton_linear.smaller_rows_tiles((64, 128, 4, 8, 3, True))) == [
-        (64, 128, 4, 8, 2, True), (64, 128, 4, 8, 1, True), (64, 64, 4, 8, 1, True), (64, 32, 4, 8, 1, True),
-        (32, 32, 4, 8, 1, True), (16, 32, 4, 8, 1, True),
-    ]  # fmt: skip
+    from funaudiochat_hf.triton_linear_rows_funaudiochat import fitted_rows_tile
+
+    tuned = (128, 256, 4, 8, 2, True)
     tried = []
 
-    def launch(tile, x, *args):  # a GPU that holds one pipeline stage of 64-input chunks at most
+    def fits(tile):  # a GPU that holds one pipeline stage of 64-input chunks at most
         tried.append(tile)
-        if tile[4] > 1 or tile[1] > 64:
-            raise triton_linear.OutOfResources(278528, 232448, "shared memory")
-        return x.new_full((x.shape[0], 3072), float(len(tried)))
+        return tile[4] == 1 and tile[1] <= 64
 
-    monkeypatch.setattr(triton_linear, "_launch_rows_tile", launch)
-    monkeypatch.setattr(triton_linear, "_FITTED_ROWS_TILES", {})
-    x, weight = torch.zeros(4, 1024), torch.zeros(2 * 3072, 1024)
-    counters = torch.zeros(512, dtype=torch.int32)
-    tuned = triton_linear.rows_kernel_tile(3072, 1024, True)  # (128, 256, 4, 8, 2, True)
-    out = triton_linear.launch_decode_linear(x, weight, gated=True, split_k_counters=counters)
-    fitted = (tuned[0], 64, *tuned[2:4], 1, tuned[5])
-    assert tried == [tuned, (*tuned[:4], 1, tuned[5]), (tuned[0], 128, *tuned[2:4], 1, tuned[5]), fitted]
-    assert out.shape == (4, 3072) and out[0, 0] == 4  # the fourth launch's output
-    assert triton_linear._FITTED_ROWS_TILES == {(3072, 1024, True, torch.float32, x.device): fitted}
-    tried.clear()
-    triton_linear.launch_decode_linear(x, weight, gated=True, split_k_counters=counters)
-    assert tried == [fitted]  # straight to the tile that fitted
-    wide = triton_linear.launch_decode_linear(x.double(), weight.double(), gated=True, split_k_counters=counters)
-    assert wide[0, 0] > 1  # another dtype: the tiles tried again from the tuned one
-    monkeypatch.setattr(triton_linear, "_FITTED_ROWS_TILES", {})
-    monkeypatch.setattr(triton_linear, "_launch_rows_tile", lambda tile, *args: launch((0, 128, 0, 0, 2, 0), *args))
-    with pytest.raises(triton_linear.OutOfResources, match="shared memory"):
-        triton_linear.launch_decode_linear(x, weight, gated=True, split_k_counters=counters)
+    assert fitted_rows_tile(tuned, [3072], fits) == (128, 64, 4, 8, 1, True)
+    assert tried == [tuned, (128, 256, 4, 8, 1, True), (128, 128, 4, 8, 1, True), (128, 64, 4, 8, 1, True)]
+    assert fitted_rows_tile(tuned, [3072], fits) == (128, 64, 4, 8, 1, True)  # the same answer every time
+    assert fitted_rows_tile(tuned, [48, 96], lambda tile: True) == (16, 256, 4, 8, 2, True)  # 16 divides 48
+    assert fitted_rows_tile(tuned, [24, 48], lambda tile: True) is None  # no 16-column tile divides 24
+    with pytest.raises(ValueError, match="shared memory"):
+        fitted_rows_tile(tuned, [3072], lambda tile: False)
 
 
 _PARTS_SCRIPT = """
@@ -338,7 +323,7 @@ import json
 import torch
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
 errors, rows_kernel_outputs = [], []
-rows_kernel = triton_linear._launch_rows_kernel
+rows_kernel = triton_linear.launch_rows
 
 
 def counted_rows_kernel(*args):
@@ -346,7 +331,7 @@ def counted_rows_kernel(*args):
     return rows_kernel_outputs[-1]
 
 
-triton_linear._launch_rows_kernel = counted_rows_kernel
+triton_linear.launch_rows = counted_rows_kernel
 counters = torch.zeros(16, dtype=torch.int32)
 generator = torch.Generator().manual_seed(0)
 # (part sizes, bias): a q/k/v-like split; parts of 6 and 10 columns (the 8-column tile shrinks to 2 so that a program
@@ -390,35 +375,30 @@ def test_part_weights_are_checked():
 
 _TUNED_TILES_SCRIPT = """
 import json
-from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf import triton_config_funaudiochat, triton_linear_funaudiochat as triton_linear
 from test_triton_linear_funaudiochat import CASES, case_tensors
 errors = {}
-for tile in sorted(set(triton_linear.TUNED_TILES.values())):
+for tile in sorted({tile for _, tile in triton_config_funaudiochat._SM90_GEMV_TILES}):
     # Every case's shape takes this tile (its BLOCK_K capped at the case's input width, as for any shape).
-    triton_linear.TUNED_TILES = {(case[1], case[2], case[6]): tile for case in CASES}
+    config = triton_config_funaudiochat.DecodeKernelConfig().replace(
+        gemv_tiles={(case[1], case[2], case[6]): tile for case in CASES}
+    )
     for case in CASES:
         kwargs, expected = case_tensors(*case)
-        assert triton_linear.kernel_tile(case[1], case[2], case[6])[0] == tile[0]
-        error = (triton_linear.launch_decode_linear(**kwargs) - expected).abs().max().item()
+        assert config.gemv_kernel_tile(case[1], case[2], case[6])[0] == tile[0]
+        error = (triton_linear.launch_decode_linear(**kwargs, config=config) - expected).abs().max().item()
         errors.setdefault(str(tile), []).append(error)
 print(json.dumps(errors))
 """
 
 
 def test_tuned_tiles_match_eager_composition_in_the_triton_interpreter():
-    """Each tile of `TUNED_TILES` (2-8 columns per program, other reduction chunks) on every case: same results."""
+    """Each tuned GEMV tile of sm_90 (2-8 columns per program, other reduction chunks) on every case: same results."""
+    from funaudiochat_hf.triton_config_funaudiochat import _SM90_GEMV_TILES
+
     errors = json.loads(run_in_triton_interpreter(_TUNED_TILES_SCRIPT))
-    assert len(errors) == len(set(triton_linear.TUNED_TILES.values())) >= 5, errors
+    assert len(errors) == len({tile for _, tile in _SM90_GEMV_TILES}) >= 5, errors
     assert all(error < 1e-5 for tile_errors in errors.values() for error in tile_errors), errors
-
-
-def test_kernel_tile_takes_the_tuned_tile_of_a_full_size_projection():
-    assert triton_linear.kernel_tile(4096, 1024, False) == triton_linear.TUNED_TILES[(4096, 1024, False)]
-    assert triton_linear.kernel_tile(12288, 4096, True) == (4, 256, 2)  # the LLM's gate/up
-    defaults = (triton_linear.BLOCK_N, triton_linear.NUM_WARPS)
-    for shape, block_k in [((40, 64, False), 64), ((24, 3000, True), triton_linear.MAX_BLOCK_K_GATED_WIDE)]:
-        block_n, got_block_k, num_warps = triton_linear.kernel_tile(*shape)
-        assert (block_n, num_warps) == defaults and got_block_k == block_k, shape
 
 
 _GENERATE_SCRIPT = """
@@ -442,7 +422,7 @@ tower = model.audio_invert_tower
 head = {m.weight.data_ptr() for m in (tower.input_matching, tower.output_matching, tower.lm_head)}
 calls = []
 launch = triton_linear_funaudiochat.launch_decode_linear
-def counted(*args):
+def counted(*args, **kwargs):
     folded = fused_crq_funaudiochat._FOLDED.get(tower)  # the compiled loop folds the head's linears
     folded = () if folded is None else (folded.head.weight.data_ptr(), folded.sub_inputs.weight.data_ptr())
     if args[1].data_ptr() in head:
@@ -453,7 +433,7 @@ def counted(*args):
         calls.append("grouped_qkv")
     else:
         calls.append(("llm_mlp" if args[7] is not None else "crq_mlp") if args[6] else "plain")
-    return launch(*args)
+    return launch(*args, **kwargs)
 triton_linear_funaudiochat.launch_decode_linear = counted  # what the operators call (also when compiled)
 class CountedKernel:  # stands in for a kernel, counting its launches
     def __init__(self, kernel, name):
@@ -544,9 +524,10 @@ def _linear_ptx(pdl: bool, gated: bool, **overrides) -> list[str]:
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=gated,
                       BLOCK_N=8, BLOCK_K=512, PDL=pdl, PART_1=0, PART_2=0, FOLDED_NORM=False)
     constexprs.update(overrides)
-    names = triton_linear._decode_linear_kernel.arg_names
-    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
-    return hopper_ptx(triton_linear._decode_linear_kernel, constexprs, types, num_warps=8).splitlines()
+    from funaudiochat_hf.triton_linear_gemv_funaudiochat import _decode_linear_kernel
+
+    types = {name: "*bf16" for name in _decode_linear_kernel.arg_names if name.endswith("_ptr")}
+    return hopper_ptx(_decode_linear_kernel, constexprs, types, num_warps=8).splitlines()
 
 
 @pytest.mark.parametrize("folded", [False, True])
@@ -580,6 +561,7 @@ tl.extra.cuda.gdc_wait = lambda *args, **kwargs: None
 tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 
 from funaudiochat_hf import triton_linear_funaudiochat as triton_linear
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
 torch.manual_seed(0)
 errors = []
@@ -587,12 +569,14 @@ for out_features, in_features, gated, norm, residual in [(48, 96, True, True, Fa
                                                          (32, 64, False, True, True), (24, 32, True, True, False)]:
     x, weight = torch.randn(2, in_features), torch.randn((1 + gated) * out_features, in_features)
     norm_weight, residual_rows = torch.rand(in_features) + 0.5, torch.randn(2, out_features)
-    triton_linear.TUNED_TILES[(out_features, in_features, gated)] = (8, 32, 2)  # 1 to 3 reduction chunks
     outputs = []
     for pdl in (False, True):
-        triton_linear.programmatic_launch = lambda device, pdl=pdl: pdl
+        config = DecodeKernelConfig(programmatic_launch=pdl).replace(
+            gemv_tiles={(out_features, in_features, gated): (8, 32, 2)}  # 1 to 3 reduction chunks
+        )
         outputs.append(triton_linear.launch_decode_linear(
-            x, weight, None, norm_weight if norm else None, 1e-6, residual_rows if residual else None, gated
+            x, weight, None, norm_weight if norm else None, 1e-6, residual_rows if residual else None, gated,
+            config=config,
         ))
     errors.append((outputs[1] - outputs[0]).abs().max().item())
 print(json.dumps(errors))
@@ -630,12 +614,13 @@ def test_gemv_reads_its_norm_weight_before_waiting_and_its_residual_with_its_inp
 
 def _rows_kernel_ptx(constexprs: dict) -> list[str]:
     """The several-row kernel's sm_90 PTX lines at 8 warps, bfloat16 tensors (float32 partials, int32 counters)."""
-    names = triton_linear._decode_rows_kernel.arg_names
-    types = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    from funaudiochat_hf.triton_linear_rows_funaudiochat import _decode_rows_kernel
+
+    types = {name: "*bf16" for name in _decode_rows_kernel.arg_names if name.endswith("_ptr")}
     types.update(partials_ptr="*fp32", counters_ptr="*i32", norm_squares_ptr="*fp32", squares_ptr="*fp32")
-    # The sums of squares neither read nor stored unless the caller asks (`NORM_SQUARES`).
+    # The sums of squares neither read nor stored unless the caller asks.
     constexprs = {"NORM_GROUPS": 0, "NORM_GROUPS_BLOCK": 1, "STORE_SQUARES": False, "GROUP": 16, **constexprs}
-    return hopper_ptx(triton_linear._decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
+    return hopper_ptx(_decode_rows_kernel, constexprs, types, num_warps=8).splitlines()
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -646,8 +631,7 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
     pytest.importorskip("triton")
     constexprs = dict(N=3072, K=1024, EPS=1e-6, HAS_BIAS=False, HAS_NORM=True, HAS_RESIDUAL=False, GATED=True,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, K_SPLIT=1024 // split_k, PRECISION="tf32",
-                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False,
-                      EARLY_RESIDUAL=True)  # fmt: skip
+                      NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=3, SWAP_AB=False)  # fmt: skip
     lines = _rows_kernel_ptx(constexprs)
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
@@ -662,22 +646,23 @@ def test_rows_kernel_counts_arrivals_after_a_barrier_and_fetches_weights_before_
 
 
 def test_rows_kernel_fetches_its_residual_before_counting_in():
-    """EARLY_RESIDUAL (`ROWS_EARLY_RESIDUAL`): with a split reduction, every program reads its residual tile after
-    `griddepcontrol.wait` and before the atomic that counts it in, so the tile's last program has one read fewer left
-    after the atomic (sm_90 PTX; a CRQ sub-step at 16 rows 1,376 against 1,391 µs on an H200)."""
+    """With a split reduction, every program reads its residual tile after `griddepcontrol.wait` and before the atomic
+    that counts it in, so the tile's last program has no more reads left after the atomic with a residual than
+    without (sm_90 PTX)."""
     pytest.importorskip("triton")
     reads_after_atomic = {}
-    for early in (True, False):
-        constexprs = dict(N=1024, K=2048, EPS=1e-6, HAS_BIAS=False, HAS_NORM=False, HAS_RESIDUAL=True, GATED=False,
-                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, K_SPLIT=256, PRECISION="tf32",
-                          NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=2, SWAP_AB=False,
-                          EARLY_RESIDUAL=early)  # fmt: skip
+    for residual in (True, False):
+        constexprs = dict(N=1024, K=2048, EPS=1e-6, HAS_BIAS=False, HAS_NORM=False, HAS_RESIDUAL=residual,
+                          GATED=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, K_SPLIT=256, PRECISION="tf32",
+                          NORM_BLOCK_K=512, PDL=True, PART_1=0, PART_2=0, NUM_STAGES=2, SWAP_AB=False)  # fmt: skip
         lines = _rows_kernel_ptx(constexprs)
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         atomic = next(i for i, line in enumerate(lines) if "atom." in line)
         assert wait < atomic
-        reads_after_atomic[early] = sum("ld.global" in line for line in lines[atomic:])
-    assert reads_after_atomic[True] < reads_after_atomic[False], reads_after_atomic
+        reads_after_atomic[residual] = sum("ld.global" in line for line in lines[atomic:])
+        if residual:
+            assert any("ld.global" in line for line in lines[wait:atomic])
+    assert reads_after_atomic[True] == reads_after_atomic[False], reads_after_atomic
 
 
 def _tiny_model():
@@ -705,16 +690,14 @@ def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
     assert run.cfg.crq_linear and not run.cfg.crq_head_linear
 
 
-@pytest.mark.parametrize("llm_rows", [True, False])
-def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatch, inputs, llm_rows):
+def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatch, inputs):
     """With `llm_linear` and `crq_linear` on, every decode step of the LLM and of the CRQ gets the workspace's split-K
     counters, which let 2 to 16 rows take the several-row kernel on CUDA (on CPU the layers keep their torch path, so
-    the tokens equal the run without the kernels); `LLM_ROWS_KERNEL = False` leaves the LLM on cuBLAS."""
+    the tokens equal the run without the kernels)."""
     from funaudiochat_hf import generation_funaudiochat as generation
 
     model = _tiny_model()
     monkeypatch.setattr(generation, "triton_available", lambda device: True)
-    monkeypatch.setattr(generation, "LLM_ROWS_KERNEL", llm_rows)
     calls = []
     stack_forward = generation._stack_forward
 
@@ -733,7 +716,7 @@ def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatc
     crq_counters = [counters for is_llm, counters in decode_steps if not is_llm]
     assert llm_counters and crq_counters
     assert all(c is not None and c.dtype == torch.int32 for c in crq_counters)
-    assert all((c is not None) == llm_rows for c in llm_counters)
+    assert all(c is not None and c.dtype == torch.int32 for c in llm_counters)
     plain = model.generate_speech(**batch, **kwargs)
     assert torch.equal(kernels.sequences, plain.sequences) and torch.equal(kernels.speech_ids, plain.speech_ids)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings, select_tokens
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
 from conftest import hopper_ptx, run_in_triton_interpreter
 
@@ -52,7 +53,7 @@ def kernel_tokens(settings, scores, seen, noise):
     switches = settings.switches
     return launch_sample_tokens(
         scores, seen, noise, values.temperature, values.top_p, values.repetition_penalty, switches.do_sample,
-        switches.uses_history, switches.uses_top_p,
+        switches.uses_history, switches.uses_top_p, [],
     )  # fmt: skip
 
 
@@ -167,7 +168,7 @@ def test_kernel_compiles_for_hopper(switches):
         "VOCAB": 6565, "BLOCK_V": 8192, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
         "USES_TOP_P": uses_top_p, "PDL": True,
     }  # fmt: skip
-    assert hopper_ptx(sampling._sample_kernel, constexprs, types, sampling.NUM_WARPS)  # Triton's compiler and ptxas
+    assert hopper_ptx(sampling._sample_kernel, constexprs, types, DecodeKernelConfig().sampler_num_warps)  # Triton's compiler and ptxas
 
 
 @pytest.mark.gpu

@@ -169,7 +169,7 @@ def test_text_head_choice(monkeypatch, inputs):
     assert model._speech_run(ids, None, {}, compiled).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "text_head": "torch"}).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "compile_scope": "step"}).cfg.overlap_text_head
-    assert model._speech_run(ids.repeat(2, 1), None, {}, compiled).cfg.overlap_text_head  # up to AUTO_MAX_ROWS
+    assert model._speech_run(ids.repeat(2, 1), None, {}, compiled).cfg.overlap_text_head  # up to text_head_overlap_max_rows
     assert not model._speech_run(ids.repeat(17, 1), None, {}, compiled).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {**compiled, "disable_speech": True}).cfg.overlap_text_head
     assert not model._speech_run(ids, None, {}, {}).cfg.overlap_text_head  # eager, "auto"

@@ -10,7 +10,7 @@ Two implementations of the same arithmetic:
   wrote them (`(batch, frames, heads * head_dim)`, strided views of the fused projection), rotates head 0 as it loads
   it, adds the additive key mask and writes the output in the layout the output projection reads.
 
-`dit_attention` picks the kernel where it applies (`TRITON_DIT_ATTENTION`, CUDA, bfloat16 / float16, no gradient).
+`dit_attention` picks the kernel where it applies (CUDA, bfloat16 / float16, no gradient).
 Rounding follows the torch path under autocast: the rotary in float32 from the 16-bit projections, rounded once to the
 input dtype; scores and softmax in float32; the probabilities rounded to the value dtype for the second product (as
 SDPA's flash kernels do).
@@ -21,11 +21,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_attention_funaudiochat import programmatic_launch, triton
+from .triton_attention_funaudiochat import triton
+from .triton_config_funaudiochat import supports_programmatic_launch
 
 
-# The Triton kernel where it applies (see `dit_attention`); False: always the SDPA path (for comparisons).
-TRITON_DIT_ATTENTION = True
 # The kernel for windows up to this many frames (streamed chunks: 136 frames with a 50-token look-back). Longer ones
 # run faster through cuDNN's attention (measured on an H200, bfloat16, 2 x 16 heads: 8.4 against 13.2 µs at 136
 # frames, 26.9 against 22.4 µs at 500 frames, 182 against 102 µs at 1,500; BENCHMARKS.md). Since the key-padding
@@ -38,10 +37,6 @@ BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 
-
-def triton_dit_attention_enabled() -> bool:
-    """`TRITON_DIT_ATTENTION` now (CUDA-graph runners record it with their graphs)."""
-    return TRITON_DIT_ATTENTION
 
 
 def _rotate_pairs(hidden: torch.Tensor) -> torch.Tensor:
@@ -110,7 +105,7 @@ def _kernel_applies(query, key, value, cos, heads, attention_mask) -> bool:
     """Whether `dit_attention` runs the Triton kernel: its dtypes on a GPU that has them, no gradient to keep, the
     rotary table one head wide, a mask (if any) additive and shared by the heads. Shapes and flags only (no values),
     so torch.compile decides it while tracing."""
-    if not (TRITON_DIT_ATTENTION and triton is not None and query.is_cuda):
+    if not (triton is not None and query.is_cuda):
         return False
     if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
         return False
@@ -258,7 +253,7 @@ def launch_dit_attention(
     else:
         mask = attention_mask.expand(batch, 1, frames, frames)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
-    pdl = programmatic_launch(query.device)
+    pdl = supports_programmatic_launch(query.device)
     grid = (triton.cdiv(frames, block_m), batch * heads)
     _dit_attention_kernel[grid](
         query, key, value, cos, sin, mask, out, frames, head_dim**-0.5,

@@ -9,15 +9,14 @@ line by line and calls the model's own norms, rotary embedding, mask builders, c
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their `decode_kernels`
   set, a one-row decode step on CUDA runs the four projections, the two norms, the activation and the residual adds as
   4 Triton kernels (`triton_linear_funaudiochat`), and so does a decode step of 2 to 16 rows given `split_k_counters`
-  (the several-row kernel; batch 16: 13.78 against 14.57 ms per step; its residual projections hand their outputs'
-  sums of squares to the next norm, `_output_and_mlp_kernels`); `own_weight_kernels(stack)` asks for the same
-  kernels over the layers' own projections (the LLM: 4 kernels per layer too, one reading its q, k and v weights; at
-  2 to 16 rows, 13.77 against 14.46 ms per batch-16 step); over
-  a static cache the q/k norms, rotary embedding and cache write of those steps are one more kernel, or part of the
-  Triton attention's kernels when that is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention
-  takes that work in every decode step on CUDA, also where the projections stay on cuBLAS (batch 16: 16.87 -> 15.29 ms
-  per step side by side, BENCHMARKS.md 2026-12-01); the step's masks are then stored once before the first layer
-  (`stored_once`), as the kernels advance the cache length they are computed from, and so are the rotary tables;
+  (the several-row kernel; its residual projections hand their outputs' sums of squares to the next norm,
+  `_output_and_mlp_kernels`); `own_weight_kernels(stack)` asks for the same kernels over the layers' own projections
+  (the LLM: 4 kernels per layer too, one reading its q, k and v weights). Over a static cache the q/k norms, rotary
+  embedding and cache write of those steps are one more kernel, or part of the Triton attention's kernels when that
+  is the attention (`triton_attention_inputs_funaudiochat`). The Triton attention takes that work in every decode
+  step on CUDA, also where the projections stay on cuBLAS; the step's masks are then stored once before the first
+  layer (`stored_once`), as the kernels advance the cache length they are computed from, and so are the rotary
+  tables. Every kernel launch takes its tiles and launch kind from `kernel_config` ([`DecodeKernelConfig`]);
 - `halves`: the two halves of a layer, `attention_inputs` (input norm, q/k/v, q/k norms, rotary) and
   `attention_output_and_mlp` (o_proj, residual, post-attention norm, MLP, residual), as plain functions of the layer
   module. The cache update and the attention call stay between them, outside. Compiled, they serve every layer and
@@ -41,7 +40,7 @@ from .triton_attention_inputs_funaudiochat import (
     stored_once,
     writable_static_layer,
 )
-from . import triton_linear_funaudiochat as triton_linear
+from .triton_config_funaudiochat import DecodeKernelConfig
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels, use_rows_kernel
 
 
@@ -85,6 +84,7 @@ def _project_qkv(
     hidden_states: torch.Tensor,
     split_k_counters: torch.Tensor | None = None,
     norm_squares: torch.Tensor | None = None,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The input norm and the q, k and v projections: `(batch, n, hidden)` -> `(batch, n, heads * head_dim)` query,
     `(batch, n, kv_heads * head_dim)` key and value. `norm_squares`: the input's sums of squares, as the previous
@@ -93,11 +93,9 @@ def _project_qkv(
     own_weights = projections is None or projections.qkv_weight is None
     norm = layer.input_layernorm
     if _takes_kernels(projections, hidden_states, split_k_counters):
-        counters = {"split_k_counters": split_k_counters, "norm_squares": norm_squares}
+        counters = {"split_k_counters": split_k_counters, "norm_squares": norm_squares, "kernel_config": kernel_config}
         if own_weights:
             linears = (attention.q_proj, attention.k_proj, attention.v_proj)
-            if not triton_linear.GROUPED_QKV:
-                return tuple(decode_linear(hidden_states, p.weight, p.bias, norm, **counters) for p in linears)
             # One kernel over the three weights, no concatenated copy (an 8B model's would be 1.8 GB).
             qkv = decode_linear(hidden_states, linears[0].weight, linears[0].bias, norm, parts=linears[1:], **counters)
             return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
@@ -116,13 +114,16 @@ def attention_output_and_mlp(
     attn_output: torch.Tensor,
     residual: torch.Tensor,
     split_k_counters: torch.Tensor | None = None,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """Second half of `Qwen3DecoderLayer.forward`: `(batch, n, heads * head_dim)` attention output and the layer's
-    `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output. `split_k_counters`: as in
+    `(batch, n, hidden)` input -> the layer's `(batch, n, hidden)` output. `split_k_counters`, `kernel_config`: as in
     `decoder_stack_forward`."""
     mlp = layer.mlp
     if _takes_kernels(projections, attn_output, split_k_counters):
-        return _output_and_mlp_kernels(layer, projections, attn_output, residual, split_k_counters)[0]
+        return _output_and_mlp_kernels(
+            layer, projections, attn_output, residual, split_k_counters, kernel_config=kernel_config
+        )[0]
     hidden_states = residual + layer.self_attn.o_proj(attn_output)
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
@@ -140,6 +141,7 @@ def _output_and_mlp_kernels(
     residual: torch.Tensor,
     split_k_counters: torch.Tensor | None,
     with_squares: bool = False,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention_output_and_mlp` through the kernels (o_proj with the residual, the norm and gate/up with SiLU,
     down_proj with the residual): the layer's `(batch, n, hidden)` output, and with `with_squares` (several-row
@@ -147,7 +149,7 @@ def _output_and_mlp_kernels(
     With `with_squares`, o_proj hands the post-attention norm its output's sums of squares too."""
     mlp = layer.mlp
     o_proj, down_proj = layer.self_attn.o_proj, mlp.down_proj
-    counters = {"split_k_counters": split_k_counters}
+    counters = {"split_k_counters": split_k_counters, "kernel_config": kernel_config}
     squares = None
     hidden_states = decode_linear(
         attn_output, o_proj.weight, o_proj.bias, residual=residual, with_squares=with_squares, **counters
@@ -170,9 +172,10 @@ def _output_and_mlp_kernels(
 
 
 def _carries_squares(hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None) -> bool:
-    """Whether a kernel step's residual projections hand their outputs' sums of squares to the next norm
-    (`triton_linear_funaudiochat.NORM_SQUARES`): where they take the several-row kernel, which stores them."""
-    return triton_linear.NORM_SQUARES and split_k_counters is not None and use_rows_kernel(hidden_states)
+    """Whether a kernel step's residual projections hand their outputs' sums of squares to the next norm: where they
+    take the several-row kernel, which stores them (every program of the next norm then adds up a few sums instead of
+    reading all of its rows)."""
+    return split_k_counters is not None and use_rows_kernel(hidden_states)
 
 
 def _takes_kernels(projections, hidden_states: torch.Tensor, split_k_counters: torch.Tensor | None = None) -> bool:
@@ -213,6 +216,7 @@ def _decoder_layer(
     halves: DecoderLayerHalves,
     split_k_counters: torch.Tensor | None,
     norm_squares: torch.Tensor | None = None,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`, and in a several-row kernel step
     the output's sums of squares (else None), which the next layer's input norm takes as `norm_squares`."""
@@ -220,6 +224,8 @@ def _decoder_layer(
     cos, sin = position_embeddings
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
     kwargs = {"position_ids": position_ids, "use_cache": True}
+    if kernel_config is not None:  # for the Triton attention function (`triton_decode_attention`)
+        kwargs["kernel_config"] = kernel_config
     kernel_step = _takes_kernels(projections, hidden_states, split_k_counters)
     # Only a kernel step reads the counters (a compiled prefill's layer halves then never take them as an input).
     split_k_counters = split_k_counters if kernel_step else None
@@ -227,19 +233,21 @@ def _decoder_layer(
     decode_step = kernel_step or _one_position_on_gpu(hidden_states)
     static_layer = writable_static_layer(cache, attention.layer_idx) if decode_step else None
     if static_layer is not None:  # a decode step over a static cache on CUDA
-        query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters, norm_squares)
+        query, key, value = _project_qkv(layer, projections, hidden_states, split_k_counters, norm_squares, kernel_config)
         # With the Triton attention, the q/k norms, rotary and cache write run inside its kernels (at any batch size:
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
         # attention function.
         attn_output = decode_attention_with_inputs(
-            attention, query, key, value, cos, sin, static_layer, attention_mask, split_k_counters
+            attention, query, key, value, cos, sin, static_layer, attention_mask, split_k_counters, kernel_config
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
-            return _layer_output(layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares)
+            return _layer_output(
+                layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares, kernel_config
+            )
         if kernel_step:
             query_states, key_states, value_states = decode_attention_inputs(
-                attention, query, key, value, cos, sin, static_layer
+                attention, query, key, value, cos, sin, static_layer, kernel_config
             )
         else:
             query_states, key_states, value_states = _rotated_heads(attention, query, key, value, cos, sin)
@@ -264,17 +272,24 @@ def _decoder_layer(
         **kwargs,
     )
     attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-    return _layer_output(layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares)
+    return _layer_output(
+        layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares, kernel_config
+    )
 
 
 def _layer_output(
-    layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares
+    layer, projections, attn_output, hidden_states, halves, split_k_counters, with_squares, kernel_config
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The second half of `_decoder_layer`: `halves.attention_output_and_mlp`, or with `with_squares` its kernels
     called directly (they also return the output's sums of squares)."""
     if with_squares:
-        return _output_and_mlp_kernels(layer, projections, attn_output, hidden_states, split_k_counters, True)
-    return halves.attention_output_and_mlp(layer, projections, attn_output, hidden_states, split_k_counters), None
+        return _output_and_mlp_kernels(
+            layer, projections, attn_output, hidden_states, split_k_counters, True, kernel_config
+        )
+    output = halves.attention_output_and_mlp(
+        layer, projections, attn_output, hidden_states, split_k_counters, kernel_config
+    )
+    return output, None
 
 
 def decoder_stack_forward(
@@ -287,6 +302,8 @@ def decoder_stack_forward(
     halves: DecoderLayerHalves = EAGER_HALVES,
     final_norm: bool = True,
     split_k_counters: torch.Tensor | None = None,
+    *,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
 
@@ -306,8 +323,11 @@ def decoder_stack_forward(
             `decode_kernels` (fused, or the layers' own) through the several-row kernel of
             `triton_linear_funaudiochat` (its split-K programs count their arrivals there and leave them zero; one
             tensor per run, not shared with a concurrent one; `split_k_counters_for(configs, device, batch_size)`
-            sizes it). A kernel step's Triton attention counts its splits there too
-            (`triton_attention_funaudiochat.LAST_SPLIT_MERGES`: one per row and KV head, and one more).
+            sizes it). A kernel step's Triton attention counts its splits there too (the last split of a head
+            merges: one per row and KV head, and one more).
+        kernel_config: the [`DecodeKernelConfig`] of every kernel launch (tiles, warps, grids, launch kind), part
+            of the caller's compiled-graph / CUDA-graph key; None: that of the inputs' device, resolved when each
+            kernel runs.
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
@@ -342,6 +362,7 @@ def decoder_stack_forward(
             halves,
             split_k_counters,
             squares,
+            kernel_config,
         )
     return stack.norm(hidden_states) if final_norm else hidden_states
 

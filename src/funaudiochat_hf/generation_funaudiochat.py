@@ -46,6 +46,7 @@ from .fused_crq_funaudiochat import (
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches, mark_seen, select_tokens
 from .step_graph_funaudiochat import CapturedStep, StepGraphs, tensor_addresses
 from .triton_attention_funaudiochat import register_triton_decode_attention, triton_available
+from .triton_config_funaudiochat import DecodeKernelConfig
 from .triton_linear_funaudiochat import (
     MAX_ROWS,
     decode_kernels_supported,
@@ -57,7 +58,6 @@ from .triton_linear_funaudiochat import (
 )
 from .triton_sampling_funaudiochat import MAX_VOCAB as MAX_SAMPLER_VOCAB
 from .triton_sampling_funaudiochat import sample_tokens, sampler_kernel_supported, use_sampler_kernel
-from .triton_text_head_funaudiochat import AUTO_MAX_ROWS as TEXT_HEAD_AUTO_MAX_ROWS
 from .triton_text_head_funaudiochat import BLOCK_M as TEXT_HEAD_MAX_ROWS
 from .triton_text_head_funaudiochat import OverlappedTextHead, text_head_supported
 
@@ -72,10 +72,6 @@ MIN_LAST_SEGMENT_TOKENS = 50
 CACHE_LENGTH_MULTIPLE = 128
 # How many workspaces (caches + state buffers for one batch size / length) a model keeps for reuse.
 MAX_CACHED_WORKSPACES = 2
-# With `llm_linear`, the LLM's decode steps of 2 to 16 rows take the several-row kernel of
-# `triton_linear_funaudiochat` too (its q/k/v and gate/up over its own weights). Measured on an H200 (BENCHMARKS.md,
-# 2026-12-02 00:30–01:00): batch 16 at 13.77 against 14.46 ms per step (side by side). False: cuBLAS (comparisons).
-LLM_ROWS_KERNEL = True
 
 
 @dataclass
@@ -153,6 +149,7 @@ class _StepConfig:
     speech_sampler: bool = False  # speech tokens through `triton_sampling_funaudiochat` (CUDA)
     pad_speech_head: bool = False  # the speech head, where cuBLAS runs it, through a padded copy (compiled loops)
     overlap_text_head: bool = False  # the text head on a side stream during the CRQ sub-steps (`text_head="triton"`)
+    kernels: DecodeKernelConfig = DecodeKernelConfig()  # tiles and launches of every Triton kernel (part of graph keys)
 
 
 class _DecodeWorkspace:
@@ -312,11 +309,12 @@ def _stack_forward(
     halves=None,
     final_norm=True,
     split_k_counters=None,
+    kernel_config: DecodeKernelConfig | None = None,
 ):
     """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
     `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections` and / or
     layer `halves` (the compiled prefill). `final_norm=False` (with `projections` or `halves`): before the stack's
-    final norm. `split_k_counters`: see `decoder_stack_forward`."""
+    final norm. `split_k_counters`, `kernel_config`: see `decoder_stack_forward`."""
     if projections is None and halves is None:
         if not final_norm:
             raise ValueError("`final_norm=False` needs the stack run layer by layer (`projections` or `halves`).")
@@ -337,16 +335,19 @@ def _stack_forward(
         halves or EAGER_HALVES,
         final_norm,
         split_k_counters,
+        kernel_config=kernel_config,
     )
 
 
-def _matching(linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None) -> torch.Tensor:
+def _matching(
+    linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None, kernel_config=None
+) -> torch.Tensor:
     """`linear(norm(x))` for one of the CRQ's plain linears around its stack or their folded copies (`linear`: an
     `nn.Linear` or a `PaddedLinear`; `norm`: an RMSNorm module or None), through the GEMV kernel of
     `triton_linear_funaudiochat` when `kernels` and x is one CUDA row (a padded copy's extra outputs dropped), else
     through `padded` (the linear's `PaddedLinear`) when given."""
     if kernels and use_decode_kernels(x):
-        return decode_linear(x, linear.weight, linear.bias, norm)[..., : linear.out_features]
+        return decode_linear(x, linear.weight, linear.bias, norm, kernel_config=kernel_config)[..., : linear.out_features]
     return (linear if padded is None else padded)(x if norm is None else norm(x))
 
 
@@ -369,11 +370,11 @@ def _run_crq(
     tower = model.audio_invert_tower
     crq = tower.crq_transformer
     k = ws.sub_step.view(1)
-    kernels = cfg.crq_head_linear
+    kernels, config = cfg.crq_head_linear, cfg.kernels
     folded = ws.folded if cfg.fold_crq_matching else None
     if folded is None:
         previous = model.audio_tower.embed_tokens(ws.prev_speech_token).to(sub_inputs.device)
-        inputs_embeds = _matching(tower.input_matching, sub_inputs + previous[:, None], kernels)
+        inputs_embeds = _matching(tower.input_matching, sub_inputs + previous[:, None], kernels, kernel_config=config)
     else:  # input_matching is linear: its image of the previous token's embedding, gathered
         table = folded.speech_inputs  # on the CRQ's device (a dispatched model: maybe not the workspace's)
         previous = F.embedding(ws.prev_speech_token.to(table.device), table)
@@ -384,19 +385,19 @@ def _run_crq(
     # With the kernels, decode sub-steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
     counters = ws.split_k_counters if cfg.crq_linear else None
     hidden = _stack_forward(
-        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters
+        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters, config
     )
     norm = crq.norm if fold_norm else None
     if folded is None:
-        features = _matching(tower.output_matching, hidden[:, -1], kernels, norm)
-        logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head)
+        features = _matching(tower.output_matching, hidden[:, -1], kernels, norm, kernel_config=config)
+        logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head, kernel_config=config)
     else:  # lm_head ∘ output_matching as one linear
-        logits = _matching(folded.head, hidden[:, -1], kernels, norm)
+        logits = _matching(folded.head, hidden[:, -1], kernels, norm, kernel_config=config)
     logits = logits.float().to(ws.device)
     noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
     seen = ws.group_seen if cfg.speech.uses_history else None
     if cfg.speech_sampler and use_sampler_kernel(logits):
-        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise)
+        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise, kernel_config=config)
     else:
         token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
@@ -429,7 +430,9 @@ def _start_group(model, ws: _DecodeWorkspace, cfg: _StepConfig, hidden: torch.Te
     if cfg.fold_crq_matching:
         batch, length, _ = conditioning.shape
         weight = ws.folded.sub_inputs.weight
-        sub_positions = _matching(ws.folded.sub_inputs, conditioning.to(weight.device), cfg.crq_head_linear)
+        sub_positions = _matching(
+            ws.folded.sub_inputs, conditioning.to(weight.device), cfg.crq_head_linear, kernel_config=cfg.kernels
+        )
         sub_positions = sub_positions.reshape(batch, length * cfg.group_size, -1)
         ws.folded_sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
     else:
@@ -446,10 +449,11 @@ def _llm_part(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     positions = ws.llm_position[:, None]
     stack = language_model.model
     # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
-    counters = ws.split_k_counters if cfg.llm_linear and LLM_ROWS_KERNEL else None
+    counters = ws.split_k_counters if cfg.llm_linear else None
     hidden = _stack_forward(
-        stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters
-    )
+        stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters,
+        kernel_config=cfg.kernels,
+    )  # fmt: skip
     hidden = hidden.to(ws.device)
     ws.llm_position.add_(1)
     if cfg.overlap_text_head:  # the head runs after this part, beside the CRQ sub-steps (`_start_text_head`)
@@ -523,7 +527,7 @@ def _start_text_head(model, ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
     """With `overlap_text_head`: the text logits of the LLM part's hidden state, on the head's own stream (outside
     any compiled part: it only enqueues)."""
     if cfg.overlap_text_head:
-        ws.text_head.start(ws.text_head_input, model.language_model.lm_head, ws.text_logits_step)
+        ws.text_head.start(ws.text_head_input, model.language_model.lm_head, ws.text_logits_step, cfg.kernels)
 
 
 def _join_text_head(ws: _DecodeWorkspace, cfg: _StepConfig) -> None:
@@ -835,6 +839,11 @@ class _SpeechRun:
         self.eos_ids = torch.tensor(eos_ids if eos_ids else (-1,), dtype=torch.long, device=device)
 
         self.text_settings, self.speech_settings = options["text_settings"], options["speech_settings"]
+        kernel_config = options["kernel_config"]
+        if kernel_config is None:
+            kernel_config = DecodeKernelConfig.for_device(device)
+        elif not isinstance(kernel_config, DecodeKernelConfig):
+            raise ValueError(f"`kernel_config` must be a DecodeKernelConfig or None, got {type(kernel_config).__name__}.")
         self.cfg = _StepConfig(
             text=self.text_settings.switches,
             speech=self.speech_settings.switches,
@@ -846,6 +855,7 @@ class _SpeechRun:
             audio_eos_index=text_config.audio_eos_index,
             pad_token_id=int(pad),
             output_logits=bool(options["output_logits"]),
+            kernels=kernel_config,
         )
         self.speech_pad_id = audio_config.pad_token_id
         self.max_new_tokens = max_new_tokens
@@ -1017,9 +1027,9 @@ class _SpeechRun:
         """Whether the decode steps run the LLM's text head on a side stream beside the CRQ sub-steps (`text_head`):
         a step whose parts are compiled separately or run eagerly (a step compiled as one graph keeps it inline), with
         speech on (else there is nothing to overlap), at most `TEXT_HEAD_MAX_ROWS` rows ("auto": at most
-        `TEXT_HEAD_AUTO_MAX_ROWS`, where it was measured faster), a plain linear head."""
+        the kernel config's `text_head_overlap_max_rows`, where it was measured faster), a plain linear head."""
         separate_parts = self.step_fn is _decode_step or isinstance(self.step_fn, _CompiledParts)
-        if choice == "auto" and self.input_ids.shape[0] > TEXT_HEAD_AUTO_MAX_ROWS:
+        if choice == "auto" and self.input_ids.shape[0] > self.cfg.kernels.text_head_overlap_max_rows:
             return False
         return self._pick_kernels(
             "text_head", choice, compiled, device,
@@ -1367,7 +1377,10 @@ class FunAudioChatSpeechGenerationMixin:
                 Triton kernel of few programs on a second CUDA stream while the CRQ sub-steps run (batch 1: 0.05-0.8
                 ms, median ~0.2 ms, batch 16: ~0.24 ms less per step on an H200), `triton_text_head_funaudiochat`;
                 "torch": the LLM's `lm_head` after the LLM part; same logits up to float rounding),
-                `cache_implementation` ("static" | "dynamic"), `cache_max_length`, `output_logits`.
+                `kernel_config` (None, default: `DecodeKernelConfig.for_device(device)`; a
+                `triton_config_funaudiochat.DecodeKernelConfig`: the tiles, warps, grids and launch kind of every
+                Triton kernel, part of the step graphs' key), `cache_implementation` ("static" | "dynamic"),
+                `cache_max_length`, `output_logits`.
 
         Returns:
             [`FunAudioChatSpeechOutput`]: `sequences` `(batch, length + new)`, `speech_ids` `(batch, K * groups)`,
@@ -1543,6 +1556,7 @@ _DEFAULTS = {
     "cache_implementation": "static",
     "cache_max_length": None,
     "output_logits": False,
+    "kernel_config": None,
 }
 _STREAM_KNOBS = ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty")
 

@@ -10,7 +10,7 @@ Two implementations of `mish(conv(hidden)) [+ residual]`:
   (a streamed chunk's window) against 70 µs for unfold + matmul and 99 µs for cuDNN, 59 against 379 / 133 µs at
   1,500 frames; a streamed chunk 13.70 against 14.02 ms side by side.
 
-`causal_conv_mish` picks the kernel where it applies (`TRITON_POSITION_CONV`, CUDA, bfloat16 / float16, no gradient).
+`causal_conv_mish` picks the kernel where it applies (CUDA, bfloat16 / float16, no gradient).
 The kernel wants the conv weight tap-major, `(groups, kernel, in / groups, out / groups)` (`tap_major_weight`); a
 caller that keeps that copy (the DiT's position embedding does, see `store_tap_major_weights`) saves a 4 MB
 transposing copy per call. Rounding follows the torch path under autocast: the conv accumulates in float32 and rounds
@@ -24,11 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_cosyvoice3 import _bfloat16_tensor_cores
-from .triton_attention_funaudiochat import programmatic_launch, triton
+from .triton_attention_funaudiochat import triton
+from .triton_config_funaudiochat import supports_programmatic_launch
 
 
-# The Triton kernel where it applies (see `causal_conv_mish`); False: always the torch path (for comparisons).
-TRITON_POSITION_CONV = True
 # Tiles and launch options of the kernel (`BLOCK_M` output frames per program).
 BLOCK_M = 64
 NUM_WARPS = 4
@@ -39,10 +38,6 @@ NUM_STAGES = 3
 # compiled estimator: the first input past it compiles once more (~90 s at full size on an H200, BENCHMARKS.md).
 MAX_UNFOLD_ELEMENTS = 2**25
 
-
-def triton_position_conv_enabled() -> bool:
-    """`TRITON_POSITION_CONV` now (CUDA-graph runners record it with their graphs)."""
-    return TRITON_POSITION_CONV
 
 
 def causal_grouped_conv1d(
@@ -121,7 +116,7 @@ def _kernel_applies(hidden: torch.Tensor, conv: nn.Conv1d, residual: Optional[to
     """Whether `causal_conv_mish` runs the Triton kernel: 16-bit activations on a GPU that has them (the weight is
     cast to them, as autocast casts a conv's weight), no gradient to keep. Shapes and flags only, so torch.compile
     decides it while tracing."""
-    if not (TRITON_POSITION_CONV and triton is not None and hidden.is_cuda):
+    if not (triton is not None and hidden.is_cuda):
         return False
     if hidden.dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != hidden.dtype):
         return False
@@ -212,7 +207,7 @@ def launch_causal_conv_mish(
     if residual is not None:
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     residual_strides = (0, 0) if residual is None else (residual.stride(0), residual.stride(1))
-    pdl = programmatic_launch(hidden.device)
+    pdl = supports_programmatic_launch(hidden.device)
     grid = (triton.cdiv(frames, block_m), groups, batch)
     _causal_conv_mish_kernel[grid](
         hidden, tap_major, out if bias is None else bias, out if residual is None else residual, out,

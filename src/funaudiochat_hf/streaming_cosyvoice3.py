@@ -3,15 +3,12 @@
 import functools
 import math
 import threading
-import weakref
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from .attention_cosyvoice3 import triton_dit_attention_enabled
 from .cuda_graph_cosyvoice3 import CUDAGraphRunner
-from .position_conv_cosyvoice3 import triton_position_conv_enabled
 
 
 if TYPE_CHECKING:
@@ -401,22 +398,23 @@ def flow_window_to_mel(
     return flow.decoder.solve(noise, mu, speaker_condition, torch.zeros_like(mu), mask, *conditioning)
 
 
-# CUDA-graph runners per model (weak keys: they die with the model; the runners hold its submodules, not the model).
-_GRAPH_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Serialises the first creation of a model's runners (streams of one model may start in several threads).
 _GRAPH_RUNNERS_LOCK = threading.Lock()
 
 
 def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
     """The model's {"flow": token window to mel (`flow_window_to_mel`), "hift": non-final filter} graph runners, created
-    on first use."""
+    on first use. The model owns them (`model.streaming_graph_runners`, shared by its streaming decoders: a reply's
+    decoder replays the graphs an earlier reply recorded); they are freed with the model, or by setting that
+    attribute to None."""
     with _GRAPH_RUNNERS_LOCK:
-        runners = _GRAPH_RUNNERS.get(model)
+        runners = getattr(model, "streaming_graph_runners", None)
         if runners is None:
             config, flow, hift = model.config, model.flow, model.hift
             estimator = flow.decoder.estimator
 
             def settings(*modules: torch.nn.Module):
-                # What the recorded kernels depend on besides the input shapes: precision switches, and where the
+                # What the recorded kernels depend on besides the input shapes: precision settings, and where the
                 # weights live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv
                 # layout (`use_channels_last_convolutions` re-allocates the filter's weights).
                 weights = [next(module.parameters()) for module in modules]
@@ -427,8 +425,6 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                 tap_major = estimator.input_embed.conv_pos_embed.conv1_tap_major
                 return (
                     config.estimator_autocast_dtype,
-                    triton_dit_attention_enabled(),
-                    triton_position_conv_enabled(),
                     None if tap_major is None else tap_major.data_ptr(),
                     torch.backends.cuda.matmul.allow_tf32,
                     torch.backends.cudnn.allow_tf32,
@@ -446,7 +442,7 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                     functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)
                 ),
             }
-            _GRAPH_RUNNERS[model] = runners
+            model.streaming_graph_runners = runners
     return runners
 
 

@@ -1,9 +1,9 @@
 """One-query GQA attention over a static KV cache as two Triton kernels (split-KV "flash decoding").
 
 `generate_speech(compile_attention="triton")` (the compiled default on CUDA when Triton is installed). Each decode
-step attends one query position per row to the whole static cache of every LLM and CRQ layer (176 attention calls
-per LLM step at full size). The matmul version (`attention_funaudiochat.gqa_decode_attention`) costs three kernels
-per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache position, used or not. Here:
+step attends one query position per row to the whole static cache of every LLM and CRQ layer. The matmul version
+(`attention_funaudiochat.gqa_decode_attention`) costs three kernels per call (scores GEMM, masked softmax,
+probabilities GEMM) and reads every cache position, used or not. Here:
 
 - `_split_kernel`, grid `(batch * kv_heads, splits)`: each program takes the `groups` query heads of one KV head as
   the rows of a small matrix, walks its share of the cache in blocks of `BLOCK_N` positions with an online softmax,
@@ -12,47 +12,39 @@ per call (scores GEMM, masked softmax, probabilities GEMM) and reads every cache
   ...), so the used prefix of a static cache is every split's work, not the first splits'. It writes a partial
   (max, sum, weighted values) per head and split.
 - `_combine_kernel`, grid `(batch * kv_heads, groups)`: merges the splits of one head (unless the splits' last
-  program did, `LAST_SPLIT_MERGES`).
-
-In a decode step over a static cache the splits know the new position and loop over their blocks up to it only,
-software-pipelined (`PIPELINED_BLOCKS`): a step costs the same whatever the cache's unused tail (batch 16 with the
-caches sized for 1,024 steps: 12.56 against 15.41 ms per LLM step).
+  program did, given arrival counters).
 
 A decode step over a static cache on CUDA (`triton_attention_inputs_funaudiochat.decode_attention_with_inputs`, at
 any batch size) also hands the kernels the work between the q/k/v projections and the attention (`AttentionInputs`):
 each split program norms and rotates its heads' queries, the split that reads the new position's block first writes
-the new key and value there, and the merge advances the cache length. That saves the attention-inputs kernel of
-every layer: the batch-1 step 9.02 -> 8.69 ms side by side; at batch 16 (cuBLAS projections) it replaces two
-compiled kernels per layer: 16.87 -> 15.29 ms. Given a decode step's arrival counters, the last split of each
-(row, KV head) merges the others (an atomic counter per head) and the merge kernel is not launched, where that
-program's serial merge is small (`LAST_SPLIT_MERGES`, `MAX_MERGE_PARTS`: the CRQ at batch 16, 1,265 against 1,304
-µs a sub-step; with many splits, at batch 1, it is slower than the merge kernel's program per query head).
+the new key and value there, and the merge advances the cache length: no kernel of its own for that work. The splits
+then know the new position and loop over their blocks up to it only, software-pipelined, so a step costs the same
+whatever the cache's unused tail; the loop takes its blocks' mask from registers (one load of all of the split's mask
+bytes before the loop, `MAX_MASK_BLOCKS`), so the copies of a block's keys and values wait for no memory read in the
+loop. Every read that waits only for the previous kernels is issued right after the kernel's wait, before any
+arithmetic (CPU tests check the order in the sm_90 PTX). Given a decode step's arrival counters, the last split of
+each (row, KV head) merges the others and the merge kernel is not launched, where that program's serial merge is
+small (`DecodeKernelConfig.attention_max_merge_parts`).
 
-Splitting the cache gives enough programs to fill the GPU at batch 1 (8 KV heads alone would use 8 of 132 SMs).
-The scores are accumulated in float32 from the cache's dtype, softmax in float32 and the probabilities are cast to
-the value dtype for the second product, as SDPA and `gqa_decode_attention` do. A row that sees no position gets
-zeros (never the case when decoding: a position sees itself).
-
-Measured on an H200 (BENCHMARKS.md, `scripts/bench_decode_attention.py`): 1.3-1.5x faster per call than the compiled
-matmuls (a CRQ layer at batch 1: 6.3 against 10.0 µs); the whole batch-1 step 14.35 -> 13.91 ms side by side. Dealing
-the blocks in turn instead of in contiguous ranges: a CRQ layer at batch 16 with 700 of 1,280 positions used, 28.3 ->
-21.7 µs; the batch-16 step 17.83 -> 16.53 ms. Loading a block's values with its keys instead of after its softmax (one
-call, both kernels, 2026-12-02): batch 1, CRQ 4.77 against 5.31 µs, LLM 4.34 against 4.83; batch 16 unchanged
-(22.7 / 22.5, 14.2 / 14.3).
+Splitting the cache gives enough programs to fill the GPU at batch 1 (8 KV heads alone would leave most
+multiprocessors idle). The scores are accumulated in float32 from the cache's dtype, softmax in float32 and the
+probabilities are cast to the value dtype for the second product, as SDPA and `gqa_decode_attention` do. A row that
+sees no position gets zeros (never the case when decoding: a position sees itself).
 
 The launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and
-CUDA graphs replay; its host code only depends on shapes, so it adds no sync. It is opaque rather than a traced
-`triton_op` because torch.compile launches traced kernels itself, and those launches cannot be programmatic dependent
-launches (`PROGRAMMATIC_DEPENDENT_LAUNCH`), which let a kernel start while the previous one finishes.
+CUDA graphs replay; its host code only depends on shapes and the [`DecodeKernelConfig`] values it is handed (the
+operators' `launch` argument), so it adds no sync. It is opaque rather than a traced `triton_op` because
+torch.compile launches traced kernels itself, and those launches cannot be programmatic dependent launches, which let
+a kernel start while the previous one finishes.
 """
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 from .attention_funaudiochat import gqa_decode_attention
+from .triton_config_funaudiochat import DecodeKernelConfig
 
 
 try:
@@ -63,70 +55,11 @@ except ImportError:  # CPU-only installs: the matmul attention is used instead.
 
 
 TRITON_DECODE_ATTENTION = "funaudiochat_triton_decode"
-BLOCK_N = 64  # cache positions per block (and per skip decision)
+BLOCK_N = 64  # cache positions per block (and per skip decision); a block's mask is one 64-bit word
 MAX_SPLITS = 64
-# Split programs aimed for per multiprocessor (`_num_splits`). Swept on an H200 (BENCHMARKS.md, 2026-12-01: 2, 4, 8,
-# 16, 64 with 32-, 64- and 128-position blocks, the CRQ and the LLM at batch 1, 4 and 16): 2 with 64-position blocks
-# was the fastest or within 1.1 µs of it in every case; more splits mostly add merge work.
-PROGRAMS_PER_MULTIPROCESSOR = 2
-# A decode step over a static cache (with `AttentionInputs`: the new position is known) loops each split over its
-# blocks up to that position only: a trip count read from the cache length, which Triton software-pipelines over
-# PIPELINE_STAGES blocks (the next block's mask, keys and values fetched asynchronously during this block's math).
-# The block loop instead tests every block of the static cache, each test a mask read the block's keys and values
-# wait for, so a step's cost grew with the cache's unused tail (with `max_new_tokens`). Measured on an H200
-# (BENCHMARKS.md, 2026-12-02), chat steps with the caches sized for 1,024 steps, 64-step runs, one process per
-# variant: batch 16 12.56 against 15.41 ms, batch 1 7.82 against 8.47 ms; a compiled CRQ sub-step (1,280 cache
-# positions, 700 used) 1,460 against 1,587 µs at batch 16, 688 against 696 µs at batch 1 (3 stages: 1,500 µs at batch
-# 16; every block of the cache pipelined, without the trip count: 1,727 µs). False: the block loop (for comparisons).
-PIPELINED_BLOCKS = True
-PIPELINE_STAGES = 2
-# The pipelined loop takes its blocks' mask from registers: one load of all of the split's mask bytes before the loop
-# (up to MAX_MASK_BLOCKS blocks, one bit per position), so the copies of a block's keys and values, which the mask
-# predicates, wait for no memory read in the loop (Triton issues the mask bytes' load right before the copies they
-# predicate: two dependent round trips per block). Measured on an H200 (BENCHMARKS.md, 2026-12-03 17:15–18:10,
-# compiled decode stacks, 4 interleaved rounds): a CRQ sub-step at 16 rows 1,331 against 1,347 µs, the LLM's 36 layers
-# 4,678 against 4,696; at one row 671 against 674 and 3,964 against 3,964. Reading every position up to the new one
-# and applying the mask after the loads instead (the values selected: a hidden position may hold NaN) was slower:
-# 1,423 against 1,330 and 4,720 against 4,668 at 16 rows (the selected values take a trip through shared memory).
-# 0: a load per block (for comparisons).
+# The most blocks of one split whose mask bytes the pipelined loop holds in registers (one bit per position); a split
+# of more blocks loads each block's mask in the loop.
 MAX_MASK_BLOCKS = 64
-# Both kernels issue every read that waits only for the previous kernels right after their wait, before any
-# arithmetic. The split program (with the attention inputs' work, PREPARE): the cache length, its mask bytes, the new
-# key and value, the norm weights and rotary tables, the query; otherwise the length is read after the query's norm
-# (whose reductions end in barriers, which no load crosses), the new key only by the split that writes it once the
-# length is known, and the mask bytes after those: up to four round trips one after the other before a block's first
-# copy. The merge: its partial sums with the maxima and sums, the length advanced last; otherwise three round trips.
-# Measured on an H200 (BENCHMARKS.md, 2026-12-03 19:10, compiled decode stacks, 3 interleaved rounds): a CRQ sub-step
-# at 16 rows 1,307 against 1,325 µs, the LLM's 36 layers 4,663 against 4,668; at one row 670 against 670 and 3,947
-# against 3,934 (within the rounds' spread). CPU tests check the order in the sm_90 PTX. False: the reads where their
-# values are needed (for comparisons).
-EARLY_READS = True
-# With arrival counters (`launch_decode_attention(counters=...)`, a decode step's own), the last split of each (row, KV
-# head) to finish merges the splits' partial results itself and the merge kernel is not launched: one kernel boundary
-# less per layer. That program merges its head's query heads one after the other, each over all splits, where the
-# merge kernel has a program per query head; so only where that work is small: at most MAX_MERGE_PARTS (query heads
-# per KV head x splits, the splits rounded up to a power of two). Measured on an H200 (BENCHMARKS.md, 2026-12-03
-# 19:40, compiled decode stacks, 4 interleaved rounds, the last split merging every head against the merge kernel): a
-# CRQ sub-step at 16 rows (2 query heads x 3 splits) 1,265 against 1,304 µs, but the LLM's 36 layers at 16 rows (4 x 3)
-# 4,702 against 4,642, and at one row (33 splits) a CRQ sub-step 748 against 664 µs, the LLM 4,148 against 3,920.
-# Loading every query head's partials before the first reduction (one L2 round trip instead of one per head) was
-# slower (2026-12-03 21:30, 3-4 rounds): a CRQ sub-step at 16 rows 1,291 against 1,273 µs; with a third program per
-# multiprocessor (4 splits) 1,262 against 1,266, the LLM's 36 layers 4,695 against 4,655 (3 programs, per-head merge:
-# 1,345 and 4,698). False: the merge kernel everywhere (for comparisons).
-LAST_SPLIT_MERGES = True
-MAX_MERGE_PARTS = 8
-# Warps per split program, by batch size (`split_warps`): 8 at batch 1, 4 above. Measured on an H200 (BENCHMARKS.md,
-# 2026-12-02 14:20–15:15, compiled decode stacks, interleaved rounds, two calls): batch 1, a CRQ sub-step 676 / 680
-# against 692 / 695 µs with 4 warps, the LLM's 36 layers 3,970 / 3,963 against 3,995 / 3,982; batch 16 with 8 warps,
-# 1,576 against 1,474 and 4,974 against 4,779 (slower).
-SPLIT_NUM_WARPS = {1: 8}
-SPLIT_DEFAULT_NUM_WARPS = 4
-# Launch the decode kernels (these and `triton_linear_funaudiochat`'s) as programmatic dependent launches on GPUs that
-# have them (compute capability 9.0+): a kernel may then start while the previous kernel of its stream finishes, reads
-# what no decode kernel writes (weights) and waits in `griddepcontrol.wait` for that kernel's completion before reading
-# anything else. Every kernel so launched waits, so each still starts its dependent reads after all earlier kernels
-# ended. False: plain launches (for comparisons).
-PROGRAMMATIC_DEPENDENT_LAUNCH = True
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -257,29 +190,23 @@ if triton is not None:
 
     @triton.jit
     def _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, g, NUM_SPLITS: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EARLY_READS: tl.constexpr,
-                     CACHE: tl.constexpr):  # fmt: skip
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
         """The attention output `(BLOCK_D,)` float32 of query head `g` of `batch_head`: its splits' partial results
-        merged. EARLY_READS: the partial sums loaded with the maxima and sums, not after their reductions (whose
-        barriers no load crosses). CACHE: the loads' cache modifier (".cg" for partials stored by the same grid)."""
+        merged. The partial sums are loaded with the maxima and sums, not after their reductions (whose barriers no
+        load crosses): one round trip. CACHE: the loads' cache modifier (".cg" for partials stored by the same grid)."""
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         s_ok = s < NUM_SPLITS
         part = (batch_head * NUM_SPLITS + s) * BLOCK_G + g
         split_max = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
         split_sum = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0, cache_modifier=CACHE)
-        acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-        if EARLY_READS:
-            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
-                          cache_modifier=CACHE)  # fmt: skip
+        acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
+                      cache_modifier=CACHE)  # fmt: skip
         head_max = tl.max(split_max, axis=0)
         # Splits that saw nothing have max -inf: weight 0. If no split saw anything, keep the weights finite.
         head_max = tl.where(head_max == float("-inf"), 0.0, head_max)
         weight = tl.exp(split_max - head_max)
         total = tl.sum(weight * split_sum, axis=0)
-        if not EARLY_READS:
-            acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0,
-                          cache_modifier=CACHE)  # fmt: skip
         return tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
 
     @triton.jit
@@ -297,7 +224,7 @@ if triton is not None:
         SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREPARE: tl.constexpr, Q_EPS: tl.constexpr, K_EPS: tl.constexpr,
         PIPELINED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 2, MASK_BLOCKS: tl.constexpr = 0,
-        EARLY_READS: tl.constexpr = False, out_ptr=None, counters_ptr=None, stride_ob=0, stride_oh=0, stride_od=0,
+        out_ptr=None, counters_ptr=None, stride_ob=0, stride_oh=0, stride_od=0,
         MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     ):  # fmt: skip
         """MERGE: each program counts itself in `counters[batch_head]` (int32, zero on entry) once its partial
@@ -333,19 +260,19 @@ if triton is not None:
             new_d = new_row[:, None] * 0 + d[None, :]  # the feature index over that tile
             new_k_row = new_k_ptr + b * stride_new_k + h * HEAD_DIM  # this KV head's new key and value
             new_v_row = new_v_ptr + b * stride_new_v + h * HEAD_DIM
-            if EARLY_READS:
-                # Every read that waits for nothing but the previous kernels, issued at once, before any arithmetic:
-                # the cache length, the split's mask bytes, the new key and value and the key's norm weight (read
-                # by every split, for the one that writes them), then the query's reads below.
-                position = tl.load(length_ptr)
-                if PIPELINED:
-                    if MASK_BLOCKS > 0:
-                        mask_tile = _split_mask_tile(
-                            mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
-                        )
-                new_key, new_key_partner, k_weight, k_partner_weight, value = _load_new_key_and_value(
-                    new_k_row, new_v_row, k_norm_ptr, new_row, d, d_ok, partner, new_d, new_first, HEAD_DIM
-                )
+            # Every read that waits for nothing but the previous kernels, issued at once, before any arithmetic (the
+            # query's norm ends in barriers, which no load crosses): the cache length, the split's mask bytes, the
+            # new key and value and the key's norm weight (read by every split, for the one that writes them), then
+            # the query's reads below.
+            position = tl.load(length_ptr)
+            if PIPELINED:
+                if MASK_BLOCKS > 0:
+                    mask_tile = _split_mask_tile(
+                        mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
+                    )
+            new_key, new_key_partner, k_weight, k_partner_weight, value = _load_new_key_and_value(
+                new_k_row, new_v_row, k_norm_ptr, new_row, d, d_ok, partner, new_d, new_first, HEAD_DIM
+            )
             cos = tl.load(cos_ptr + b * stride_cos + d, mask=d_ok, other=0.0)
             sin = tl.load(sin_ptr + b * stride_sin + d, mask=d_ok, other=0.0)
             q_weight = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)
@@ -354,13 +281,7 @@ if triton is not None:
                 q_ptr + b * stride_qb + h * GROUPS * HEAD_DIM, g, GROUPS, d, d_ok, partner, first_half, q_weight,
                 q_partner_weight, cos, sin, HEAD_DIM, Q_EPS,
             )  # fmt: skip
-            if not EARLY_READS:
-                position = tl.load(length_ptr)
             if (position // BLOCK_N) % NUM_SPLITS == split:  # the split that reads the new position's block
-                if not EARLY_READS:
-                    new_key, new_key_partner, k_weight, k_partner_weight, value = _load_new_key_and_value(
-                        new_k_row, new_v_row, k_norm_ptr, new_row, d, d_ok, partner, new_d, new_first, HEAD_DIM
-                    )
                 key = _normed_and_rotated(
                     new_key, new_key_partner, first_half, k_weight, k_partner_weight, cos, sin, HEAD_DIM, K_EPS
                 )
@@ -381,10 +302,6 @@ if triton is not None:
             blocks = tl.minimum((position // BLOCK_N - split + NUM_SPLITS) // NUM_SPLITS, SPLIT_BLOCKS)
             bits = tl.zeros([max(MASK_BLOCKS, 1)], tl.int64)
             if MASK_BLOCKS > 0:
-                if not EARLY_READS:
-                    mask_tile = _split_mask_tile(
-                        mask_row_ptr, split, kv_len, stride_mn, BLOCK_N, NUM_SPLITS, SPLIT_BLOCKS, MASK_BLOCKS
-                    )
                 bits = _split_mask_bits(mask_tile, split, position, BLOCK_N, NUM_SPLITS, MASK_BLOCKS)
             for block in tl.range(0, blocks, num_stages=NUM_STAGES):
                 if MASK_BLOCKS > 0:
@@ -428,7 +345,7 @@ if triton is not None:
                     finished = tl.atomic_add(counters_ptr + pairs, 1, sem="acq_rel")
                 for group in tl.static_range(GROUPS):
                     out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, group, NUM_SPLITS,
-                                       BLOCK_G, BLOCK_D, BLOCK_S, True, ".cg")  # fmt: skip
+                                       BLOCK_G, BLOCK_D, BLOCK_S, ".cg")  # fmt: skip
                     tl.store(out_ptr + b * stride_ob + (h * GROUPS + group) * stride_oh + d * stride_od, out,
                              mask=d_ok)  # fmt: skip
                 # Zero again for the next launch, which touches the counters only after waiting for this grid.
@@ -444,47 +361,45 @@ if triton is not None:
         stride_ob, stride_oh, stride_od,
         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        PDL: tl.constexpr, ADVANCE: tl.constexpr, EARLY_READS: tl.constexpr = False,
+        PDL: tl.constexpr, ADVANCE: tl.constexpr,
     ):  # fmt: skip
         """ADVANCE: the split kernel wrote the cache at `*length_ptr` (PREPARE): advance it, now that every split
-        has read it. EARLY_READS: the partial sums with the maxima and sums, the length advanced last (else the
-        length's load, which its store waits for, comes first, and the partial sums after the maxima's reductions:
-        three round trips one after the other)."""
+        has read it, after the output's store (the length's load, which its store waits for, would otherwise delay
+        the partial sums' reads)."""
         if PDL:  # wait for the split kernel, then let the next kernel (o_proj) start fetching its weights
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         batch_head = tl.program_id(0)
         g = tl.program_id(1)
-        if ADVANCE and not EARLY_READS:
-            if batch_head + g == 0:
-                tl.store(length_ptr, tl.load(length_ptr) + 1)
         b = batch_head // KV_HEADS
         h = batch_head % KV_HEADS
         d = tl.arange(0, BLOCK_D)
         out = _merged_head(part_acc_ptr, part_max_ptr, part_sum_ptr, batch_head, g, NUM_SPLITS, BLOCK_G, BLOCK_D,
-                           BLOCK_S, EARLY_READS, "")  # fmt: skip
+                           BLOCK_S, "")  # fmt: skip
         tl.store(out_ptr + b * stride_ob + (h * GROUPS + g) * stride_oh + d * stride_od, out, mask=d < HEAD_DIM)
-        if ADVANCE and EARLY_READS:  # last: its store waits for the length's load
+        if ADVANCE:  # last: its store waits for the length's load
             if batch_head + g == 0:
                 tl.store(length_ptr, tl.load(length_ptr) + 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+class AttentionLaunch(NamedTuple):
+    """The [`DecodeKernelConfig`] values one attention launch reads, as the operators take them (`launch`, a list of
+    ints; empty: `DecodeKernelConfig.for_device` of the query's device)."""
 
+    programs: int  # split programs aimed for over the GPU
+    num_warps: int  # of the split kernel
+    pipeline_stages: int
+    max_merge_parts: int
+    programmatic: int  # 1: programmatic dependent launches
 
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    @classmethod
+    def of(cls, config: DecodeKernelConfig, batch: int) -> "AttentionLaunch":
+        return cls(config.attention_programs(), config.attention_num_warps(batch), config.attention_pipeline_stages,
+                   config.attention_max_merge_parts, int(config.programmatic_launch))  # fmt: skip
 
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels for `device` are launched as programmatic dependent launches (see
-    `PROGRAMMATIC_DEPENDENT_LAUNCH`): a CUDA GPU of compute capability 9.0 or newer."""
-    if not PROGRAMMATIC_DEPENDENT_LAUNCH or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    @classmethod
+    def from_ints(cls, launch: list[int], device: torch.device, batch: int) -> "AttentionLaunch":
+        return cls(*launch) if launch else cls.of(DecodeKernelConfig.for_device(device), batch)
 
 
 def check_arrival_counters(counters: torch.Tensor, needed: int, device: torch.device, name: str) -> None:
@@ -496,21 +411,14 @@ def check_arrival_counters(counters: torch.Tensor, needed: int, device: torch.de
 
 def mask_blocks(split_blocks: int) -> int:
     """The split kernel's MASK_BLOCKS: the power of two that holds a split's blocks, 0 (a mask load per block) past
-    `MAX_MASK_BLOCKS` blocks or with blocks wider than the 64 bits a block's mask takes."""
+    `MAX_MASK_BLOCKS` blocks."""
     blocks = triton.next_power_of_2(split_blocks)
-    return blocks if blocks <= MAX_MASK_BLOCKS and BLOCK_N <= 64 else 0
+    return blocks if blocks <= MAX_MASK_BLOCKS else 0
 
 
-def split_warps(batch: int) -> int:
-    """The split kernel's warps at this batch size: `SPLIT_NUM_WARPS`, else `SPLIT_DEFAULT_NUM_WARPS`."""
-    return SPLIT_NUM_WARPS.get(batch, SPLIT_DEFAULT_NUM_WARPS)
-
-
-def _num_splits(batch_heads: int, kv_len: int, device: torch.device) -> tuple[int, int]:
-    """`(splits, blocks per split)`: about `PROGRAMS_PER_MULTIPROCESSOR` programs per multiprocessor, at least one
-    block per split."""
+def _num_splits(batch_heads: int, kv_len: int, programs: int) -> tuple[int, int]:
+    """`(splits, blocks per split)`: about `programs` programs over the grid, at least one block per split."""
     blocks = max(1, triton.cdiv(kv_len, BLOCK_N))
-    programs = PROGRAMS_PER_MULTIPROCESSOR * (_multiprocessors(device.index or 0) if device.type == "cuda" else 132)
     splits = min(blocks, MAX_SPLITS, max(1, triton.cdiv(programs, batch_heads)))
     split_blocks = triton.cdiv(blocks, splits)
     return triton.cdiv(blocks, split_blocks), split_blocks
@@ -544,6 +452,7 @@ def launch_decode_attention(
     scaling: float,
     inputs: AttentionInputs | None = None,
     counters: torch.Tensor | None = None,
+    config: DecodeKernelConfig | AttentionLaunch | None = None,
 ) -> torch.Tensor:
     """Attention of one query position per row; the body of the `funaudiochat::decode_attention` operator.
 
@@ -557,18 +466,21 @@ def launch_decode_attention(
         inputs: None, or the step's projected keys and values and what prepares them ([`AttentionInputs`]): the
             kernels then also do `triton_attention_inputs_funaudiochat`'s work, without a kernel of its own.
         counters: None, or int32 zeros (at least `batch * kv_heads + 1`, left zero) in which the split programs count
-            their arrivals, so that the last split of each head merges the splits (`LAST_SPLIT_MERGES`, where
-            `MAX_MERGE_PARTS` allows) instead of a merge kernel. Not shared with work that may run at the same time
-            (another stream).
+            their arrivals, so that the last split of each head merges the splits (where the config's
+            `attention_max_merge_parts` allows) instead of a merge kernel. Not shared with work that may run at the
+            same time (another stream).
+        config: the [`DecodeKernelConfig`] (or its [`AttentionLaunch`] values); None: that of the query's device.
     Returns:
         `(batch, 1, heads, head_dim)` in the query's dtype, contiguous.
     """
     batch, kv_heads, kv_len, head_dim = key.shape
+    if not isinstance(config, AttentionLaunch):
+        config = AttentionLaunch.of(config or DecodeKernelConfig.for_device(query.device), batch)
     heads = query.shape[1] if inputs is None else query.shape[1] // head_dim
     groups = heads // kv_heads
     block_g = max(16, triton.next_power_of_2(groups))  # tl.dot needs 16 rows at least
     block_d = max(16, triton.next_power_of_2(head_dim))
-    splits, split_blocks = _num_splits(batch * kv_heads, kv_len, query.device)
+    splits, split_blocks = _num_splits(batch * kv_heads, kv_len, config.programs)
     parts = batch * kv_heads * splits * block_g
     part_acc = torch.empty(parts, block_d, dtype=torch.float32, device=query.device)
     part_max = torch.empty(parts, dtype=torch.float32, device=query.device)
@@ -577,9 +489,9 @@ def launch_decode_attention(
     has_mask = mask is not None
     mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(1)) if has_mask else (0, 0)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # exact float32; unused for 16-bit inputs
-    pdl = programmatic_launch(query.device)
+    pdl = bool(config.programmatic)
     # Triton's interpreter (CPU tensors) cannot run a loop whose trip count was loaded from memory: the block loop.
-    pipelined = PIPELINED_BLOCKS and inputs is not None and query.is_cuda
+    pipelined = inputs is not None and query.is_cuda
     if inputs is None:
         query_strides = (query.stride(0), query.stride(1), query.stride(3))
         prepare_pointers, prepare_strides = (query,) * 7, (0,) * 4  # placeholders, not read without PREPARE
@@ -592,21 +504,21 @@ def launch_decode_attention(
         prepare_strides = (inputs.key.stride(0), inputs.value.stride(0), inputs.cos.stride(0), inputs.sin.stride(0))
         prepare_flags = {"PREPARE": True, "Q_EPS": float(inputs.q_eps), "K_EPS": float(inputs.k_eps)}
     block_s = max(2, triton.next_power_of_2(splits))
-    merge = LAST_SPLIT_MERGES and counters is not None
+    merge = counters is not None
     if merge:  # one per (row, KV head) and one for the heads that finished
         check_arrival_counters(counters, batch * kv_heads + 1, out.device, "counters")
-    merge = merge and groups * block_s <= MAX_MERGE_PARTS
+    merge = merge and groups * block_s <= config.max_merge_parts
     _split_kernel[(batch * kv_heads, splits)](
         query, key, value, mask if has_mask else query, part_acc, part_max, part_sum, *prepare_pointers,
         kv_len, scaling,
         *query_strides, *key.stride(), *value.stride(), *mask_strides, *prepare_strides,
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, HAS_MASK=has_mask, PRECISION=precision, PDL=pdl,
-        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=PIPELINE_STAGES,
-        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0, EARLY_READS=EARLY_READS,
+        **prepare_flags, PIPELINED=pipelined, NUM_STAGES=config.pipeline_stages,
+        MASK_BLOCKS=mask_blocks(split_blocks) if pipelined and has_mask else 0,
         out_ptr=out, counters_ptr=counters if merge else out, stride_ob=out.stride(0), stride_oh=out.stride(2),
         stride_od=out.stride(3), MERGE=merge, BLOCK_S=block_s if merge else 1,
-        num_warps=split_warps(batch), launch_pdl=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     if merge:
         return out
@@ -614,8 +526,7 @@ def launch_decode_attention(
         part_acc, part_max, part_sum, out, part_max if inputs is None else inputs.length,
         out.stride(0), out.stride(2), out.stride(3),
         KV_HEADS=kv_heads, GROUPS=groups, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=block_s, PDL=pdl, ADVANCE=inputs is not None,
-        EARLY_READS=EARLY_READS, launch_pdl=pdl,
+        NUM_SPLITS=splits, BLOCK_S=block_s, PDL=pdl, ADVANCE=inputs is not None, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -624,12 +535,14 @@ if triton is not None:
     # Opaque, as `funaudiochat::decode_linear` (torch.compile's launches of traced kernels have no PDL).
     @torch.library.custom_op("funaudiochat::decode_attention", mutates_args=())
     def _decode_attention_op(
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
-    ) -> torch.Tensor:
-        return launch_decode_attention(query, key, value, mask, scaling)
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+        launch: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        config = AttentionLaunch.from_ints(launch, query.device, query.shape[0])
+        return launch_decode_attention(query, key, value, mask, scaling, config=config)
 
     @_decode_attention_op.register_fake
-    def _(query, key, value, mask, scaling):
+    def _(query, key, value, mask, scaling, launch):
         batch, heads, _, head_dim = query.shape
         return query.new_empty(batch, 1, heads, head_dim)
 
@@ -657,7 +570,8 @@ def triton_decode_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: the Triton kernels for one CUDA query position with a boolean (or no) mask,
-    `gqa_decode_attention` (matmuls, or SDPA for several positions) for anything else.
+    `gqa_decode_attention` (matmuls, or SDPA for several positions) for anything else. `kernel_config` (in kwargs):
+    the [`DecodeKernelConfig`] of the kernels (`decoder_stack_forward` passes its own), else the device's.
 
     Shapes as `gqa_decode_attention`: query `(batch, heads, q_len, head_dim)`, key / value `(batch, kv_heads,
     kv_len, head_dim)`; returns `((batch, q_len, heads, head_dim), None)`.
@@ -677,7 +591,9 @@ def triton_decode_attention(
         return gqa_decode_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if scaling is None:
         scaling = 1.0 / math.sqrt(head_dim)
-    return torch.ops.funaudiochat.decode_attention(query, key, value, mask, float(scaling)), None
+    config = kwargs.get("kernel_config")
+    launch = [] if config is None else list(AttentionLaunch.of(config, int(batch)))
+    return torch.ops.funaudiochat.decode_attention(query, key, value, mask, float(scaling), launch), None
 
 
 def register_triton_decode_attention() -> str:
@@ -693,6 +609,7 @@ def register_triton_decode_attention() -> str:
 __all__ = [
     "TRITON_DECODE_ATTENTION",
     "AttentionInputs",
+    "AttentionLaunch",
     "launch_decode_attention",
     "register_triton_decode_attention",
     "triton_available",

@@ -2,22 +2,19 @@
 
 Between the q/k/v projection of a Qwen3 layer and its attention, a decode step runs `q_norm` and `k_norm`, the rotary
 embedding and `StaticLayer.update` (keys and values written at the cache's `cumulative_length`, which then advances):
-four small compiled kernels per layer, ~5.5 µs of an H200 plus their launch gaps, for each of 28 CRQ layers x 5
-sub-steps and 36 LLM layers per step. Here they are one kernel with one program (the work is a few KB), launched as a
-programmatic dependent launch after the projection, like the projections and the attention around it.
+four small compiled kernels per layer, each a launch gap, for every CRQ layer of every sub-step and every LLM layer.
+Here they are one kernel with one program (the work is a few KB), launched as a programmatic dependent launch after
+the projection, like the projections and the attention around it.
 
 Rounding follows the eager layer: each norm's output is rounded to the model dtype, then multiplied by its weight; the
 rotary's two products and their sum are each rounded (`(q * cos) + (rotate_half(q) * sin)` in the model dtype).
 Float32 results equal the eager ones up to the order of the norms' sums.
 
 `generate_speech` takes this path wherever it runs the projections through `triton_linear_funaudiochat` (one-row
-decode steps on CUDA) over a static cache. Measured on an H200 (BENCHMARKS.md, 2026-11-30): the batch-1 step 9.16
-against 10.19 ms with the four compiled kernels (side by side).
-
-With the Triton attention (`compile_attention="triton"`, the compiled default on CUDA), the same work runs inside
-the attention's two kernels instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel
-fewer per layer, the batch-1 step 9.02 -> 8.69 ms side by side. That also holds in decode steps whose projections
-stay on cuBLAS (several rows): batch 16, 16.87 -> 15.29 ms per step. This kernel stays for the other attentions.
+decode steps on CUDA) over a static cache with an attention other than the Triton one. With the Triton attention
+(`compile_attention="triton"`, the compiled default on CUDA), the same work runs inside the attention's kernels
+instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel fewer per layer, also in
+decode steps whose projections stay on cuBLAS.
 """
 
 import torch
@@ -27,11 +24,12 @@ from transformers.cache_utils import StaticLayer
 from .triton_attention_funaudiochat import (
     TRITON_DECODE_ATTENTION,
     AttentionInputs,
+    AttentionLaunch,
     _flat_bool_mask,
     launch_decode_attention,
-    programmatic_launch,
     triton,
 )
+from .triton_config_funaudiochat import DecodeKernelConfig
 
 
 if triton is not None:
@@ -102,6 +100,7 @@ def decode_attention_inputs_op(
     keys: torch.Tensor,
     values: torch.Tensor,
     length: torch.Tensor,
+    launch: list[int],
 ) -> torch.Tensor:
     """The normed, rotated queries and the cache write of one query position per row, as one kernel.
 
@@ -114,6 +113,7 @@ def decode_attention_inputs_op(
         keys, values: a `StaticLayer`'s `(batch, kv_heads, max_cache_len, head_dim)` caches (last dimension
             contiguous); the new key and value are written at `length`, the layer's 0-d `cumulative_length`, which
             then advances by one (`StaticLayer.update`).
+        launch: `[programmatic]` (1: a programmatic dependent launch), or empty: as `DecodeKernelConfig.for_device`.
     Returns:
         `(batch, heads, 1, head_dim)`: the normed, rotated queries.
     """
@@ -121,7 +121,8 @@ def decode_attention_inputs_op(
     heads = query.shape[-1] // head_dim
     query, key, value, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, cos, sin))
     out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=query.device)
-    pdl = programmatic_launch(query.device)
+    programmatic = launch[0] if launch else DecodeKernelConfig.for_device(query.device).programmatic_launch
+    pdl = bool(programmatic)
     _attention_inputs_kernel[(1,)](
         query, key, value, q_norm_weight, k_norm_weight, cos, sin, keys, values, length, out,
         query.stride(0), key.stride(0), value.stride(0), cos.stride(0), sin.stride(0),
@@ -134,7 +135,7 @@ def decode_attention_inputs_op(
 
 
 @decode_attention_inputs_op.register_fake
-def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length):
+def _(query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length, launch):
     batch, _, _, head_dim = keys.shape
     return query.new_empty(batch, query.shape[-1] // head_dim, 1, head_dim)
 
@@ -157,20 +158,22 @@ def decode_attention_with_inputs_op(
     length: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    counters: torch.Tensor | None = None,
+    counters: torch.Tensor | None,
+    launch: list[int],
 ) -> torch.Tensor:
     """`decode_attention_inputs_op` then `funaudiochat::decode_attention` in two kernels instead of three (one with
     `counters`, see `launch_decode_attention`): arguments as theirs (`mask`: None or boolean `(batch or 1,
-    max_cache_len)`); returns `(batch, 1, heads, head_dim)`."""
+    max_cache_len)`; `launch`: an [`AttentionLaunch`] as ints, or empty); returns `(batch, 1, heads, head_dim)`."""
     query, key, value, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, cos, sin))
     inputs = AttentionInputs(key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, length)
-    return launch_decode_attention(query, keys, values, mask, scaling, inputs, counters)
+    config = AttentionLaunch.from_ints(launch, query.device, query.shape[0])
+    return launch_decode_attention(query, keys, values, mask, scaling, inputs, counters, config)
 
 
 @decode_attention_with_inputs_op.register_fake
 def _(
     query, key, value, q_norm_weight, k_norm_weight, q_eps, k_eps, cos, sin, keys, values, length, mask, scaling,
-    counters=None,
+    counters, launch,
 ):  # fmt: skip
     head_dim = keys.shape[-1]
     return query.new_empty(keys.shape[0], 1, query.shape[-1] // head_dim, head_dim)
@@ -179,27 +182,11 @@ def _(
 # What every layer of a decode step reads, computed once before its layers run: the attention masks and the rotary
 # tables. A static cache's mask is computed from the cache's `cumulative_length`, which these operators advance (their
 # `length`): compiled, Inductor may recompute a mask that was not stored in a buffer at each later use, after a layer
-# advanced the length, and the layers after the first then see one position too many (measured: a two-row decode step
-# off by up to 0.09). The rotary tables are right either way, but Inductor recomputed them (from the float32 angles) for
-# every four layers: 9 kernels in an LLM step and 7 in each CRQ sub-step on an H200 (profile of 2026-12-01). An opaque
-# operator that is declared to write its tensor (and does nothing, `store`) makes Inductor store each once: later uses
-# read the written buffer, which it cannot recompute (a CPU test reproduces the recomputation without it). It replaced
-# a copy through an opaque operator (`STORED_AS_COPIES`), one copy kernel per tensor: 3 per stack call, 18 fewer
-# kernels per decode step (H200, BENCHMARKS.md 2026-12-03 13:15: whole steps within the run-to-run drift, ~1 µs each).
-STORED_AS_COPIES = False  # True: the copies (for comparisons)
-
-
-@torch.library.custom_op("funaudiochat::stored_copy", mutates_args=())
-def stored_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` that torch.compile cannot recompute later (an opaque operator's output)."""
-    return tensor.clone()
-
-
-@stored_copy.register_fake
-def _(tensor):
-    return torch.empty_like(tensor)
-
-
+# advanced the length, and the layers after the first then see one position too many (a two-row decode step off by
+# up to 0.09). The rotary tables are right either way, but Inductor recomputes them (from the float32 angles) every
+# few layers. An opaque operator that is declared to write its tensor (and does nothing, `store`) makes Inductor
+# store each once: later uses read the written buffer, which it cannot recompute (a CPU test reproduces the
+# recomputation without it), and no copy kernel runs.
 @torch.library.custom_op("funaudiochat::store", mutates_args=("tensor",))
 def store(tensor: torch.Tensor) -> None:
     """Nothing; declared to write `tensor`, so torch.compile stores it in a buffer before this point and reads that
@@ -213,15 +200,13 @@ def _(tensor):
 
 def stored_once(value):
     """`value` (a tensor, None, a `{layer type: mask}` mapping or a tuple such as `(cos, sin)`) with every tensor
-    stored once for a compiled graph (`store`, or a `stored_copy` with `STORED_AS_COPIES`)."""
+    stored once for a compiled graph (`store`)."""
     if isinstance(value, dict):
         return {name: stored_once(item) for name, item in value.items()}
     if isinstance(value, tuple):
         return tuple(stored_once(item) for item in value)
     if not isinstance(value, torch.Tensor):
         return value
-    if STORED_AS_COPIES:
-        return torch.ops.funaudiochat.stored_copy(value)
     torch.ops.funaudiochat.store(value)
     return value
 
@@ -244,6 +229,7 @@ def decode_attention_inputs(
     cos: torch.Tensor,
     sin: torch.Tensor,
     cache_layer,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `Qwen3Attention` computes from its projections up to the attention call, for one position per row.
 
@@ -252,12 +238,14 @@ def decode_attention_inputs(
         query: `(batch, 1, heads * head_dim)` projected queries; key, value: `(batch, 1, kv_heads * head_dim)`.
         cos, sin: `(batch, 1, head_dim)` rotary tables.
         cache_layer: the layer's `StaticLayer` ([`writable_static_layer`]), updated in place.
+        kernel_config: the kernels' [`DecodeKernelConfig`]; None: that of the query's device.
     Returns:
         query `(batch, heads, 1, head_dim)`, and the cache layer's keys and values `(batch, kv_heads, max_cache_len,
         head_dim)`, as `cache.update` returns them.
     """
     arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
-    query_states = torch.ops.funaudiochat.decode_attention_inputs(*arguments)
+    launch = [] if kernel_config is None else [int(kernel_config.programmatic_launch)]
+    query_states = torch.ops.funaudiochat.decode_attention_inputs(*arguments, launch)
     return query_states, cache_layer.keys, cache_layer.values
 
 
@@ -290,6 +278,7 @@ def decode_attention_with_inputs(
     cache_layer,
     attention_mask: torch.Tensor | None,
     counters: torch.Tensor | None = None,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor | None:
     """`decode_attention_inputs` and the attention call after it, for a layer whose attention function is the Triton
     one (`compile_attention="triton"`), as two kernels (one given `counters`); None where that function would not
@@ -297,7 +286,8 @@ def decode_attention_with_inputs(
 
     Args as [`decode_attention_inputs`], and attention_mask: the layer's `(batch or 1, 1, 1, max_cache_len)`
     boolean mask, or None; counters: None, or the decode step's int32 arrival counters (see
-    `triton_attention_funaudiochat.launch_decode_attention`). Returns the attention output `(batch, 1, heads,
+    `triton_attention_funaudiochat.launch_decode_attention`); kernel_config: the kernels' [`DecodeKernelConfig`]
+    (None: the device's). Returns the attention output `(batch, 1, heads,
     head_dim)`.
     """
     supported, mask = _flat_bool_mask(attention_mask, query.shape[0], cache_layer.keys.shape[2])
@@ -310,7 +300,9 @@ def decode_attention_with_inputs(
     if not usable:
         return None
     arguments = _operator_arguments(attention, query, key, value, cos, sin, cache_layer)
-    return torch.ops.funaudiochat.decode_attention_with_inputs(*arguments, mask, float(attention.scaling), counters)
+    launch = [] if kernel_config is None else list(AttentionLaunch.of(kernel_config, int(query.shape[0])))
+    operator = torch.ops.funaudiochat.decode_attention_with_inputs
+    return operator(*arguments, mask, float(attention.scaling), counters, launch)
 
 
 __all__ = [

@@ -2,11 +2,10 @@
 
 Every CRQ sub-step picks one speech token from `(batch, 6565)` logits with the official S2S settings: repetition
 penalty over the speech history, temperature, top-p, then a draw. As PyTorch ops (`sampling_funaudiochat.select_tokens`)
-that is a radix sort of each row (6 cub kernels: a row of 6,565 is past Inductor's 512-element in-register sort), a
-cumulative sum, a scatter back and two softmaxes: 73 µs per sub-step compiled on an H200, 0.37 ms of a batch-1 step
-(BENCHMARKS.md, 2026-12-01). Here each row is one program that holds the whole row in registers and does it all
-without sorting, then writes the chosen id: 4.6 µs at one row, 5.8 µs at 16 (H200, BENCHMARKS.md 2026-12-03; `tl.sort`
-of the 8,192 scores alone took 108-172 µs).
+that is a radix sort of each row (several cub kernels: a row of 6,565 is past Inductor's in-register sort), a
+cumulative sum, a scatter back and two softmaxes. Here each row is one program that holds the whole row in registers
+and does it all without sorting (`tl.sort` of the scores alone was slower than the whole kernel), then writes the
+chosen id.
 
 Top-p without a sort, as a race that goes on: the tokens `TopPLogitsWarper` removes are the longest prefix of the
 ascending order (tied scores by id, the order of PyTorch's CUDA sort of such a row, a stable radix sort) whose
@@ -14,9 +13,7 @@ cumulative probability is at most `1 - top_p`, never the most likely token. The 
 every token; where top-p removes the winner (the probability up to it in that order, one masked sum, is at most `1 -
 top_p`), every token before it goes too, and the race goes on among the others. Top-p removes at most `1 - top_p` of
 the probability, so the first winner stays with probability `top_p` or more: two reductions per pass, ~1.1 passes at
-the official `top_p=0.9`. (Before: the boundary key found bit by bit, 32 masked sums, then the tied tokens' id
-boundary, 13 more: 18.1 / 18.2 µs per call at 1 / 16 rows; settling 2-4 bits per pass was slower still, 28-76 µs,
-BENCHMARKS.md 2026-12-02 17:55–18:30.)
+the official `top_p=0.9` (measured faster than finding the boundary key bit by bit).
 
 The result is that of `select_tokens` up to float rounding (sums in another order, the GPU's `exp`, the race's
 probabilities normalised over every token rather than the kept ones: the same winner but where two draws tie within a
@@ -25,21 +22,20 @@ the exponential race of `select_tokens` (`argmax(p / E)`, the caller's Exp(1) no
 greedy. Top-k is not done here (`sample_tokens` leaves it to `select_tokens`; the official settings do not use it).
 
 The launcher is an opaque PyTorch operator (`torch.library.custom_op`) that `torch.compile` keeps in its graph and CUDA
-graphs replay; on Hopper it is a programmatic dependent launch like the other decode kernels.
+graphs replay; its warps and launch kind come from a [`DecodeKernelConfig`] (its `launch` argument), on sm_90+ a
+programmatic dependent launch like the other decode kernels.
 """
 
 import torch
 
 from .sampling_funaudiochat import SamplingParameters, SamplingSwitches, select_tokens
-from .triton_attention_funaudiochat import programmatic_launch, triton
+from .triton_attention_funaudiochat import triton
+from .triton_config_funaudiochat import DecodeKernelConfig
 
 
 # The largest vocabulary a program holds in registers (a row of scores, their keys and probabilities): the speech
 # codebook (6,565) fits; the text vocabulary (151,936) keeps the PyTorch sampler.
 MAX_VOCAB = 16384
-# Warps per row program: 8 (H200, 6,565 scores, BENCHMARKS.md 2026-12-03: 4.6 µs at one row against 6.1 with 4 warps
-# and 5.0 with 16).
-NUM_WARPS = 8
 
 
 if triton is not None:
@@ -132,6 +128,11 @@ def use_sampler_kernel(scores: torch.Tensor) -> bool:
     return scores.is_cuda and sampler_kernel_supported(scores.shape[-1])
 
 
+def sampler_launch(config: DecodeKernelConfig) -> list[int]:
+    """The sampler's `launch` argument: `[num_warps, programmatic]` of `config`."""
+    return [config.sampler_num_warps, int(config.programmatic_launch)]
+
+
 def launch_sample_tokens(
     scores: torch.Tensor,
     seen: torch.Tensor | None,
@@ -142,23 +143,26 @@ def launch_sample_tokens(
     do_sample: bool,
     uses_history: bool,
     uses_top_p: bool,
+    launch: list[int],
 ) -> torch.Tensor:
     """`(rows, vocab)` scores -> `(rows,)` int64 token ids; the body of the `funaudiochat::sample_tokens` operator.
 
     seen: `(rows, vocab)` bool history (read with `uses_history`); noise: `(rows, vocab)` float32 Exp(1) samples (read
-    with `do_sample`); the settings as the 0-d tensors of a `SamplingParameters`.
+    with `do_sample`); the settings as the 0-d tensors of a `SamplingParameters`; launch: `sampler_launch(config)`,
+    or empty (the config of the scores' device).
     """
     rows, vocab = scores.shape
     scores, seen, noise = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (scores, seen, noise))
     out = torch.empty(rows, dtype=torch.long, device=scores.device)
     block_v = triton.next_power_of_2(vocab)
-    pdl = programmatic_launch(scores.device)
+    num_warps, programmatic = launch or sampler_launch(DecodeKernelConfig.for_device(scores.device))
+    pdl = bool(programmatic)
     _sample_kernel[(rows,)](
         scores, scores if seen is None else seen, scores if noise is None else noise,
         temperature, top_p, repetition_penalty, out,
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
         VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample,
-        USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl,
+        USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -168,7 +172,7 @@ if triton is not None:
     _sample_tokens_op = torch.library.custom_op("funaudiochat::sample_tokens", launch_sample_tokens, mutates_args=())
 
     @_sample_tokens_op.register_fake
-    def _(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p):
+    def _(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p, launch):
         return scores.new_empty(scores.shape[0], dtype=torch.long)
 
 
@@ -178,9 +182,11 @@ def sample_tokens(
     parameters: SamplingParameters,
     seen: torch.Tensor | None = None,
     exponential_noise: torch.Tensor | None = None,
+    kernel_config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """`select_tokens(scores, switches, seen, exponential_noise, parameters)` as one kernel: `(rows, vocab)` CUDA
-    scores (vocab at most `MAX_VOCAB`) -> `(rows,)` int64 token ids. With top-k on, `select_tokens` itself."""
+    scores (vocab at most `MAX_VOCAB`) -> `(rows,)` int64 token ids. With top-k on, `select_tokens` itself.
+    `kernel_config`: the kernel's [`DecodeKernelConfig`] (None: that of the scores' device)."""
     if switches.uses_top_k:
         return select_tokens(scores, switches, seen, exponential_noise, parameters)
     if switches.uses_history and seen is None:
@@ -197,7 +203,8 @@ def sample_tokens(
         switches.do_sample,
         switches.uses_history,
         switches.uses_top_p,
+        [] if kernel_config is None else sampler_launch(kernel_config),
     )
 
 
-__all__ = ["MAX_VOCAB", "launch_sample_tokens", "sample_tokens", "sampler_kernel_supported", "use_sampler_kernel"]
+__all__ = ["MAX_VOCAB", "launch_sample_tokens", "sampler_launch", "sample_tokens", "sampler_kernel_supported", "use_sampler_kernel"]

@@ -7,16 +7,12 @@ LLM's last hidden state, and the CRQ only needs that hidden state too (spec funa
 the embedding of the token fed, not of the token chosen). So the head can stream its weights during the CRQ's
 sub-steps, in the bandwidth they leave unused, and only the token choice waits for it.
 
-`_text_head_kernel` is a persistent kernel of few programs (`PROGRAMS_PER_MULTIPROCESSOR`): each walks its share of
-the vocabulary's column tiles on tensor cores (rows past the batch masked), so it holds a bounded part of the GPU and
-the CRQ's kernels, launched on the main stream meanwhile, keep room on every multiprocessor (a grid of one program per
-tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).float()` rounds them: the GEMM's float32
-sum, rounded to the model dtype, then float32.
-
-Measured on an H200 (BENCHMARKS.md, chat steps side by side in one process): batch 1, 7.83 against 7.96 and 7.55
-against 8.34 ms per step with the head inline (2026-12-02: 0.05-0.79 ms less in four calls, median ~0.2); batch 16,
-10.76 against 11.00 ms (2026-12-03 19:19; no gain in two earlier calls), so `text_head="auto"` takes it up to 16 rows
-(`AUTO_MAX_ROWS`).
+`_text_head_kernel` is a persistent kernel of few programs (`DecodeKernelConfig.text_head_programs`): each walks its
+share of the vocabulary's column tiles on tensor cores (rows past the batch masked), so it holds a bounded part of the
+GPU and the CRQ's kernels, launched on the main stream meanwhile, keep room on every multiprocessor (a grid of one
+program per tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).float()` rounds them: the
+GEMM's float32 sum, rounded to the model dtype, then float32. Overlapped, a step was measured faster than with the head
+inline, so `text_head="auto"` takes it up to `DecodeKernelConfig.text_head_overlap_max_rows` rows.
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
@@ -29,23 +25,11 @@ and Inductor does not schedule streams).
 import torch
 from torch import nn
 
-from .triton_attention_funaudiochat import _multiprocessors, triton
+from .triton_attention_funaudiochat import triton
+from .triton_config_funaudiochat import DecodeKernelConfig
 
 
-# Programs of the persistent kernel, per multiprocessor (at least one program). A fraction of the GPU: the head has the
-# CRQ's ~3 ms to stream 1.2 GB, which a few dozen programs with a pipelined loop do. The sweeps of this constant
-# (BENCHMARKS.md, 2026-12-02 03:20-04:25: 0.125 to 2, all within 7.80-7.93 ms per step) changed it between runs in one
-# process; it is only read when the kernel is launched, and such variants replay the first one's CUDA graphs (found
-# the same day), so they did not rank the grids: 0.5 is a choice, not a measured optimum. The head on its stream
-# against inline (another compiled graph) was measured.
-PROGRAMS_PER_MULTIPROCESSOR = 0.5
 BLOCK_M = 16  # rows per tile: tl.dot's least; a decode step has one row per batch row (at most BLOCK_M)
-# Batch rows up to which `text_head="auto"` overlaps the head. Measured on an H200 (BENCHMARKS.md, chat steps side by
-# side in one process): batch 1 gains 0.05-0.8 ms per step (2026-12-02); batch 16 gained nothing on 2026-12-02 (13.30
-# against 13.26 ms) and 2026-12-03 15:05 (11.08 against 11.04), but 10.76 against 11.00 ms on 2026-12-03 19:19 (3
-# rounds, ahead in each), after the CRQ's attention had become shorter (its mask from registers, its reads right after
-# its wait); 0.25 programs per multiprocessor 10.79, 0.125 11.06.
-AUTO_MAX_ROWS = 16
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 3  # weight tiles in flight per program (the K loop is software-pipelined)
@@ -86,12 +70,6 @@ if triton is not None:
             tl.store(out_ptr + row[:, None] * stride_out + col[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def text_head_programs(device: torch.device) -> int:
-    """The persistent kernel's grid on `device`: `PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, at least one."""
-    multiprocessors = _multiprocessors(device.index or 0) if device.type == "cuda" else 132
-    return max(1, round(PROGRAMS_PER_MULTIPROCESSOR * multiprocessors))
-
-
 def launch_text_head(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, programs: int | None = None
 ) -> None:
@@ -102,7 +80,7 @@ def launch_text_head(
         weight: `(vocab, in_features)` contiguous, x's dtype.
         bias: None or `(vocab,)`.
         out: `(rows, vocab)` float32, last dimension contiguous; written in place.
-        programs: the grid (default: `text_head_programs(x.device)`).
+        programs: the grid (default: `DecodeKernelConfig.for_device(x.device).text_head_programs()`).
     """
     rows, in_features = x.shape
     vocab = weight.shape[0]
@@ -113,7 +91,8 @@ def launch_text_head(
         )
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("The text head kernel needs contiguous rows of x and out and a contiguous weight.")
-    programs = min(programs or text_head_programs(x.device), triton.cdiv(vocab, BLOCK_N))  # no program without a tile
+    programs = programs or DecodeKernelConfig.for_device(x.device).text_head_programs()
+    programs = min(programs, triton.cdiv(vocab, BLOCK_N))  # no program without a tile
     _text_head_kernel[(programs,)](
         x, weight, x if bias is None else bias, out, rows, x.stride(0), out.stride(0),
         N=vocab, K=in_features, HAS_BIAS=bias is not None, PROGRAMS=programs, BLOCK_M=BLOCK_M,
@@ -140,17 +119,21 @@ class OverlappedTextHead:
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def start(self, x: torch.Tensor, lm_head: nn.Linear, out: torch.Tensor) -> None:
+    def start(
+        self, x: torch.Tensor, lm_head: nn.Linear, out: torch.Tensor, kernel_config: DecodeKernelConfig | None = None
+    ) -> None:
+        """Launch the head (its grid from `kernel_config`, None: the device's) after the work queued so far."""
+        programs = (kernel_config or DecodeKernelConfig.for_device(x.device)).text_head_programs()
         if self.stream is None:
-            launch_text_head(x, lm_head.weight, lm_head.bias, out)
+            launch_text_head(x, lm_head.weight, lm_head.bias, out, programs)
             return
         self.stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.stream):
-            launch_text_head(x, lm_head.weight, lm_head.bias, out)
+            launch_text_head(x, lm_head.weight, lm_head.bias, out, programs)
 
     def join(self) -> None:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
-__all__ = ["AUTO_MAX_ROWS", "OverlappedTextHead", "launch_text_head", "text_head_programs", "text_head_supported"]
+__all__ = ["OverlappedTextHead", "launch_text_head", "text_head_supported"]
