@@ -9,6 +9,7 @@ keys (`flow.input_embedding`, `flow.decoder.estimator.transformer_blocks.0.attn.
 """
 
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -17,14 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .attention_cosyvoice3 import dit_attention
-from .configuration_cosyvoice3 import CosyVoice3Config
+from .configuration_cosyvoice3 import ESTIMATOR_PRECISIONS, CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
 
+
+logger = logging.get_logger(__name__)
+
+# Serialises `apply_device_defaults` (two threads' first calls must not both cast the weights); held only then.
+_DEVICE_DEFAULTS_LOCK = threading.Lock()
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DiT velocity estimator
@@ -643,8 +649,9 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
 class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     """CosyVoice3 speech-token decoder: `flow` (tokens -> mel) + `hift` (mel -> waveform) + stored speakers.
 
-    Runs in float32 (the flow overflows in float16). The Euler loop has fixed shapes and no host syncs; see
-    `compile_estimator`.
+    Loads in float32. On its first call on a CUDA device the DiT estimator switches to bfloat16 and keeps fused
+    q/k/v and tap-major position-conv weight copies (`apply_device_defaults`; `config.estimator_precision="float32"`
+    keeps the reference's float32). The Euler loop has fixed shapes and no host syncs; see `compile_estimator`.
     """
 
     def __init__(self, config: CosyVoice3Config):
@@ -654,6 +661,8 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.register_buffer(
             "speaker_embeddings", torch.zeros(len(config.speaker_names), config.spk_embed_dim), persistent=True
         )
+        # The device type `apply_device_defaults` last ran for (None: not yet).
+        self._device_defaults_applied: Optional[str] = None
         self.post_init()
 
     # -- conditioning ---------------------------------------------------------------------------------------------
@@ -756,6 +765,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             pre_lookahead_len. With `speech_token_lengths`, frames past a row's length are padding.
         """
         config = self.config
+        self.apply_device_defaults()
         tokens = self._check_tokens(speech_tokens)
         batch = tokens.shape[0]
         speaker_embedding = self.get_speaker_embedding(speaker_embedding=speaker_embedding, batch_size=batch)
@@ -954,28 +964,84 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         compile_kwargs.setdefault("dynamic", True)
         self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
 
-    @torch.no_grad()
     def use_low_precision_estimator(self, dtype: str = "bfloat16") -> None:
         """Run the DiT estimator in `dtype` ("bfloat16" or "float16"), storing its weights in that dtype.
 
-        Sets `config.estimator_autocast_dtype` and casts the estimator's parameters (not its buffers: the rotary
-        table stays float32) once, in place. Under autocast every Linear / Conv casts its float32 weights to `dtype`
-        on each call (7 casts per DiT block, 10 Euler steps per flow call); weights already in `dtype` give the
-        same values without those casts, so the output is unchanged (tested bit-exact against autocast over
-        float32 weights) and the estimator's weight memory halves. In place and one-way: reload the model to go
-        back to float32.
+        Sets `config.estimator_precision` and `config.estimator_autocast_dtype` and casts the estimator's parameters
+        (not its buffers: the rotary table stays float32) once, in place. Under autocast every Linear / Conv casts
+        its float32 weights to `dtype` on each call (7 casts per DiT block, 10 Euler steps per flow call); weights
+        already in `dtype` give the same values without those casts, so the output is unchanged (tested bit-exact
+        against autocast over float32 weights) and the estimator's weight memory halves. In place: reload the model
+        to get the float32 weights back (`estimator_precision="float32"` then keeps them).
         """
         if dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {dtype!r}")
-        self.config.estimator_autocast_dtype = dtype
+        self.config.estimator_precision = dtype
+        self._cast_estimator(dtype)
+
+    @torch.no_grad()
+    def _cast_estimator(self, precision: str) -> None:
+        """Store the estimator's parameters in `precision` and run it so (autocast for a 16-bit one); the derived
+        weight copies (fused q/k/v, tap-major position convs) follow."""
+        dtype = getattr(torch, precision)
+        self.config.estimator_autocast_dtype = None if precision == "float32" else precision
         for parameter in self.flow.decoder.estimator.parameters():
-            parameter.data = parameter.data.to(getattr(torch, dtype))
-        # The derived weight copies (fused q/k/v, tap-major position convs) follow the weights' new dtype.
+            parameter.data = parameter.data.to(dtype)
         if self.qkv_projections_fused:
             self.fuse_qkv_projections()
         position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
-        if position_embedding.conv1_tap_major is not None:
+        if position_embedding.conv1_tap_major is not None or (self.device.type == "cuda" and precision != "float32"):
             position_embedding.store_tap_major_weights()
+
+    def resolved_estimator_precision(self, device: Optional[torch.device] = None) -> str:
+        """What `config.estimator_precision` means on `device` (default: the model's): an explicit precision is
+        itself; "auto" is bfloat16 on CUDA (or the 16-bit dtype the estimator already runs in) and, elsewhere, the
+        precision it runs in now (float32 for a freshly loaded model)."""
+        precision = self.config.estimator_precision
+        if precision not in ESTIMATOR_PRECISIONS:
+            raise ValueError(f"config.estimator_precision must be one of {ESTIMATOR_PRECISIONS}, got {precision!r}")
+        if precision != "auto":
+            return precision
+        current = self.config.estimator_autocast_dtype
+        if (device or self.device).type == "cuda":
+            return current or "bfloat16"
+        return current or "float32"
+
+    def apply_device_defaults(self) -> None:
+        """Bring the decoder to its default settings for the device it is on, once per device type.
+
+        `forward`, `tokens_to_mel` and `streaming_decoder` call it, so a model moved with `.to()` / `.cuda()`,
+        loaded with `device_map` or built under `with torch.device("cuda")` gets them on its first call there (a
+        `.to()` override would miss the last two, which never call it). It applies `config.estimator_precision`
+        ("auto": bfloat16 on CUDA; one log line when it casts), and on CUDA keeps the weight copies that the
+        uncompiled estimator is faster with: the fused q/k/v projections (`fuse_qkv_projections`: one GEMM instead
+        of three per block and Euler step) and, for a 16-bit estimator, the tap-major position-conv weights that its
+        Triton kernel reads (`store_tap_major_weights`: no transposing copy per call). The copies are taken now:
+        after changing the estimator's weights in place, fuse / store them again. After the first call this is one
+        attribute check.
+        """
+        device_type = self.device.type
+        if self._device_defaults_applied == device_type:
+            return
+        with _DEVICE_DEFAULTS_LOCK:
+            if self._device_defaults_applied == device_type:
+                return
+            precision = self.resolved_estimator_precision()
+            weights = {parameter.dtype for parameter in self.flow.decoder.estimator.parameters()}
+            running = self.config.estimator_autocast_dtype or "float32"
+            if running != precision or weights != {getattr(torch, precision)}:
+                logger.info(
+                    f"CosyVoice3 decoder on {device_type}: DiT estimator in {precision} "
+                    f"(estimator_precision={self.config.estimator_precision!r}; 'float32' keeps the reference's)"
+                )
+                self._cast_estimator(precision)
+            if device_type == "cuda":
+                if not self.qkv_projections_fused:
+                    self.fuse_qkv_projections()
+                position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
+                if precision != "float32" and position_embedding.conv1_tap_major is None:
+                    position_embedding.store_tap_major_weights()
+            self._device_defaults_applied = device_type
 
     def fuse_qkv_projections(self) -> None:
         """Run each DiT block's q/k/v projections as one GEMM: 22 x 10 fewer GEMMs per flow call at full size, which
@@ -1018,6 +1084,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     ) -> CosyVoice3StreamingDecoder:
         """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking and the defaults of
         `flow_left_context_tokens` / `hift_left_context_frames`, passed through `kwargs`)."""
+        self.apply_device_defaults()
         return CosyVoice3StreamingDecoder(
             self,
             self.get_speaker_embedding(speaker, speaker_embedding, 1),
