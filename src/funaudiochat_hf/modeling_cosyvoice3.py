@@ -996,7 +996,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     def resolved_estimator_precision(self, device: Optional[torch.device] = None) -> str:
         """What `config.estimator_precision` means on `device` (default: the model's): an explicit precision is
         itself; "auto" is bfloat16 on CUDA (or the 16-bit dtype the estimator already runs in) and, elsewhere, the
-        precision it runs in now (float32 for a freshly loaded model)."""
+        precision it runs in now (float32 for a freshly loaded model), which `apply_device_defaults` leaves alone."""
         precision = self.config.estimator_precision
         if precision not in ESTIMATOR_PRECISIONS:
             raise ValueError(f"config.estimator_precision must be one of {ESTIMATOR_PRECISIONS}, got {precision!r}")
@@ -1029,7 +1029,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             precision = self.resolved_estimator_precision()
             weights = {parameter.dtype for parameter in self.flow.decoder.estimator.parameters()}
             running = self.config.estimator_autocast_dtype or "float32"
-            if running != precision or weights != {getattr(torch, precision)}:
+            # "auto" off CUDA leaves the estimator as it is (also autocast set over float32 weights).
+            leave = self.config.estimator_precision == "auto" and device_type != "cuda"
+            if not leave and (running != precision or weights != {getattr(torch, precision)}):
                 logger.info(
                     f"CosyVoice3 decoder on {device_type}: DiT estimator in {precision} "
                     f"(estimator_precision={self.config.estimator_precision!r}; 'float32' keeps the reference's)"
@@ -1039,7 +1041,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
                 if not self.qkv_projections_fused:
                     self.fuse_qkv_projections()
                 position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
-                if precision != "float32" and position_embedding.conv1_tap_major is None:
+                if self.config.estimator_autocast_dtype is not None and position_embedding.conv1_tap_major is None:
                     position_embedding.store_tap_major_weights()
             self._device_defaults_applied = device_type
 
