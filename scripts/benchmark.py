@@ -876,10 +876,11 @@ def waveform_of(output) -> torch.Tensor:
 
 @contextlib.contextmanager
 def decoder_precision(decoder, precision: str):
-    """Run the DiT estimator in `precision` (float32 / tf32 / bfloat16) inside the block."""
+    """Run the DiT estimator in `precision` (float32 / tf32 / bfloat16 / float16) inside the block: autocast over
+    its float32 weights, which gives the numbers of weights stored in that dtype (tested bit for bit)."""
     config = decoder.config
     saved = (config.estimator_autocast_dtype, torch.backends.cuda.matmul.allow_tf32)
-    config.estimator_autocast_dtype = "bfloat16" if precision == "bfloat16" else None
+    config.estimator_autocast_dtype = precision if precision in ("bfloat16", "float16") else None
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     try:
         yield
@@ -892,34 +893,56 @@ def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float(10 * torch.log10(reference.double().pow(2).sum() / noise.clamp_min(1e-30)))
 
 
-def decoder_precision_row(decoder, args: argparse.Namespace) -> dict:
-    """How far `--decoder-precision` moves the decoder's output from float32 (eager, 10 s of random tokens)."""
+def decoder_precision_row(
+    decoder, args: argparse.Namespace, tokens: torch.Tensor | None = None, emb: torch.Tensor | None = None
+) -> dict:
+    """How far `--decoder-precision` moves the decoder's output from float32 (offline, eager; default 10 s of random
+    tokens and a random speaker). Run it before `apply_decoder_precision`: it keeps the estimator's weights float32
+    (`estimator_precision="float32"`, the device's other defaults applied) and switches precision by autocast.
+
+    mel / waveform SNR in dB, and two that separate HiFT's parts: F0 (the excitation's pitch) and the waveform
+    vocoded with float32's excitation (the filter's response to the mel's change). The waveform's SNR also holds
+    the excitation's phase, the running sum of F0 over the whole reply: a tiny random HiFT with large F0 weights
+    turns small F0 changes into unrelated phases, and that SNR near 0 dB (the fixtures); the other two stay
+    meaningful there.
+    """
     device = args.device
-    tokens = random_speech_tokens(10.0, seed=7).to(device)
-    emb = speaker_embedding(device)
+    tokens = random_speech_tokens(10.0, seed=7) if tokens is None else tokens
+    tokens = tokens.to(device)
+    emb = speaker_embedding(device) if emb is None else emb.to(device)
+    decoder.config.estimator_precision = "float32"
+    decoder.apply_device_defaults()
+    if decoder.flow.decoder.estimator.proj_out.weight.dtype != torch.float32:
+        raise RuntimeError("the precision check needs the decoder's float32 weights (run it before switching)")
     outputs = {}
     with torch.no_grad():
         for precision in ("float32", args.decoder_precision):
             with decoder_precision(decoder, precision):
                 mel = decoder.tokens_to_mel(tokens, emb)
-            outputs[precision] = (mel, decoder.mel_to_wav(mel))
-    (mel_ref, wav_ref), (mel, wav) = outputs["float32"], outputs[args.decoder_precision]
+            outputs[precision] = (mel, *decoder.hift(mel), decoder.hift.predict_f0(mel))
+        (mel_ref, wav_ref, source_ref, f0_ref), (mel, wav, _, f0) = outputs["float32"], outputs[args.decoder_precision]
+        wav_same_source, _ = decoder.hift(mel, source=source_ref)
     notes = [] if bool(torch.isfinite(wav).all()) else ["non-finite audio"]
     return {
         "precision": args.decoder_precision,
+        "tokens": tokens.shape[-1],
         "mel_snr_db": snr_db(mel_ref, mel),
         "mel_max_abs_diff": float((mel - mel_ref).abs().max()),
         "mel_std": float(mel_ref.std()),
         "wav_snr_db": snr_db(wav_ref, wav),
+        "f0_snr_db": snr_db(f0_ref, f0),
+        "wav_same_excitation_snr_db": snr_db(wav_ref, wav_same_source),
         "notes": notes,
     }
 
 
 def apply_decoder_precision(decoder, precision: str) -> None:
-    """Switch the built (float32) decoder to `--decoder-precision`, as a user would."""
-    if precision == "bfloat16":
-        decoder.use_low_precision_estimator("bfloat16")  # bf16 weights: autocast's numbers without per-call casts
-    elif precision == "tf32":
+    """Switch the built (float32) decoder to `--decoder-precision`, as a user would (before its first call)."""
+    if precision in ("bfloat16", "float16"):
+        decoder.use_low_precision_estimator(precision)  # 16-bit weights: autocast's numbers without per-call casts
+        return
+    decoder.config.estimator_precision = "float32"  # otherwise bfloat16 on CUDA on its first call
+    if precision == "tf32":
         # Process-wide (the chat model runs in bfloat16, unaffected): a flag toggled around each flow call made
         # every compiled chunk re-dispatch (~1 s per chunk measured on the H200), so it is set once, like a user would.
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1331,7 +1354,14 @@ def render_markdown(data: dict) -> str:
                 parts += [
                     f"Precision check ({row['precision']} vs float32, eager, 10 s of random tokens): mel SNR "
                     f"{row['mel_snr_db']:.1f} dB (max abs diff {row['mel_max_abs_diff']:.3g}, mel std "
-                    f"{row['mel_std']:.3g}), waveform SNR {row['wav_snr_db']:.1f} dB{notes_suffix(row)}.",
+                    f"{row['mel_std']:.3g}), waveform SNR {row['wav_snr_db']:.1f} dB"
+                    + (
+                        f" (F0 {row['f0_snr_db']:.1f} dB; with float32's excitation "
+                        f"{row['wav_same_excitation_snr_db']:.1f} dB)"
+                        if "f0_snr_db" in row
+                        else ""
+                    )
+                    + f"{notes_suffix(row)}.",
                     "",
                 ]
     skipped = [entry for entry in data.get("log", []) if entry["status"].startswith("skipped")]
@@ -1453,9 +1483,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--decoder-compile-config", default=None, help="JSON kwargs for the decoder's compile helper")
     p.add_argument(
-        "--decoder-precision", default="float32", choices=["float32", "tf32", "bfloat16"],
-        help="DiT estimator precision: float32; tf32 (torch.backends.cuda.matmul.allow_tf32 = True);\n"
-        "bfloat16 (use_low_precision_estimator()). A precision check row compares it with float32",
+        "--decoder-precision", default="auto", choices=["auto", "float32", "tf32", "bfloat16", "float16"],
+        help="DiT estimator precision: auto (the decoder's default: bfloat16 on CUDA, float32 elsewhere); float32;\n"
+        "tf32 (float32 + torch.backends.cuda.matmul.allow_tf32 = True); bfloat16 / float16\n"
+        "(use_low_precision_estimator()). A precision check row compares it with float32",
     )
     p.add_argument("--decoder-tests", default="offline,stream", help="which decoder measurements to run")
     p.add_argument("--decoder-modes", default=None, help="decoder modes (default: --modes)")
@@ -1519,6 +1550,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, tiny if args.tiny else full)
     if args.bandwidth_mb is None:
         args.bandwidth_mb = 2048 if is_cuda(args.device) else 64
+    if args.decoder_precision == "auto":  # what CosyVoice3Config(estimator_precision="auto") gives on the device
+        args.decoder_precision = "bfloat16" if is_cuda(args.device) else "float32"
     return args
 
 
@@ -1660,7 +1693,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.add("decoder_precision", row)
                     if "mel_snr_db" in row:
                         log(f"  -> mel SNR {row['mel_snr_db']:.1f} dB, wav SNR {row['wav_snr_db']:.1f} dB vs float32")
-                    apply_decoder_precision(state["decoder"], args.decoder_precision)
+                apply_decoder_precision(state["decoder"], args.decoder_precision)
             else:
                 state["decoder"], results.data["decoder_model"] = None, value
         if state["decoder"] is None:

@@ -6,6 +6,9 @@ from typing import Any, Optional
 from transformers import PreTrainedConfig
 
 
+ESTIMATOR_PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+
+
 class CosyVoice3Config(PreTrainedConfig):
     r"""
     Configuration of [`CosyVoice3Token2Wav`]: the flow (token embedding, speaker affine, pre-lookahead convs, DiT
@@ -38,12 +41,17 @@ class CosyVoice3Config(PreTrainedConfig):
             call.
         noise_seed (`int`, defaults to 0): seed of the fixed start noise (the reference draws it right after
             re-seeding the global RNG with 0).
-        estimator_autocast_dtype (`str`, *optional*): run the DiT estimator under `torch.autocast` with this dtype
-            (`"bfloat16"` or `"float16"`): matmuls in low precision, normalisations, the time embedding, rotary
-            tables and the Euler update stay float32. `None` (default) = float32 like the reference; the flow is
-            known to overflow in pure float16, so validate audio before enabling.
-            `CosyVoice3Token2Wav.use_low_precision_estimator()` sets it and also stores the estimator's weights in
-            that dtype (same output, no per-call weight casts).
+        estimator_precision (`str`, defaults to `"auto"`): the precision the DiT estimator is brought to on its
+            first use on a device (`CosyVoice3Token2Wav.apply_device_defaults`): `"auto"` = `"bfloat16"` on CUDA
+            and left as it is elsewhere (float32 for a freshly loaded model); `"float32"`, `"bfloat16"` or
+            `"float16"` on every device. A 16-bit precision stores the estimator's weights in that dtype and runs it
+            under autocast (normalisations, the time embedding, rotary tables and the Euler update stay float32).
+            Pass `estimator_precision="float32"` to `from_pretrained` (or set it before the first call) for the
+            reference's float32 arithmetic.
+        estimator_autocast_dtype (`str`, *optional*): the precision the estimator runs in now: `None` = float32,
+            `"bfloat16"` or `"float16"` = under `torch.autocast` with that dtype. Applying `estimator_precision`
+            (or `CosyVoice3Token2Wav.use_low_precision_estimator()`) sets it; setting it alone runs autocast over
+            float32 weights (the same output, with per-call weight casts).
         hift_config (`dict`, *optional*): keyword arguments of `CosyVoice3HiFTGenerator`, named like the `hift:`
             section of `cosyvoice3.yaml` (`f0_predictor` as a dict); `None` uses the full-size defaults.
         sampling_rate (`int`, defaults to 24000): output sample rate.
@@ -77,6 +85,7 @@ class CosyVoice3Config(PreTrainedConfig):
         t_scheduler: str = "cosine",
         noise_frames: int = 15000,
         noise_seed: int = 0,
+        estimator_precision: str = "auto",
         estimator_autocast_dtype: Optional[str] = None,
         hift_config: Optional[dict[str, Any]] = None,
         sampling_rate: int = 24000,
@@ -85,6 +94,8 @@ class CosyVoice3Config(PreTrainedConfig):
     ):
         if t_scheduler not in ("cosine", "linear"):
             raise ValueError(f"t_scheduler must be 'cosine' or 'linear', got {t_scheduler!r}")
+        if estimator_precision not in ESTIMATOR_PRECISIONS:
+            raise ValueError(f"estimator_precision must be one of {ESTIMATOR_PRECISIONS}, got {estimator_precision!r}")
         if estimator_autocast_dtype not in (None, "bfloat16", "float16"):
             raise ValueError(
                 f"estimator_autocast_dtype must be None, 'bfloat16' or 'float16', got {estimator_autocast_dtype!r}"
@@ -113,6 +124,7 @@ class CosyVoice3Config(PreTrainedConfig):
         self.t_scheduler = t_scheduler
         self.noise_frames = noise_frames
         self.noise_seed = noise_seed
+        self.estimator_precision = estimator_precision
         self.estimator_autocast_dtype = estimator_autocast_dtype
         self.hift_config = dict(hift_config) if hift_config is not None else {}
         self.sampling_rate = sampling_rate

@@ -8,7 +8,9 @@ guidance with a packed [conditional, unconditional] batch), starting from a fixe
 keys (`flow.input_embedding`, `flow.decoder.estimator.transformer_blocks.0.attn.to_q`, `hift.conv_pre`, ...).
 """
 
+import functools
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -18,15 +20,28 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .attention_cosyvoice3 import dit_attention
-from .configuration_cosyvoice3 import CosyVoice3Config
+from .configuration_cosyvoice3 import ESTIMATOR_PRECISIONS, CosyVoice3Config
+from .cuda_graph_cosyvoice3 import CUDAGraphRunner
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
-from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
+from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder, flow_window_to_mel
 from .weights_files_funaudiochat import unreadable_weights_error
 
+
+logger = logging.get_logger(__name__)
+
+# Offline flow calls replayed as CUDA graphs pad their tokens up to the first of these lengths that fits, so that a
+# few graphs serve every reply length (the padding is hidden from attention by a key mask, as for a padded batch).
+# Longer calls (over ~30 s) are bound by compute rather than by kernel launches and run as ordinary calls.
+OFFLINE_GRAPH_BUCKET_TOKENS = (64, 128, 192, 256, 384, 512, 768)
+# Recorded offline flow graphs kept per model (bucket x batch size), least recently used dropped.
+OFFLINE_MAX_GRAPHS = 4
+
+# Serialises `apply_device_defaults` (two threads' first calls must not both cast the weights); held only then.
+_DEVICE_DEFAULTS_LOCK = threading.Lock()
 
 # ---------------------------------------------------------------------------------------------------------------------
 # DiT velocity estimator
@@ -526,6 +541,25 @@ def additive_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def flow_graph_settings(config: CosyVoice3Config, flow: "CosyVoice3Flow") -> tuple:
+    """What a CUDA graph of the flow depends on besides its input shapes: the estimator's precision, the TF32
+    switches, and where the weights and their derived copies (fused q/k/v, tap-major position convs) live (a `.to()`,
+    a precision cast or a re-fuse re-allocates them; a graph holds the old addresses)."""
+    estimator = flow.decoder.estimator
+    blocks = estimator.transformer_blocks
+    fused = blocks[0].attn.qkv_weight if len(blocks) else None
+    tap_major = estimator.input_embed.conv_pos_embed.conv1_tap_major
+    weights = [next(module.parameters()) for module in (flow.input_embedding, flow.pre_lookahead_layer, estimator)]
+    return (
+        config.estimator_autocast_dtype,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        tuple((weight.data_ptr(), weight.dtype) for weight in weights),
+        None if fused is None else fused.data_ptr(),
+        None if tap_major is None else tap_major.data_ptr(),
+    )
+
+
 def build_attention_mask(
     lengths: Optional[torch.Tensor], frames: int, chunk_size: Optional[int], device: torch.device, batch: int
 ) -> Optional[torch.Tensor]:
@@ -667,8 +701,9 @@ def _check_lengths(lengths, batch: int, max_tokens: int) -> torch.Tensor:
 class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     """CosyVoice3 speech-token decoder: `flow` (tokens -> mel) + `hift` (mel -> waveform) + stored speakers.
 
-    Runs in float32 (the flow overflows in float16). The Euler loop has fixed shapes and no host syncs; see
-    `compile_estimator`.
+    Loads in float32. On its first call on a CUDA device the DiT estimator switches to bfloat16 and keeps fused
+    q/k/v and tap-major position-conv weight copies (`apply_device_defaults`; `config.estimator_precision="float32"`
+    keeps the reference's float32). The Euler loop has fixed shapes and no host syncs; see `compile_estimator`.
     """
 
     def __init__(self, config: CosyVoice3Config):
@@ -678,6 +713,9 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.register_buffer(
             "speaker_embeddings", torch.zeros(len(config.speaker_names), config.spk_embed_dim), persistent=True
         )
+        # The device type `apply_device_defaults` last ran for (None: not yet).
+        self._device_defaults_applied: Optional[str] = None
+        self._offline_flow_graphs: Optional[CUDAGraphRunner] = None  # see `offline_flow_graphs`
         self.post_init()
 
     # -- conditioning ---------------------------------------------------------------------------------------------
@@ -784,6 +822,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             pre_lookahead_len. With `speech_token_lengths`, frames past a row's length are padding.
         """
         config = self.config
+        self.apply_device_defaults()
         tokens = self._check_tokens(speech_tokens)
         batch = tokens.shape[0]
         speaker_embedding = self.get_speaker_embedding(speaker_embedding=speaker_embedding, batch_size=batch)
@@ -856,6 +895,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         speech_token_lengths: Optional[torch.Tensor] = None,
         segment_tokens: Optional[int] = None,
         return_dict: bool = True,
+        cuda_graphs: Union[bool, str] = "auto",
     ) -> Union[CosyVoice3Token2WavOutput, tuple]:
         """Decode whole token sequences offline (one final flow call and one HiFT call per row or segment).
 
@@ -871,11 +911,18 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
                 shorter than 50 tokens is merged with the previous one and the two are split in halves). All segments
                 of all rows run as one batch. None: one flow call per row (the flow's attention then spans the whole
                 row; its fixed start noise covers 300 s and is reused cyclically beyond).
+            cuda_graphs: "auto" (on when the model is on a CUDA device, unless its flow was compiled with CUDA graphs
+                of its own): run the flow (token embedding, look-ahead conv, Euler solver) as a CUDA graph replay,
+                its tokens right-padded to a bucket of `OFFLINE_GRAPH_BUCKET_TOKENS` (pieces up to 768 tokens; the
+                mel equals the unpadded call's up to float rounding). Graphs are recorded on the first call of each
+                bucket and batch size and kept by the model (`offline_flow_graphs`). HiFT runs as ordinary calls.
 
         Returns:
             `CosyVoice3Token2WavOutput`: `waveform` (batch, samples) zero-padded on the right and `waveform_lengths`
             (batch,) = samples_per_token x tokens (an empty row gives 0 samples). `return_dict=False`: the tuple.
         """
+        self.apply_device_defaults()
+        use_graphs = self._resolve_cuda_graphs(cuda_graphs)
         tokens = self._check_tokens(speech_tokens)
         batch, max_tokens = tokens.shape
         if speech_token_lengths is None:
@@ -900,12 +947,17 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
             piece_tokens = torch.zeros(len(pieces), used, dtype=torch.long, device=self.device)
             for index, (row, first, end) in enumerate(pieces):
                 piece_tokens[index, : end - first] = tokens[row, first:end]
-            padded = len(set(piece_lengths)) > 1
-            mel = self.tokens_to_mel(
-                piece_tokens,
-                spk[[row for row, _, _ in pieces]],
-                speech_token_lengths=torch.tensor(piece_lengths, device=self.device) if padded else None,
-            )
+            piece_speakers = spk[[row for row, _, _ in pieces]]
+            bucket = self.offline_graph_bucket(used) if use_graphs else None
+            if bucket is not None:
+                mel = self._bucketed_flow(piece_tokens, piece_speakers, piece_lengths, bucket, self.offline_flow_graphs)
+            else:
+                padded = len(set(piece_lengths)) > 1
+                mel = self.tokens_to_mel(
+                    piece_tokens,
+                    piece_speakers,
+                    speech_token_lengths=torch.tensor(piece_lengths, device=self.device) if padded else None,
+                )
             # HiFT looks ahead (f0 predictor, conv_pre, iSTFT), so pieces of different lengths are vocoded in groups
             # of equal length instead of being padded.
             for length in sorted(set(piece_lengths)):
@@ -918,6 +970,65 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         if not return_dict:
             return waveform, waveform_lengths
         return CosyVoice3Token2WavOutput(waveform=waveform, waveform_lengths=waveform_lengths)
+
+    def _resolve_cuda_graphs(self, cuda_graphs: Union[bool, str]) -> bool:
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs == "auto":
+            return on_cuda and not self.flow_compiles_cuda_graphs
+        if cuda_graphs not in (True, False):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
+        return cuda_graphs
+
+    @staticmethod
+    def offline_graph_bucket(num_tokens: int) -> Optional[int]:
+        """The padded length of an offline flow call of `num_tokens` tokens replayed as a CUDA graph (None: too long,
+        an ordinary call)."""
+        return next((bucket for bucket in OFFLINE_GRAPH_BUCKET_TOKENS if bucket >= num_tokens), None)
+
+    @property
+    def offline_flow_graphs(self) -> CUDAGraphRunner:
+        """The CUDA graphs of offline flow calls (`forward(cuda_graphs=...)`), created on first use and owned by this
+        model: one recording per bucket length and batch size, at most `OFFLINE_MAX_GRAPHS` (each holds its
+        activations' memory), least recently used dropped; `clear_offline_flow_graphs()` frees them all."""
+        if self._offline_flow_graphs is None:
+            self._offline_flow_graphs = CUDAGraphRunner(
+                functools.partial(flow_window_to_mel, self.flow),
+                functools.partial(flow_graph_settings, self.config, self.flow),
+                max_graphs=OFFLINE_MAX_GRAPHS,
+            )
+        return self._offline_flow_graphs
+
+    def clear_offline_flow_graphs(self) -> None:
+        self._offline_flow_graphs = None
+
+    def _bucketed_flow(
+        self,
+        tokens: torch.Tensor,
+        speaker_embedding: torch.Tensor,
+        lengths: list[int],
+        bucket: int,
+        runner: Optional[CUDAGraphRunner] = None,
+    ) -> torch.Tensor:
+        """Final flow call of rows of `tokens` (batch, used) (valid ids; row i has `lengths[i]` real tokens),
+        right-padded to `bucket` tokens with a key mask: mel (batch, mel_bins, token_mel_ratio * used) float32.
+        Replayed by `runner` (a `CUDAGraphRunner` of `flow_window_to_mel`), or called directly (None)."""
+        flow, ratio = self.flow, self.config.token_mel_ratio
+        batch, used = tokens.shape
+        token_lengths = torch.tensor(lengths, device=self.device)
+        frames = ratio * bucket
+        dtype = flow.input_embedding.weight.dtype  # of the token embeddings, hence of mu
+        inputs = (
+            F.pad(tokens, (0, bucket - used)),
+            token_lengths,
+            flow.decoder.start_noise(batch, frames).to(dtype),
+            flow.speaker_condition(speaker_embedding),
+            build_attention_mask(token_lengths * ratio, frames, None, self.device, batch),
+            *flow.decoder.cached_time_conditioning(batch, self.device, dtype),
+        )
+        mel = flow_window_to_mel(flow, *inputs) if runner is None else runner(*inputs)
+        return mel[:, :, : ratio * used]
 
     @staticmethod
     def segment_bounds(num_tokens: int, segment_tokens: int = 750, min_last_tokens: int = 50) -> list[tuple[int, int]]:
@@ -982,28 +1093,86 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         compile_kwargs.setdefault("dynamic", True)
         self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
 
-    @torch.no_grad()
     def use_low_precision_estimator(self, dtype: str = "bfloat16") -> None:
         """Run the DiT estimator in `dtype` ("bfloat16" or "float16"), storing its weights in that dtype.
 
-        Sets `config.estimator_autocast_dtype` and casts the estimator's parameters (not its buffers: the rotary
-        table stays float32) once, in place. Under autocast every Linear / Conv casts its float32 weights to `dtype`
-        on each call (7 casts per DiT block, 10 Euler steps per flow call); weights already in `dtype` give the
-        same values without those casts, so the output is unchanged (tested bit-exact against autocast over
-        float32 weights) and the estimator's weight memory halves. In place and one-way: reload the model to go
-        back to float32.
+        Sets `config.estimator_precision` and `config.estimator_autocast_dtype` and casts the estimator's parameters
+        (not its buffers: the rotary table stays float32) once, in place. Under autocast every Linear / Conv casts
+        its float32 weights to `dtype` on each call (7 casts per DiT block, 10 Euler steps per flow call); weights
+        already in `dtype` give the same values without those casts, so the output is unchanged (tested bit-exact
+        against autocast over float32 weights) and the estimator's weight memory halves. In place: reload the model
+        to get the float32 weights back (`estimator_precision="float32"` then keeps them).
         """
         if dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {dtype!r}")
-        self.config.estimator_autocast_dtype = dtype
+        self.config.estimator_precision = dtype
+        self._cast_estimator(dtype)
+
+    @torch.no_grad()
+    def _cast_estimator(self, precision: str) -> None:
+        """Store the estimator's parameters in `precision` and run it so (autocast for a 16-bit one); the derived
+        weight copies (fused q/k/v, tap-major position convs) follow."""
+        dtype = getattr(torch, precision)
+        self.config.estimator_autocast_dtype = None if precision == "float32" else precision
         for parameter in self.flow.decoder.estimator.parameters():
-            parameter.data = parameter.data.to(getattr(torch, dtype))
-        # The derived weight copies (fused q/k/v, tap-major position convs) follow the weights' new dtype.
+            parameter.data = parameter.data.to(dtype)
         if self.qkv_projections_fused:
             self.fuse_qkv_projections()
         position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
-        if position_embedding.conv1_tap_major is not None:
+        if position_embedding.conv1_tap_major is not None or (self.device.type == "cuda" and precision != "float32"):
             position_embedding.store_tap_major_weights()
+
+    def resolved_estimator_precision(self, device: Optional[torch.device] = None) -> str:
+        """What `config.estimator_precision` means on `device` (default: the model's): an explicit precision is
+        itself; "auto" is bfloat16 on CUDA (or the 16-bit dtype the estimator already runs in) and, elsewhere, the
+        precision it runs in now (float32 for a freshly loaded model), which `apply_device_defaults` leaves alone."""
+        precision = self.config.estimator_precision
+        if precision not in ESTIMATOR_PRECISIONS:
+            raise ValueError(f"config.estimator_precision must be one of {ESTIMATOR_PRECISIONS}, got {precision!r}")
+        if precision != "auto":
+            return precision
+        current = self.config.estimator_autocast_dtype
+        if (device or self.device).type == "cuda":
+            return current or "bfloat16"
+        return current or "float32"
+
+    def apply_device_defaults(self) -> None:
+        """Bring the decoder to its default settings for the device it is on, once per device type.
+
+        `forward`, `tokens_to_mel` and `streaming_decoder` call it, so a model moved with `.to()` / `.cuda()`,
+        loaded with `device_map` or built under `with torch.device("cuda")` gets them on its first call there (a
+        `.to()` override would miss the last two, which never call it). It applies `config.estimator_precision`
+        ("auto": bfloat16 on CUDA; one log line when it casts), and on CUDA keeps the weight copies that the
+        uncompiled estimator is faster with: the fused q/k/v projections (`fuse_qkv_projections`: one GEMM instead
+        of three per block and Euler step) and, for a 16-bit estimator, the tap-major position-conv weights that its
+        Triton kernel reads (`store_tap_major_weights`: no transposing copy per call). The copies are taken now:
+        after changing the estimator's weights in place, fuse / store them again. After the first call this is one
+        attribute check.
+        """
+        device_type = self.device.type
+        if self._device_defaults_applied == device_type:
+            return
+        with _DEVICE_DEFAULTS_LOCK:
+            if self._device_defaults_applied == device_type:
+                return
+            precision = self.resolved_estimator_precision()
+            weights = {parameter.dtype for parameter in self.flow.decoder.estimator.parameters()}
+            running = self.config.estimator_autocast_dtype or "float32"
+            # "auto" off CUDA leaves the estimator as it is (also autocast set over float32 weights).
+            leave = self.config.estimator_precision == "auto" and device_type != "cuda"
+            if not leave and (running != precision or weights != {getattr(torch, precision)}):
+                logger.info(
+                    f"CosyVoice3 decoder on {device_type}: DiT estimator in {precision} "
+                    f"(estimator_precision={self.config.estimator_precision!r}; 'float32' keeps the reference's)"
+                )
+                self._cast_estimator(precision)
+            if device_type == "cuda":
+                if not self.qkv_projections_fused:
+                    self.fuse_qkv_projections()
+                position_embedding = self.flow.decoder.estimator.input_embed.conv_pos_embed
+                if self.config.estimator_autocast_dtype is not None and position_embedding.conv1_tap_major is None:
+                    position_embedding.store_tap_major_weights()
+            self._device_defaults_applied = device_type
 
     def fuse_qkv_projections(self) -> None:
         """Run each DiT block's q/k/v projections as one GEMM: 22 x 10 fewer GEMMs per flow call at full size, which
@@ -1046,6 +1215,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
     ) -> CosyVoice3StreamingDecoder:
         """A `CosyVoice3StreamingDecoder` for one reply (see its docstring for the chunking and the defaults of
         `flow_left_context_tokens` / `hift_left_context_frames`, passed through `kwargs`)."""
+        self.apply_device_defaults()
         return CosyVoice3StreamingDecoder(
             self,
             self.get_speaker_embedding(speaker, speaker_embedding, 1),
