@@ -160,6 +160,8 @@ def check_args(args: argparse.Namespace) -> None:
         args.grad_accum = args.global_batch_size // per_step
     elif args.grad_accum is None:
         args.grad_accum = 1
+    if args.fsdp_config:
+        _read_fsdp_config(args.fsdp_config)  # a missing or malformed file fails here, not after loading the model
     if args.deepspeed and (args.fsdp_config or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
         raise ValueError("--deepspeed and FSDP exclude each other: pick one.")
     if args.gradient_checkpointing and fsdp_activation_checkpointing(args):

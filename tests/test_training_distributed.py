@@ -1,0 +1,285 @@
+"""Fine-tuning on several processes, on CPU: the accelerate FSDP config as the launcher hands it to FSDP (which layers
+become FSDP units, where the tied speech head lives), the DeepSpeed configs, scripts/finetune.py's multi-process
+arguments, and two DDP processes on the gloo backend against one process (loss curve, weights, save / resume).
+
+accelerate runs FSDP on accelerators only (on CPU processes it falls back to DDP), so the sharded runs themselves are
+in scripts/multi_gpu_check.py; the equivalence checked here is the data order and gradient averaging that FSDP and
+DDP share."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from funaudiochat_hf import FunAudioChatForConditionalGeneration, FunAudioChatProcessor
+from funaudiochat_hf.training_funaudiochat import freeze_audio_encoder, lora_config, make_synthetic_dataset
+
+from conftest import FUNAUDIOCHAT_TINY
+
+
+REPO = Path(__file__).resolve().parents[1]
+FSDP_YAML = REPO / "examples" / "accelerate_fsdp.yaml"
+# The speech head and the speech embedding are one tensor (`_tied_weights_keys`): it must stay in one FSDP unit.
+TIED_SPEECH_HEAD = ("audio_tower.embed_tokens.weight", "audio_invert_tower.lm_head.weight")
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    return _load_script("finetune")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return FunAudioChatForConditionalGeneration.from_pretrained(FUNAUDIOCHAT_TINY)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Configs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _launcher_env(config_file: Path, num_processes: int = 2) -> dict:
+    """The FSDP / accelerate environment `accelerate launch --config_file ...` gives each process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", str(config_file), "--num_processes", str(num_processes), "scripts/finetune.py"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    env = prepare_multi_gpu_env(args)
+    return {key: value for key, value in env.items() if key.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def test_fsdp_yaml_is_an_fsdp2_bf16_config_with_activation_checkpointing():
+    raw = yaml.safe_load(FSDP_YAML.read_text())
+    fsdp = raw["fsdp_config"]
+    assert raw["distributed_type"] == "FSDP" and raw["mixed_precision"] == "bf16" and not raw["use_cpu"]
+    assert fsdp["fsdp_version"] == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp["fsdp_reshard_after_forward"] is True  # full shard
+    assert fsdp["fsdp_activation_checkpointing"] is True
+    assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # the final save must load with from_pretrained
+    # keys FSDP2 declares obsolete (accelerate warns and drops them)
+    assert not {"fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_backward_prefetch"} & set(fsdp)
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    env = _launcher_env(FSDP_YAML)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    with mock.patch.dict(os.environ, env):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.activation_checkpointing and plugin.cpu_ram_efficient_loading
+    assert plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen3DecoderLayer", "Qwen2_5OmniAudioEncoderLayer"]
+    assert "FULL_STATE_DICT" in str(plugin.state_dict_type)
+
+
+def _fsdp_units(model, env: dict) -> list[str]:
+    """Names of the modules accelerate's FSDP2 preparation shards as units of their own (besides the root)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    with mock.patch.dict(os.environ, env):
+        plugin = FullyShardedDataParallelPlugin()
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    return [name for name, module in model.named_modules() if name and policy(module)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_units_are_the_transformer_layers_and_the_tied_head_stays_in_the_root(tiny_model, lora):
+    from peft import get_peft_model
+
+    model = FunAudioChatForConditionalGeneration.from_pretrained(FUNAUDIOCHAT_TINY)
+    freeze_audio_encoder(model)
+    if lora:
+        model = get_peft_model(model, lora_config(r=2))
+    prefix = "base_model.model." if lora else ""
+    config = tiny_model.config
+    expected = (
+        [f"{prefix}continuous_audio_tower.layers.{i}" for i in range(config.audio_config.encoder_layers)]
+        + [
+            f"{prefix}audio_invert_tower.crq_transformer.layers.{i}"
+            for i in range(config.audio_config.crq_transformer_config.num_hidden_layers)
+        ]
+        + [f"{prefix}language_model.model.layers.{i}" for i in range(config.text_config.num_hidden_layers)]
+    )
+    units = _fsdp_units(model, _launcher_env(FSDP_YAML))
+    assert units == expected
+    for unit in units:
+        names = {f"{unit}.{name}" for name, _ in model.get_submodule(unit).named_parameters()}
+        assert not names & {prefix + name for name in TIED_SPEECH_HEAD}, unit
+    # Why the config names the classes: accelerate's default (the model's `_no_split_modules`) would shard the
+    # discrete encoder and the CRQ decoder as two units, each holding one end of the tied speech head.
+    env = {key: value for key, value in _launcher_env(FSDP_YAML).items() if key != "FSDP_TRANSFORMER_CLS_TO_WRAP"}
+    default_units = _fsdp_units(model, env)
+    assert f"{prefix}audio_tower" in default_units and f"{prefix}audio_invert_tower" in default_units
+
+
+def test_deepspeed_configs_take_batch_and_precision_from_the_trainer():
+    for stage in (2, 3):
+        config = json.loads((REPO / "examples" / f"deepspeed_zero{stage}.json").read_text())
+        assert config["zero_optimization"]["stage"] == stage
+        for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+            assert config[key] == "auto", key
+        assert config["bf16"]["enabled"] == "auto"
+    zero3 = json.loads((REPO / "examples" / "deepspeed_zero3.json").read_text())["zero_optimization"]
+    assert zero3["stage3_gather_16bit_weights_on_model_save"] is True  # else the final save holds empty tensors
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scripts/finetune.py arguments
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _argv(*extra) -> list[str]:
+    return ["--model", str(FUNAUDIOCHAT_TINY), "--output-dir", "unused", *extra]
+
+
+def test_global_batch_size_sets_the_accumulation_per_world_size(finetune, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert finetune.parse_args(_argv("--batch-size", "2", "--global-batch-size", "16")).grad_accum == 4
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert finetune.parse_args(_argv("--batch-size", "2", "--global-batch-size", "16")).grad_accum == 8
+    assert finetune.parse_args(_argv("--batch-size", "2")).grad_accum == 1
+    assert finetune.parse_args(_argv("--grad-accum", "3")).grad_accum == 3
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="not a multiple of --batch-size 2 x 4 processes"):
+        finetune.parse_args(_argv("--batch-size", "2", "--global-batch-size", "12"))
+    with pytest.raises(ValueError, match="not both"):
+        finetune.parse_args(_argv("--global-batch-size", "16", "--grad-accum", "2"))
+    with pytest.raises(ValueError, match="--batch-size must be >= 1"):
+        finetune.parse_args(_argv("--batch-size", "0"))
+
+
+def test_gradient_checkpointing_conflicts_with_fsdp_activation_checkpointing(finetune, monkeypatch, tmp_path):
+    with monkeypatch.context() as patch:
+        for key, value in _launcher_env(FSDP_YAML).items():
+            patch.setenv(key, value)
+        with pytest.raises(ValueError, match="drop --gradient-checkpointing"):
+            finetune.parse_args(_argv("--gradient-checkpointing"))
+        assert not finetune.parse_args(_argv()).gradient_checkpointing
+        with pytest.raises(ValueError, match="exclude each other: pick one"):
+            finetune.parse_args(_argv("--deepspeed", "examples/deepspeed_zero3.json"))
+    fsdp_json = tmp_path / "fsdp.json"
+    fsdp_json.write_text(json.dumps({"version": 2, "activation_checkpointing": True}))
+    with pytest.raises(ValueError, match="drop --gradient-checkpointing"):
+        finetune.parse_args(_argv("--fsdp-config", str(fsdp_json), "--gradient-checkpointing"))
+    fsdp_json.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        finetune.parse_args(_argv("--fsdp-config", str(fsdp_json)))
+    with pytest.raises(ValueError, match="not found"):
+        finetune.parse_args(_argv("--fsdp-config", str(tmp_path / "missing.json")))
+
+
+def test_fsdp_config_file_turns_fsdp_on_in_the_training_arguments(finetune, tmp_path):
+    fsdp_json = tmp_path / "fsdp.json"
+    layers = ["Qwen3DecoderLayer", "Qwen2_5OmniAudioEncoderLayer"]
+    fsdp_json.write_text(json.dumps({"version": 2, "transformer_layer_cls_to_wrap": layers}))
+    args = finetune.build_training_arguments(
+        finetune.parse_args(_argv("--fsdp-config", str(fsdp_json), "--use-cpu", "--output-dir", str(tmp_path)))
+    )
+    assert args.fsdp and args.fsdp_config["version"] == 2
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == layers
+    plain = finetune.build_training_arguments(finetune.parse_args(_argv("--use-cpu", "--output-dir", str(tmp_path))))
+    assert not plain.fsdp
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Two processes (DDP, gloo) against one
+# ------------------------------------------------------------------------------------------------------------------
+
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def equal_length_dataset(tmp_path_factory):
+    """Every clip equally long and every reply equally many speech tokens: the batches of one and of two samples then
+    pad nothing (Whisper features of a clip padded in a batch get one more frame than alone, a real difference)."""
+    processor = FunAudioChatProcessor.from_pretrained(FUNAUDIOCHAT_TINY)
+    return make_synthetic_dataset(
+        tmp_path_factory.mktemp("equal"), processor, num_samples=8, seed=3, min_seconds=1.0, max_seconds=1.0,
+        min_words=3, max_words=3, min_speech_tokens=20, max_speech_tokens=20,
+    )  # fmt: skip
+
+
+def _script_args(dataset: Path, output_dir: Path, *extra) -> list[str]:
+    return [
+        "--model", str(FUNAUDIOCHAT_TINY), "--dataset", str(dataset), "--output-dir", str(output_dir),
+        "--max-steps", str(STEPS), "--save-steps", "2", "--learning-rate", "2e-3", "--use-cpu", "--num-workers", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def _torchrun(argv: list[str], processes: int = 2) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+        str(REPO / "scripts" / "finetune.py"), *argv,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _losses(output_dir: Path) -> list[list[float]]:
+    history = json.loads((output_dir / "log_history.json").read_text())
+    keys = ("step", "loss", "text_loss", "speech_loss", "grad_norm")
+    return [[entry[key] for key in keys] for entry in history if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(equal_length_dataset, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("ddp2")
+    _torchrun(_script_args(equal_length_dataset, output_dir, "--batch-size", "1"))
+    return output_dir
+
+
+def test_two_processes_match_one_process_with_twice_the_batch(two_process_run, equal_length_dataset, finetune,
+                                                             tmp_path):
+    """2 processes x batch 1 = 1 process x batch 2: same samples per step (the seeded sampler's permutation, the
+    processes take alternate batches of it), the gradients averaged over the processes as over the batch."""
+    assert {path.name for path in (two_process_run / "checkpoint-2").glob("rng_state_*.pth")} == {
+        "rng_state_0.pth", "rng_state_1.pth"
+    }  # really two processes
+    finetune.main(_script_args(equal_length_dataset, tmp_path, "--batch-size", "2"))
+    two, one = _losses(two_process_run), _losses(tmp_path)
+    assert [row[0] for row in two] == list(range(1, STEPS + 1))
+    for row_two, row_one in zip(two, one):
+        # float32; only the summation order of the loss and the gradient differs
+        assert row_two == pytest.approx(row_one, rel=1e-5), row_two[0]
+    assert one[-1][1] < one[0][1]  # it trains
+    metrics = json.loads((two_process_run / "train_metrics.json").read_text())
+    assert metrics["global_batch_size"] == 2 and metrics["steady_samples_per_second"] > 0
+    final_two = load_file(two_process_run / "final" / "model.safetensors")
+    final_one = load_file(tmp_path / "final" / "model.safetensors")
+    for name, weight in final_one.items():
+        torch.testing.assert_close(final_two[name], weight, rtol=0, atol=1e-5, msg=name)
+
+
+def test_two_process_resume_continues_the_two_process_run(two_process_run, equal_length_dataset, tmp_path):
+    _torchrun(_script_args(equal_length_dataset, tmp_path, "--batch-size", "1",
+                           "--resume", str(two_process_run / "checkpoint-2")))  # fmt: skip
+    resumed, full = _losses(tmp_path), _losses(two_process_run)
+    assert [row[0] for row in resumed] == list(range(1, STEPS + 1))  # the log history comes with the checkpoint
+    for row_resumed, row_full in zip(resumed, full):
+        assert row_resumed == pytest.approx(row_full, rel=1e-6), row_full[0]
+    final_full = load_file(two_process_run / "final" / "model.safetensors")
+    final_resumed = load_file(tmp_path / "final" / "model.safetensors")
+    for name, weight in final_full.items():
+        torch.testing.assert_close(final_resumed[name], weight, rtol=0, atol=1e-6, msg=name)
+    assert "train_runtime" in json.loads((tmp_path / "train_metrics.json").read_text())
