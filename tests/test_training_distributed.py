@@ -283,3 +283,80 @@ def test_two_process_resume_continues_the_two_process_run(two_process_run, equal
     for name, weight in final_full.items():
         torch.testing.assert_close(final_resumed[name], weight, rtol=0, atol=1e-6, msg=name)
     assert "train_runtime" in json.loads((tmp_path / "train_metrics.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# scripts/multi_gpu_check.py (the GPU driver): what it would launch, checked on CPU
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _planned_launches(tmp_path: Path, gpus: int) -> dict[str, list[str]]:
+    check = _load_script("multi_gpu_check")
+    summary = check.main(["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--dry-run",
+                          "--gpus", str(gpus), "--parts", "reduced,fullsize"])  # fmt: skip
+    assert (tmp_path / "out" / "summary.md").is_file()
+    return {launch["name"]: launch["command"].split() for launch in summary["launches"]}
+
+
+def _finetune_args(finetune, command: list[str]):
+    """The launch's processes, and its finetune.py arguments as the script parses them under that launch."""
+    processes = int(command[command.index("--num_processes") + 1])
+    assert command[command.index("--config_file") + 1] == str(FSDP_YAML)
+    script_args = command[command.index(str(REPO / "scripts" / "finetune.py")) + 1 :]
+    with mock.patch.dict(os.environ, {**_launcher_env(FSDP_YAML, processes), "WORLD_SIZE": str(processes)}):
+        return processes, finetune.parse_args(script_args)
+
+
+def _option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_multi_gpu_check_compares_equal_global_batches_and_resumes_the_multi_gpu_run(tmp_path, finetune):
+    launches = _planned_launches(tmp_path, gpus=2)
+    assert list(launches) == ["reduced_1gpu", "reduced_2gpu", "reduced_2gpu_resume", "reduced_2gpu_lora",
+                              "fullsize_lora_2gpu", "fullsize_full_2gpu"]  # fmt: skip
+    parsed = {name: _finetune_args(finetune, command) for name, command in launches.items()}
+    (one_gpus, one), (two_gpus, two) = parsed["reduced_1gpu"], parsed["reduced_2gpu"]
+    assert (one_gpus, one.batch_size, one.grad_accum) == (1, 8, 1)
+    assert (two_gpus, two.batch_size, two.grad_accum) == (2, 4, 1)
+    for key in ("model", "dataset", "max_steps", "seed", "learning_rate", "warmup", "freeze_audio_encoder"):
+        assert getattr(one, key) == getattr(two, key), key
+    for name in ("reduced_1gpu", "reduced_2gpu", "reduced_2gpu_resume"):
+        assert _option(launches[name], "--mixed_precision") == "no"  # float32 comparison
+    resumed = parsed["reduced_2gpu_resume"][1]
+    assert resumed.resume == str(Path(two.output_dir) / "checkpoint-4") and two.save_steps == 4
+    assert one.save_steps > one.max_steps  # the 1-GPU run is not resumed: no fp32 optimizer checkpoint
+    assert parsed["reduced_2gpu_lora"][1].lora and not parsed["reduced_2gpu_lora"][1].skip_final_save
+    full, lora = parsed["fullsize_full_2gpu"][1], parsed["fullsize_lora_2gpu"][1]
+    assert not full.lora and lora.lora and full.skip_final_save and lora.skip_final_save
+    assert "--mixed_precision" not in launches["fullsize_full_2gpu"]  # bf16 as the yaml ships
+    assert all(args.freeze_audio_encoder and not args.gradient_checkpointing for _, args in parsed.values())
+
+
+def test_multi_gpu_check_on_one_gpu_runs_what_applies(tmp_path, finetune):
+    launches = _planned_launches(tmp_path, gpus=1)
+    assert list(launches) == ["reduced_1gpu", "reduced_1gpu_resume", "reduced_1gpu_lora", "fullsize_lora_1gpu"]
+    one = _finetune_args(finetune, launches["reduced_1gpu"])[1]
+    resumed = _finetune_args(finetune, launches["reduced_1gpu_resume"])[1]
+    assert resumed.resume == str(Path(one.output_dir) / "checkpoint-4") and one.save_steps == 4
+
+
+def test_multi_gpu_check_full_size_config_is_the_8b_architecture_with_the_tiny_tokenizer_ids():
+    from funaudiochat_hf import FunAudioChatConfig
+
+    check = _load_script("multi_gpu_check")
+    full, reduced, eight_b = check.full_size_config(), check.full_size_config(2, 2, 2), FunAudioChatConfig()
+    tiny_ids = FunAudioChatConfig.from_pretrained(FUNAUDIOCHAT_TINY)
+    assert full.text_config.hidden_size == eight_b.text_config.hidden_size == reduced.text_config.hidden_size
+    assert full.text_config.num_hidden_layers == eight_b.text_config.num_hidden_layers
+    assert full.text_config.vocab_size == eight_b.text_config.vocab_size
+    assert full.audio_config.codebook_size == eight_b.audio_config.codebook_size
+    assert (reduced.text_config.num_hidden_layers, reduced.audio_config.encoder_layers) == (2, 2)
+    assert len(reduced.audio_config.crq_transformer_config.layer_types) == 2
+    for config in (full, reduced):
+        assert config.audio_token_index == tiny_ids.audio_token_index
+        assert config.text_config.eos_token_id == tiny_ids.text_config.eos_token_id
+        assert config.audio_config.bos_token_id == tiny_ids.audio_config.bos_token_id
+    with torch.device("meta"):
+        model = FunAudioChatForConditionalGeneration._from_config(reduced)
+    assert 1.5e9 < sum(p.numel() for p in model.parameters()) < 2.5e9  # full widths and vocabularies, 2 layers each
