@@ -108,8 +108,8 @@ def full_size_config(llm_layers: int | None = None, crq_layers: int | None = Non
     return FunAudioChatConfig.from_dict(config)
 
 
-def build_model_folder(folder: Path, config) -> dict:
-    """Random bf16 weights built on the GPU (`_from_config`) and saved with the tiny processor; `finetune.py` loads
+def build_model_folder(folder: Path, config, device: str = "cuda:0") -> dict:
+    """Random bf16 weights built on `device` (`_from_config`) and saved with the tiny processor; `finetune.py` loads
     them in float32."""
     import torch
 
@@ -118,13 +118,14 @@ def build_model_folder(folder: Path, config) -> dict:
     if (folder / ".complete").is_file():
         return json.loads((folder / ".complete").read_text())
     start = time.perf_counter()
-    with torch.device("cuda:0"):
+    with torch.device(device):
         model = FunAudioChatForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     FunAudioChatProcessor.from_pretrained(TINY).save_pretrained(folder)
     info = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": round(time.perf_counter() - start)}
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     (folder / ".complete").write_text(json.dumps(info))
     return info
 
@@ -223,26 +224,27 @@ def compare_weights(initial: Path, reference: Path, other: Path) -> dict:
             "relative": (diff_sq / max(update_sq, 1e-30)) ** 0.5, "max_abs_diff": max_abs}  # fmt: skip
 
 
-def generate_check(folder: Path) -> dict:
-    """`from_pretrained` on one GPU, then `generate_speech` on a synthetic spoken question."""
+def generate_check(folder: Path, device: str = "cuda:0") -> dict:
+    """`from_pretrained` on one device, then `generate_speech` on a synthetic spoken question."""
     import torch
 
     from funaudiochat_hf import FunAudioChatForConditionalGeneration, FunAudioChatProcessor
     from funaudiochat_hf.processing_funaudiochat import AUDIO_TEMPLATE, DEFAULT_S2M_PROMPT
     from funaudiochat_hf.tiny_model import synthetic_question
 
-    model = FunAudioChatForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to("cuda:0").eval()
+    model = FunAudioChatForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     processor = FunAudioChatProcessor.from_pretrained(folder)
     messages = [{"role": "system", "content": DEFAULT_S2M_PROMPT}, {"role": "user", "content": AUDIO_TEMPLATE}]
     prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=prompt, audio=[synthetic_question(2.0)], return_tensors="pt").to("cuda:0")
+    inputs = processor(text=prompt, audio=[synthetic_question(2.0)], return_tensors="pt").to(device)
     inputs["input_features"] = inputs["input_features"].to(model.dtype)
     output = model.generate_speech(**inputs, max_new_tokens=16, do_sample=False, return_audio=False)
     result = {"sequence_shape": list(output.sequences.shape), "speech_ids_shape": list(output.speech_ids.shape),
               "prompt_length": int(inputs["input_ids"].shape[1]),
               "speech_head_tied": model.audio_invert_tower.lm_head.weight is model.audio_tower.embed_tokens.weight}
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return result
 
 

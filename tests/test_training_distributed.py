@@ -269,6 +269,11 @@ def test_two_processes_match_one_process_with_twice_the_batch(two_process_run, e
     final_one = load_file(tmp_path / "final" / "model.safetensors")
     for name, weight in final_one.items():
         torch.testing.assert_close(final_two[name], weight, rtol=0, atol=1e-5, msg=name)
+    # The GPU driver's measure of the same: the difference relative to the update training made.
+    compare_weights = _load_script("multi_gpu_check").compare_weights
+    same = compare_weights(FUNAUDIOCHAT_TINY, tmp_path / "final", two_process_run / "final")
+    assert same["update_norm"] > 0.1 and same["relative"] < 1e-5
+    assert compare_weights(FUNAUDIOCHAT_TINY, tmp_path / "final", FUNAUDIOCHAT_TINY)["relative"] == pytest.approx(1)
 
 
 def test_two_process_resume_continues_the_two_process_run(two_process_run, equal_length_dataset, tmp_path):
@@ -360,3 +365,15 @@ def test_multi_gpu_check_full_size_config_is_the_8b_architecture_with_the_tiny_t
     with torch.device("meta"):
         model = FunAudioChatForConditionalGeneration._from_config(reduced)
     assert 1.5e9 < sum(p.numel() for p in model.parameters()) < 2.5e9  # full widths and vocabularies, 2 layers each
+
+
+def test_multi_gpu_check_model_folder_loads_and_generates(tmp_path):
+    """The driver's model building and its `from_pretrained` + `generate_speech` check, on CPU with the tiny config."""
+    from funaudiochat_hf import FunAudioChatConfig
+
+    check = _load_script("multi_gpu_check")
+    info = check.build_model_folder(tmp_path / "model", FunAudioChatConfig.from_pretrained(FUNAUDIOCHAT_TINY), "cpu")
+    assert info["parameters"] > 0 and (tmp_path / "model" / "tokenizer.json").is_file()
+    assert check.build_model_folder(tmp_path / "model", None, "cpu") == info  # built once
+    result = check.generate_check(tmp_path / "model", "cpu")
+    assert result["speech_head_tied"] and result["sequence_shape"][1] > result["prompt_length"]
