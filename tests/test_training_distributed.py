@@ -377,3 +377,19 @@ def test_multi_gpu_check_model_folder_loads_and_generates(tmp_path):
     assert check.build_model_folder(tmp_path / "model", None, "cpu") == info  # built once
     result = check.generate_check(tmp_path / "model", "cpu")
     assert result["speech_head_tied"] and result["sequence_shape"][1] > result["prompt_length"]
+
+
+def test_adapter_merged_after_a_sharded_run_equals_the_in_memory_merge(finetune, equal_length_dataset, tmp_path):
+    """Under FSDP / DeepSpeed the main process merges the saved adapter into a freshly loaded base model: the same
+    weights as merging the trained in-memory model (what a single process does)."""
+    final = finetune.main(_script_args(equal_length_dataset, tmp_path, "--lora", "--lora-r", "4", "--max-steps", "2",
+                                       "--batch-size", "2", "--save-steps", "10"))  # fmt: skip
+    merged = finetune.merge_saved_adapter(str(FUNAUDIOCHAT_TINY), tmp_path / "adapter", {"dtype": torch.float32})
+    expected = load_file(final / "model.safetensors")
+    state = merged.state_dict()
+    base = FunAudioChatForConditionalGeneration.from_pretrained(FUNAUDIOCHAT_TINY).state_dict()
+    changed = [name for name in expected if not torch.equal(expected[name], base[name])]
+    assert any("language_model.model.layers" in name for name in changed)  # the adapters were merged
+    for name, weight in expected.items():
+        torch.testing.assert_close(state[name], weight, rtol=0, atol=1e-6, msg=name)
+    assert merged.audio_invert_tower.lm_head.weight is merged.audio_tower.embed_tokens.weight
