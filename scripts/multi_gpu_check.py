@@ -45,6 +45,8 @@ LOSS_RTOL = 1e-3
 UPDATE_RTOL = 2e-2  # |w_N - w_1| / |w_1 - w_0| over the trained weights
 # Resume on the same GPUs: only non-deterministic CUDA kernels (atomics in embedding backward) differ.
 RESUME_LOSS_RTOL = 1e-4
+# Full-size samples: a 16-s spoken question, a 16-s spoken reply (400 speech tokens at 25 Hz) of 48 words.
+FULLSIZE_SAMPLE = {"seconds": 16.0, "speech_tokens": 400, "words": 48}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="Optimizer steps of the reduced-depth runs (even).")
     parser.add_argument("--fullsize-steps", type=int, default=6, help="Steps of each full-size run (2 are warm-up).")
     parser.add_argument("--fullsize-batch", type=int, default=4, help="Per-GPU batch of the full-size runs.")
-    parser.add_argument("--timeout", type=int, default=900, help="Seconds allowed to each launch.")
+    parser.add_argument("--timeout", type=int, default=540, help="Seconds allowed to each launch.")
     parser.add_argument("--dry-run", action="store_true", help="Print the launches instead of running them.")
     args = parser.parse_args(argv)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
@@ -162,7 +164,8 @@ class Runner:
         if deepspeed:
             launcher = [*ACCELERATE_LAUNCH, "--num_processes", str(processes), "--num_machines", "1",
                         "--mixed_precision", mixed_precision or "bf16", "--dynamo_backend", "no"]  # fmt: skip
-            finetune_args = [*finetune_args, "--deepspeed", str(ZERO3_JSON), "--gradient-checkpointing"]
+            # DeepSpeed's "auto" precision follows TrainingArguments.bf16, so the script gets --bf16 as well.
+            finetune_args = [*finetune_args, "--deepspeed", str(ZERO3_JSON), "--gradient-checkpointing", "--bf16"]
         else:
             launcher = [*ACCELERATE_LAUNCH, "--config_file", str(FSDP_YAML), "--num_processes", str(processes)]
             if mixed_precision is not None:
@@ -331,9 +334,10 @@ def fullsize_part(args, runner: Runner, work: Path, gpus: int, summary: dict) ->
     data = work / "full_data" / "train.jsonl"
     if not args.dry_run:
         samples = gpus * args.fullsize_batch * args.fullsize_steps
-        data = write_dataset(data.parent, samples, seconds=8.0, speech_tokens=200, words=24)
-    shape = {"user_audio_s": 8.0, "reply_speech_tokens": 200, "reply_words": 24}
-    results = summary.setdefault("fullsize", {"sample": shape, "gpus": gpus, "per_gpu_batch": args.fullsize_batch})
+        data = write_dataset(data.parent, samples, **FULLSIZE_SAMPLE)
+    results = summary.setdefault(
+        "fullsize", {"sample": FULLSIZE_SAMPLE, "gpus": gpus, "per_gpu_batch": args.fullsize_batch}
+    )
     variants = {"lora": ["--lora", "--learning-rate", "1e-4"], "full": ["--learning-rate", "1e-5"]}
     for variant, extra in variants.items():
         if variant == "full" and gpus < 2:
