@@ -211,7 +211,10 @@ def compare_weights(initial: Path, reference: Path, other: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    w0, w1, w2 = (load_file(folder / "model.safetensors") for folder in (initial, reference, other))
+    def load_weights(folder: Path) -> dict:  # one file or several shards
+        return {name: value for path in sorted(folder.glob("*.safetensors")) for name, value in load_file(path).items()}
+
+    w0, w1, w2 = (load_weights(folder) for folder in (initial, reference, other))
     diff_sq = update_sq = 0.0
     max_abs = 0.0
     for name, weight in w1.items():
