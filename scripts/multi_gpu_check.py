@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -208,7 +207,6 @@ def _max_rel(rows_a: list[dict], rows_b: list[dict], key: str = "loss") -> float
 
 def compare_weights(initial: Path, reference: Path, other: Path) -> dict:
     """How far `other`'s final weights are from `reference`'s, relative to how far training moved `reference`."""
-    import torch
     from safetensors.torch import load_file
 
     def load_weights(folder: Path) -> dict:  # one file or several shards
