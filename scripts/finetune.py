@@ -78,7 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=0.02, help="Warmup: fraction of the steps (< 1) or steps.")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--save-steps", type=int, default=500, help="Checkpoint every this many steps.")
+    parser.add_argument(
+        "--save-steps", type=int, default=500,
+        help="Checkpoint every this many steps and at the last step; 0: no checkpoints at all.",
+    )  # fmt: skip
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--logging-steps", type=int, default=1)
     parser.add_argument("--eval-steps", type=int, default=None)
@@ -107,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--use-cpu", action="store_true", help="Train on CPU even if a GPU is present.")
     parser.add_argument(
         "--skip-final-save", action="store_true",
-        help="Do not save the final model (measurement runs); checkpoints still follow --save-steps.",
+        help="Do not save the final model (measurement runs: add --save-steps 0 for no checkpoint either).",
     )  # fmt: skip
     args = parser.parse_args(argv)
     check_args(args)
@@ -144,10 +147,14 @@ def world_size() -> int:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse contradictory or impossible settings before anything is loaded."""
-    for name in ("batch_size", "global_batch_size", "grad_accum", "save_steps", "logging_steps"):
+    for name in ("batch_size", "global_batch_size", "grad_accum", "logging_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    if args.save_steps < 0:
+        raise ValueError(f"--save-steps must be >= 0 (0: no checkpoints), got {args.save_steps}.")
+    if args.eval_dataset and args.save_steps == 0 and not args.eval_steps:
+        raise ValueError("--eval-dataset with --save-steps 0 needs --eval-steps (it defaults to --save-steps).")
     if args.global_batch_size is not None:
         if args.grad_accum is not None:
             raise ValueError("Give --global-batch-size or --grad-accum, not both (the first sets the second).")
@@ -185,8 +192,9 @@ def build_training_arguments(args: argparse.Namespace) -> TrainingArguments:
         num_train_epochs=args.epochs,
         max_steps=args.max_steps,
         logging_steps=args.logging_steps,
-        save_strategy="steps",
-        save_steps=args.save_steps,
+        # Trainer also checkpoints the last step under "steps"; "no" writes no checkpoint at all.
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        save_steps=max(args.save_steps, 1),
         save_total_limit=args.save_total_limit,
         seed=args.seed,
         bf16=args.bf16,

@@ -270,8 +270,8 @@ def reduced_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -> 
               "--global-batch-size", str(global_batch), "--learning-rate", "1e-4", "--warmup", "0",
               "--freeze-audio-encoder", "--seed", "0"]  # fmt: skip
     runs = {"1gpu": work / "reduced_1gpu", f"{gpus}gpu": work / f"reduced_{gpus}gpu"}
-    # Only the run that is resumed (the one on the most GPUs) writes the middle checkpoint: fp32 Adam states are big.
-    one_save = middle if gpus == 1 else args.steps + 1
+    # Only the run that is resumed (the one on the most GPUs) writes checkpoints: fp32 Adam states are big.
+    one_save = middle if gpus == 1 else 0
     one = runner.finetune("reduced_1gpu", 1, [*common, "--output-dir", str(runs["1gpu"]),
                           "--batch-size", str(global_batch), "--save-steps", str(one_save)], "no")  # fmt: skip
     result: dict = {"global_batch": global_batch, "steps": args.steps, "precision": "float32",
@@ -294,7 +294,7 @@ def reduced_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -> 
     resumed_dir = work / f"reduced_{gpus}gpu_resumed"
     per_gpu = args.per_gpu_batch if gpus > 1 else global_batch
     resumed = runner.finetune(f"reduced_{gpus}gpu_resume", gpus, [*common, "--output-dir", str(resumed_dir),
-                              "--batch-size", str(per_gpu), "--save-steps", str(middle),
+                              "--batch-size", str(per_gpu), "--save-steps", "0",
                               "--resume", str(source / f"checkpoint-{middle}")], "no")  # fmt: skip
     resume: dict = {"gpus": gpus, "from_step": middle, "tolerance": {"loss_rtol": RESUME_LOSS_RTOL}}
     summary["resume"] = resume
@@ -309,7 +309,7 @@ def reduced_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -> 
     lora = runner.finetune(f"reduced_{gpus}gpu_lora", gpus, [
         "--model", str(model_dir), "--dataset", str(data), "--max-steps", "4", "--output-dir", str(lora_dir),
         "--batch-size", str(per_gpu), "--learning-rate", "1e-3", "--lora", "--freeze-audio-encoder",
-        "--save-steps", "1000"])  # fmt: skip
+        "--save-steps", "0"])  # fmt: skip
     summary["lora"] = {"gpus": gpus, "ok": lora["ok"]}
     if lora["ok"]:
         summary["lora"]["losses"] = _losses(lora_dir)
@@ -348,7 +348,7 @@ def fullsize_part(args, runner: Runner, work: Path, gpus: int, summary: dict) ->
         launch = runner.finetune(f"fullsize_{variant}_{gpus}gpu", gpus, [
             "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(output_dir),
             "--max-steps", str(args.fullsize_steps), "--batch-size", str(args.fullsize_batch),
-            "--freeze-audio-encoder", "--save-steps", "100000", "--skip-final-save", *extra])  # fmt: skip
+            "--freeze-audio-encoder", "--save-steps", "0", "--skip-final-save", *extra])  # fmt: skip
         results[variant] = {"command": launch["command"], "ok": launch["ok"]}
         if launch["ok"]:
             results[variant].update(json.loads((output_dir / "train_metrics.json").read_text()))
@@ -370,7 +370,7 @@ def deepspeed_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -
     launch = runner.finetune(f"reduced_{gpus}gpu_zero3", gpus, [
         "--model", str(model_dir), "--dataset", str(data), "--output-dir", str(output_dir), "--max-steps", "4",
         "--batch-size", str(args.per_gpu_batch), "--learning-rate", "1e-4", "--freeze-audio-encoder",
-        "--save-steps", "1000"], deepspeed=True)  # fmt: skip
+        "--save-steps", "0"], deepspeed=True)  # fmt: skip
     summary["deepspeed"] = {"version": version, "ok": launch["ok"]}
     if launch["ok"]:
         summary["deepspeed"]["losses"] = _losses(output_dir)

@@ -330,10 +330,11 @@ def test_multi_gpu_check_compares_equal_global_batches_and_resumes_the_multi_gpu
         assert _option(launches[name], "--mixed_precision") == "no"  # float32 comparison
     resumed = parsed["reduced_2gpu_resume"][1]
     assert resumed.resume == str(Path(two.output_dir) / "checkpoint-4") and two.save_steps == 4
-    assert one.save_steps > one.max_steps  # the 1-GPU run is not resumed: no fp32 optimizer checkpoint
+    assert one.save_steps == 0  # the 1-GPU run is not resumed: no fp32 optimizer checkpoint
     assert parsed["reduced_2gpu_lora"][1].lora and not parsed["reduced_2gpu_lora"][1].skip_final_save
     full, lora = parsed["fullsize_full_2gpu"][1], parsed["fullsize_lora_2gpu"][1]
     assert not full.lora and lora.lora and full.skip_final_save and lora.skip_final_save
+    assert full.save_steps == lora.save_steps == resumed.save_steps == 0  # no 9.4B-parameter fp32 checkpoints
     assert "--mixed_precision" not in launches["fullsize_full_2gpu"]  # bf16 as the yaml ships
     assert all(args.freeze_audio_encoder and not args.gradient_checkpointing for _, args in parsed.values())
 
@@ -393,3 +394,13 @@ def test_adapter_merged_after_a_sharded_run_equals_the_in_memory_merge(finetune,
     for name, weight in expected.items():
         torch.testing.assert_close(state[name], weight, rtol=0, atol=1e-6, msg=name)
     assert merged.audio_invert_tower.lm_head.weight is merged.audio_tower.embed_tokens.weight
+
+
+def test_skip_final_save_and_no_checkpoints_write_only_logs_and_metrics(finetune, equal_length_dataset, tmp_path):
+    argv = _script_args(equal_length_dataset, tmp_path, "--batch-size", "1", "--max-steps", "5", "--save-steps", "0",
+                        "--skip-final-save")  # fmt: skip
+    assert finetune.main(argv) is None
+    assert not (tmp_path / "final").exists() and not list(tmp_path.glob("checkpoint-*"))
+    metrics = json.loads((tmp_path / "train_metrics.json").read_text())
+    assert metrics["steady_steps_timed"] == 2 and metrics["global_batch_size"] == 1  # steps 3-5 after 2 warm-up
+    assert metrics["steady_samples_per_second"] == pytest.approx(1 / metrics["steady_step_seconds"])
