@@ -404,3 +404,23 @@ def test_skip_final_save_and_no_checkpoints_write_only_logs_and_metrics(finetune
     metrics = json.loads((tmp_path / "train_metrics.json").read_text())
     assert metrics["steady_steps_timed"] == 2 and metrics["global_batch_size"] == 1  # steps 3-5 after 2 warm-up
     assert metrics["steady_samples_per_second"] == pytest.approx(1 / metrics["steady_step_seconds"])
+
+
+def test_only_the_writing_process_saves_the_processor(tmp_path, monkeypatch):
+    """Under FSDP every process runs `Trainer._save` (to join the gathers); the processor must not be written by all
+    of them at once into the same folder."""
+    from transformers import TrainingArguments
+
+    from funaudiochat_hf.training_funaudiochat import FunAudioChatTrainer, JsonlSpeechDataset
+
+    processor = FunAudioChatProcessor.from_pretrained(FUNAUDIOCHAT_TINY)
+    dataset = JsonlSpeechDataset(make_synthetic_dataset(tmp_path / "data", processor, num_samples=2))
+    args = TrainingArguments(str(tmp_path / "out"), use_cpu=True, report_to=[], remove_unused_columns=False)
+    trainer = FunAudioChatTrainer(model=FunAudioChatForConditionalGeneration.from_pretrained(FUNAUDIOCHAT_TINY),
+                                  args=args, train_dataset=dataset, processor=processor)  # fmt: skip
+    monkeypatch.setattr(TrainingArguments, "should_save", property(lambda self: False))  # a non-writing process
+    trainer._save(str(tmp_path / "rank1"))
+    assert not (tmp_path / "rank1").exists()
+    monkeypatch.undo()
+    trainer._save(str(tmp_path / "rank0"))
+    assert (tmp_path / "rank0" / "processor_config.json").is_file() and (tmp_path / "rank0" / "config.json").is_file()

@@ -101,7 +101,8 @@ class FunAudioChatTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict=state_dict)
-        if self.processor is not None:
+        # Under FSDP every process calls `_save` (for the collective gathers); only the writer saves files.
+        if self.processor is not None and self.args.should_save:
             self.processor.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
 
     def compute_loss(
