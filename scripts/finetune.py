@@ -171,6 +171,15 @@ def check_args(args: argparse.Namespace) -> None:
         _read_fsdp_config(args.fsdp_config)  # a missing or malformed file fails here, not after loading the model
     if args.deepspeed and (args.fsdp_config or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
         raise ValueError("--deepspeed and FSDP exclude each other: pick one.")
+    if args.lora and fsdp_activation_checkpointing(args):
+        # FSDP's checkpointing wraps each layer in a CheckpointWrapper; peft then looks for the LoRA weights of those
+        # layers under the wrapper's module names, which the gathered state dict does not use, and saves adapters
+        # (final and in every checkpoint) without them.
+        raise ValueError(
+            "--lora with FSDP's activation checkpointing would save adapters without the LoRA weights of the "
+            "checkpointed layers: use examples/accelerate_fsdp_lora.yaml (FSDP activation checkpointing off) and "
+            "--gradient-checkpointing."
+        )
     if args.gradient_checkpointing and fsdp_activation_checkpointing(args):
         raise ValueError(
             "--gradient-checkpointing and FSDP's activation checkpointing (fsdp_activation_checkpointing in the "

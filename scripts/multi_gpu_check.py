@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Multi-GPU fine-tuning check: scripts/finetune.py under `accelerate launch` with examples/accelerate_fsdp.yaml
-(FSDP2, full shard, activation checkpointing, frozen audio encoder), run for real, with a JSON + markdown summary.
+(FSDP2, full shard, activation checkpointing, frozen audio encoder; LoRA: examples/accelerate_fsdp_lora.yaml), run for
+real, with a JSON + markdown summary.
 
     python scripts/multi_gpu_check.py --out "$OUT"                       # every part, on up to 2 GPUs
     python scripts/multi_gpu_check.py --out "$OUT" --parts reduced       # the reduced-depth parts only
@@ -35,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "fixtures" / "funaudiochat_tiny"
 FSDP_YAML = REPO / "examples" / "accelerate_fsdp.yaml"
+FSDP_LORA_YAML = REPO / "examples" / "accelerate_fsdp_lora.yaml"
 ZERO3_JSON = REPO / "examples" / "deepspeed_zero3.json"
 PARTS = ("reduced", "fullsize", "deepspeed")
 # `accelerate launch` of this interpreter's accelerate (no reliance on PATH).
@@ -166,7 +168,12 @@ class Runner:
             # DeepSpeed's "auto" precision follows TrainingArguments.bf16, so the script gets --bf16 as well.
             finetune_args = [*finetune_args, "--deepspeed", str(ZERO3_JSON), "--gradient-checkpointing", "--bf16"]
         else:
-            launcher = [*ACCELERATE_LAUNCH, "--config_file", str(FSDP_YAML), "--num_processes", str(processes)]
+            # LoRA: the config without FSDP's activation checkpointing, and transformers' checkpointing instead.
+            lora = "--lora" in finetune_args
+            if lora:
+                finetune_args = [*finetune_args, "--gradient-checkpointing"]
+            config = FSDP_LORA_YAML if lora else FSDP_YAML
+            launcher = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_processes", str(processes)]
             if mixed_precision is not None:
                 launcher += ["--mixed_precision", mixed_precision]
         launcher += ["--main_process_port", str(29500 + len(self.launches))]

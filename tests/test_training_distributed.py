@@ -27,6 +27,7 @@ from conftest import FUNAUDIOCHAT_TINY
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_YAML = REPO / "examples" / "accelerate_fsdp.yaml"
+FSDP_LORA_YAML = REPO / "examples" / "accelerate_fsdp_lora.yaml"
 # The speech head and the speech embedding are one tensor (`_tied_weights_keys`): it must stay in one FSDP unit.
 TIED_SPEECH_HEAD = ("audio_tower.embed_tokens.weight", "audio_invert_tower.lm_head.weight")
 
@@ -53,12 +54,12 @@ def tiny_model():
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _launcher_env(config_file: Path, num_processes: int = 2) -> dict:
-    """The FSDP / accelerate environment `accelerate launch --config_file ...` gives each process."""
+def _launcher_env(config_file: Path, num_processes: int = 2, *options: str) -> dict:
+    """The FSDP / accelerate environment `accelerate launch --config_file ... [options]` gives each process."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    argv = ["--config_file", str(config_file), "--num_processes", str(num_processes), "scripts/finetune.py"]
+    argv = ["--config_file", str(config_file), "--num_processes", str(num_processes), *options, "scripts/finetune.py"]
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
     env = prepare_multi_gpu_env(args)
     return {key: value for key, value in env.items() if key.startswith(("FSDP_", "ACCELERATE_"))}
@@ -118,14 +119,15 @@ def test_fsdp_units_are_the_transformer_layers_and_the_tied_head_stays_in_the_ro
         ]
         + [f"{prefix}language_model.model.layers.{i}" for i in range(config.text_config.num_hidden_layers)]
     )
-    units = _fsdp_units(model, _launcher_env(FSDP_YAML))
+    config_file = FSDP_LORA_YAML if lora else FSDP_YAML
+    units = _fsdp_units(model, _launcher_env(config_file))
     assert units == expected
     for unit in units:
         names = {f"{unit}.{name}" for name, _ in model.get_submodule(unit).named_parameters()}
         assert not names & {prefix + name for name in TIED_SPEECH_HEAD}, unit
     # Why the config names the classes: accelerate's default (the model's `_no_split_modules`) would shard the
     # discrete encoder and the CRQ decoder as two units, each holding one end of the tied speech head.
-    env = {key: value for key, value in _launcher_env(FSDP_YAML).items() if key != "FSDP_TRANSFORMER_CLS_TO_WRAP"}
+    env = {key: value for key, value in _launcher_env(config_file).items() if key != "FSDP_TRANSFORMER_CLS_TO_WRAP"}
     default_units = _fsdp_units(model, env)
     assert f"{prefix}audio_tower" in default_units and f"{prefix}audio_invert_tower" in default_units
 
@@ -175,6 +177,13 @@ def test_gradient_checkpointing_conflicts_with_fsdp_activation_checkpointing(fin
         assert not finetune.parse_args(_argv()).gradient_checkpointing
         with pytest.raises(ValueError, match="exclude each other: pick one"):
             finetune.parse_args(_argv("--deepspeed", "examples/deepspeed_zero3.json"))
+        with pytest.raises(ValueError, match="use examples/accelerate_fsdp_lora.yaml"):
+            finetune.parse_args(_argv("--lora"))
+    with monkeypatch.context() as patch:
+        for key, value in _launcher_env(FSDP_LORA_YAML).items():
+            patch.setenv(key, value)
+        args = finetune.parse_args(_argv("--lora", "--gradient-checkpointing"))
+        assert args.lora and args.gradient_checkpointing
     fsdp_json = tmp_path / "fsdp.json"
     fsdp_json.write_text(json.dumps({"version": 2, "activation_checkpointing": True}))
     with pytest.raises(ValueError, match="drop --gradient-checkpointing"):
@@ -200,11 +209,12 @@ def test_fsdp_config_file_turns_fsdp_on_in_the_training_arguments(finetune, tmp_
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Two processes (DDP, gloo) against one
+# Two processes (DDP, and accelerate's FSDP2 path, on gloo) against one
 # ------------------------------------------------------------------------------------------------------------------
 
 
 STEPS = 4
+FSDP_ON_CPU = REPO / "tests" / "fsdp_on_cpu.py"
 
 
 @pytest.fixture(scope="module")
@@ -222,16 +232,19 @@ def _script_args(dataset: Path, output_dir: Path, *extra) -> list[str]:
     return [
         "--model", str(FUNAUDIOCHAT_TINY), "--dataset", str(dataset), "--output-dir", str(output_dir),
         "--max-steps", str(STEPS), "--save-steps", "2", "--learning-rate", "2e-3", "--use-cpu", "--num-workers", "0",
-        *extra,
+        "--freeze-audio-encoder", *extra,
     ]  # fmt: skip
 
 
-def _torchrun(argv: list[str], processes: int = 2) -> None:
+def _torchrun(argv: list[str], fsdp: Path | None = None) -> None:
+    """scripts/finetune.py on 2 CPU processes: DDP, or accelerate's FSDP2 path with the `fsdp` accelerate config."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-        str(REPO / "scripts" / "finetune.py"), *argv,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        *([str(FSDP_ON_CPU)] if fsdp else []), str(REPO / "scripts" / "finetune.py"), *argv,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    if fsdp:
+        env.update(_launcher_env(fsdp, 2, "--mixed_precision", "no"))  # float32: the 1-process reference is float32
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -242,52 +255,86 @@ def _losses(output_dir: Path) -> list[list[float]]:
     return [[entry[key] for key in keys] for entry in history if "loss" in entry]
 
 
+def _assert_same_training(run: Path, reference: Path, loss_rtol: float, weight_atol: float) -> None:
+    losses, expected = _losses(run), _losses(reference)
+    assert [row[0] for row in losses] == [row[0] for row in expected] == list(range(1, STEPS + 1))
+    for row, expected_row in zip(losses, expected):
+        assert row == pytest.approx(expected_row, rel=loss_rtol), row[0]
+    weights = load_file(run / "final" / "model.safetensors")
+    expected_weights = load_file(reference / "final" / "model.safetensors")
+    assert weights.keys() == expected_weights.keys()
+    for name, weight in expected_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=0, atol=weight_atol, msg=name)
+
+
 @pytest.fixture(scope="module")
-def two_process_run(equal_length_dataset, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("ddp2")
+def one_process_run(equal_length_dataset, finetune, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("one_process")
+    finetune.main(_script_args(equal_length_dataset, output_dir, "--batch-size", "2"))
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_run(equal_length_dataset, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("ddp")
     _torchrun(_script_args(equal_length_dataset, output_dir, "--batch-size", "1"))
     return output_dir
 
 
-def test_two_processes_match_one_process_with_twice_the_batch(two_process_run, equal_length_dataset, finetune,
-                                                             tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(equal_length_dataset, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("fsdp")
+    _torchrun(_script_args(equal_length_dataset, output_dir, "--batch-size", "1"), fsdp=FSDP_YAML)
+    return output_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_with_twice_the_batch(launch, one_process_run, request):
     """2 processes x batch 1 = 1 process x batch 2: same samples per step (the seeded sampler's permutation, the
-    processes take alternate batches of it), the gradients averaged over the processes as over the batch."""
-    assert {path.name for path in (two_process_run / "checkpoint-2").glob("rng_state_*.pth")} == {
-        "rng_state_0.pth", "rng_state_1.pth"
-    }  # really two processes
-    finetune.main(_script_args(equal_length_dataset, tmp_path, "--batch-size", "2"))
-    two, one = _losses(two_process_run), _losses(tmp_path)
-    assert [row[0] for row in two] == list(range(1, STEPS + 1))
-    for row_two, row_one in zip(two, one):
-        # float32; only the summation order of the loss and the gradient differs
-        assert row_two == pytest.approx(row_one, rel=1e-5), row_two[0]
-    assert one[-1][1] < one[0][1]  # it trains
-    metrics = json.loads((two_process_run / "train_metrics.json").read_text())
+    processes take alternate batches of it), the gradients averaged over the processes as over the batch. float32;
+    only the summation order of the loss and the gradients differs."""
+    run = request.getfixturevalue(f"{launch}_run")
+    checkpoint = run / "checkpoint-2"
+    assert {path.name for path in checkpoint.glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    assert (checkpoint / "pytorch_model_fsdp.bin").is_file() == (launch == "fsdp")  # really sharded, or really not
+    _assert_same_training(run, one_process_run, loss_rtol=1e-5, weight_atol=1e-5)
+    losses = _losses(one_process_run)
+    assert losses[-1][1] < losses[0][1]  # it trains
+    metrics = json.loads((run / "train_metrics.json").read_text())
     assert metrics["global_batch_size"] == 2 and metrics["steady_samples_per_second"] > 0
-    final_two = load_file(two_process_run / "final" / "model.safetensors")
-    final_one = load_file(tmp_path / "final" / "model.safetensors")
-    for name, weight in final_one.items():
-        torch.testing.assert_close(final_two[name], weight, rtol=0, atol=1e-5, msg=name)
     # The GPU driver's measure of the same: the difference relative to the update training made.
     compare_weights = _load_script("multi_gpu_check").compare_weights
-    same = compare_weights(FUNAUDIOCHAT_TINY, tmp_path / "final", two_process_run / "final")
+    same = compare_weights(FUNAUDIOCHAT_TINY, one_process_run / "final", run / "final")
     assert same["update_norm"] > 0.1 and same["relative"] < 1e-5
-    assert compare_weights(FUNAUDIOCHAT_TINY, tmp_path / "final", FUNAUDIOCHAT_TINY)["relative"] == pytest.approx(1)
+    assert compare_weights(FUNAUDIOCHAT_TINY, run / "final", FUNAUDIOCHAT_TINY)["relative"] == pytest.approx(1)
 
 
-def test_two_process_resume_continues_the_two_process_run(two_process_run, equal_length_dataset, tmp_path):
+@pytest.mark.slow
+def test_fsdp_resume_continues_the_run_and_the_saved_model_generates(fsdp_run, equal_length_dataset, tmp_path):
+    """Save on 2 FSDP processes, resume on 2: the same losses and weights; the full-state-dict save loads with
+    `from_pretrained` and `generate_speech` runs on it."""
     _torchrun(_script_args(equal_length_dataset, tmp_path, "--batch-size", "1",
-                           "--resume", str(two_process_run / "checkpoint-2")))  # fmt: skip
-    resumed, full = _losses(tmp_path), _losses(two_process_run)
-    assert [row[0] for row in resumed] == list(range(1, STEPS + 1))  # the log history comes with the checkpoint
-    for row_resumed, row_full in zip(resumed, full):
-        assert row_resumed == pytest.approx(row_full, rel=1e-6), row_full[0]
-    final_full = load_file(two_process_run / "final" / "model.safetensors")
-    final_resumed = load_file(tmp_path / "final" / "model.safetensors")
-    for name, weight in final_full.items():
-        torch.testing.assert_close(final_resumed[name], weight, rtol=0, atol=1e-6, msg=name)
-    assert "train_runtime" in json.loads((tmp_path / "train_metrics.json").read_text())
+                           "--resume", str(fsdp_run / "checkpoint-2")), fsdp=FSDP_YAML)  # fmt: skip
+    _assert_same_training(tmp_path, fsdp_run, loss_rtol=1e-6, weight_atol=1e-6)
+    result = _load_script("multi_gpu_check").generate_check(fsdp_run / "final", "cpu")
+    assert result["speech_head_tied"] and result["sequence_shape"][1] > result["prompt_length"]
+
+
+@pytest.mark.slow
+def test_fsdp_lora_saves_the_merged_model_of_a_single_process_run(equal_length_dataset, finetune, tmp_path):
+    """LoRA on 2 FSDP processes: the gathered adapter, merged on the main process into a fresh base model, gives the
+    model a single process trains with twice the batch."""
+    lora = ("--lora", "--lora-r", "4", "--save-steps", "0", "--gradient-checkpointing")
+    _torchrun(_script_args(equal_length_dataset, tmp_path / "fsdp", "--batch-size", "1", *lora), fsdp=FSDP_LORA_YAML)
+    finetune.main(_script_args(equal_length_dataset, tmp_path / "one", "--batch-size", "2", *lora))
+    adapters = [load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("fsdp", "one")]
+    assert adapters[0].keys() == adapters[1].keys()  # every LoRA weight gathered, the layers' too
+    _assert_same_training(tmp_path / "fsdp", tmp_path / "one", loss_rtol=1e-5, weight_atol=1e-5)
+    base = load_file(FUNAUDIOCHAT_TINY / "model.safetensors")
+    merged = load_file(tmp_path / "fsdp" / "final" / "model.safetensors")
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], base[name])  # the adapters are in
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -306,9 +353,10 @@ def _planned_launches(tmp_path: Path, gpus: int) -> dict[str, list[str]]:
 def _finetune_args(finetune, command: list[str]):
     """The launch's processes, and its finetune.py arguments as the script parses them under that launch."""
     processes = int(command[command.index("--num_processes") + 1])
-    assert command[command.index("--config_file") + 1] == str(FSDP_YAML)
+    config_file = Path(command[command.index("--config_file") + 1])
     script_args = command[command.index(str(REPO / "scripts" / "finetune.py")) + 1 :]
-    with mock.patch.dict(os.environ, {**_launcher_env(FSDP_YAML, processes), "WORLD_SIZE": str(processes)}):
+    assert config_file == (FSDP_LORA_YAML if "--lora" in script_args else FSDP_YAML)
+    with mock.patch.dict(os.environ, {**_launcher_env(config_file, processes), "WORLD_SIZE": str(processes)}):
         return processes, finetune.parse_args(script_args)
 
 
@@ -336,7 +384,8 @@ def test_multi_gpu_check_compares_equal_global_batches_and_resumes_the_multi_gpu
     assert not full.lora and lora.lora and full.skip_final_save and lora.skip_final_save
     assert full.save_steps == lora.save_steps == resumed.save_steps == 0  # no 9.4B-parameter fp32 checkpoints
     assert "--mixed_precision" not in launches["fullsize_full_2gpu"]  # bf16 as the yaml ships
-    assert all(args.freeze_audio_encoder and not args.gradient_checkpointing for _, args in parsed.values())
+    for _, args in parsed.values():  # LoRA: transformers' checkpointing; full fine-tuning: FSDP's
+        assert args.freeze_audio_encoder and args.gradient_checkpointing == args.lora
 
 
 def test_multi_gpu_check_on_one_gpu_runs_what_applies(tmp_path, finetune):
