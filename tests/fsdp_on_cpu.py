@@ -25,7 +25,10 @@ def _fsdp_accelerator_init(self, *args, **kwargs):
     # Both shared states: AcceleratorState copies PartialState's when it is (re)built.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     self.state.distributed_type = DistributedType.FSDP
-    self.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
+    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
+    if self.state.mixed_precision != "no":
+        plugin.set_mixed_precision(self.state.mixed_precision)  # as AcceleratorState does for FSDP
+    self.state.fsdp_plugin = plugin
 
 
 if __name__ == "__main__":

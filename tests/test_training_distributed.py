@@ -236,15 +236,16 @@ def _script_args(dataset: Path, output_dir: Path, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def _torchrun(argv: list[str], fsdp: Path | None = None) -> None:
-    """scripts/finetune.py on 2 CPU processes: DDP, or accelerate's FSDP2 path with the `fsdp` accelerate config."""
+def _torchrun(argv: list[str], fsdp: Path | None = None, mixed_precision: str = "no") -> None:
+    """scripts/finetune.py on 2 CPU processes: DDP, or accelerate's FSDP2 path with the `fsdp` accelerate config
+    (float32 by default: the 1-process references are float32)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         *([str(FSDP_ON_CPU)] if fsdp else []), str(REPO / "scripts" / "finetune.py"), *argv,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     if fsdp:
-        env.update(_launcher_env(fsdp, 2, "--mixed_precision", "no"))  # float32: the 1-process reference is float32
+        env.update(_launcher_env(fsdp, 2, "--mixed_precision", mixed_precision))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -319,6 +320,20 @@ def test_fsdp_resume_continues_the_run_and_the_saved_model_generates(fsdp_run, e
     _assert_same_training(tmp_path, fsdp_run, loss_rtol=1e-6, weight_atol=1e-6)
     result = _load_script("multi_gpu_check").generate_check(fsdp_run / "final", "cpu")
     assert result["speech_head_tied"] and result["sequence_shape"][1] > result["prompt_length"]
+
+
+@pytest.mark.slow
+def test_fsdp_in_bf16_as_shipped_trains_like_float32(fsdp_run, equal_length_dataset, tmp_path):
+    """The shipped config's bf16: FSDP2 computes with bf16 copies of the float32 master weights (no dtype clash in
+    the audio encoder, the CRQ or the losses), and saves float32 weights."""
+    _torchrun(_script_args(equal_length_dataset, tmp_path, "--batch-size", "1", "--save-steps", "0"),
+              fsdp=FSDP_YAML, mixed_precision="bf16")  # fmt: skip
+    losses, float32 = _losses(tmp_path), _losses(fsdp_run)
+    assert [row[1:4] for row in losses] != [row[1:4] for row in float32]  # bf16 really ran
+    for row, reference in zip(losses, float32):
+        assert row[1:4] == pytest.approx(reference[1:4], rel=2e-2), row[0]  # loss, text_loss, speech_loss
+    weights = load_file(tmp_path / "final" / "model.safetensors")
+    assert {weight.dtype for weight in weights.values()} == {torch.float32}
 
 
 @pytest.mark.slow
