@@ -1,10 +1,8 @@
-"""Fine-tuning on several processes, on CPU: the accelerate FSDP config as the launcher hands it to FSDP (which layers
-become FSDP units, where the tied speech head lives), the DeepSpeed configs, scripts/finetune.py's multi-process
-arguments, and two DDP processes on the gloo backend against one process (loss curve, weights, save / resume).
-
-accelerate runs FSDP on accelerators only (on CPU processes it falls back to DDP), so the sharded runs themselves are
-in scripts/multi_gpu_check.py; the equivalence checked here is the data order and gradient averaging that FSDP and
-DDP share."""
+"""Fine-tuning on several processes, on CPU: the accelerate FSDP configs as the launcher hands them to FSDP (which
+layers become FSDP units, where the tied speech head lives), the DeepSpeed configs, scripts/finetune.py's multi-process
+arguments, scripts/multi_gpu_check.py's plan, and two processes on the gloo backend against one: DDP, and accelerate's
+own FSDP2 code (tests/fsdp_on_cpu.py: accelerate enables FSDP on accelerators only) with loss curves, weights,
+save / resume, LoRA and bf16. NCCL, CUDA memory and speed are left to scripts/multi_gpu_check.py on GPUs."""
 
 import importlib.util
 import json
