@@ -100,8 +100,14 @@ class FunAudioChatTrainer(Trainer):
         self._eval_samples = 0
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if state_dict:
+            # A gathered full state dict (FSDP) holds the tied speech head as its own copy, which `save_pretrained`
+            # cannot tell from a separate weight (it compares storages): drop it, as a single-process save does.
+            tied = getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", None) or {}
+            state_dict = {name: value for name, value in state_dict.items() if name not in tied}
         super()._save(output_dir, state_dict=state_dict)
-        if self.processor is not None:
+        # Under FSDP every process calls `_save` (for the collective gathers); only the writer saves files.
+        if self.processor is not None and self.args.should_save:
             self.processor.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
 
     def compute_loss(
