@@ -76,6 +76,13 @@ class CosyVoice3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["CosyVoice3DiTBlock"]
     _supports_sdpa = True
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # The DiT calls its own attention (`dit_attention`), not transformers' attention interface: there is no
+        # implementation to switch, so `set_attn_implementation` (also a chat model's, on its bundled decoder) warns
+        # and leaves this model as it is.
+        return False
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
