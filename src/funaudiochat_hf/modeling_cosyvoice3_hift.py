@@ -286,8 +286,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
         ATen makes contiguous anyway. `enabled=False` restores the default layout. Recompiles a compiled
         `filter_body`; re-records streaming CUDA graphs (the layout is part of their settings key).
 
-        Two kinds of conv are rewritten for it (cuDNN has no fast NHWC kernel for them as they are; on an H200 the
-        released HiFT's took a streamed chunk's vocoder from 1.90 to 1.56 ms of GPU time, BENCHMARKS.md): the
+        Two kinds of conv are rewritten for it (cuDNN has no fast NHWC kernel for them as they are; rewritten, a
+        streamed chunk's vocoder measured faster, docs/performance.md): the
         upsampling convs run at the input rate (`CausalConv1dUpsample.store_polyphase_weight`: one conv per output
         phase, stride x fewer multiply-adds, no held signal), and the dilated resblock convs run undilated over a
         (frames / dilation, dilation) view of their input (`_dilated_conv_channels_last`).

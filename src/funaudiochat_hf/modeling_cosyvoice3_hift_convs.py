@@ -40,9 +40,9 @@ def _channels_last_eligible(conv: nn.Conv1d) -> bool:
     """Whether `use_channels_last_convolutions` runs `conv` channels-last: both channel counts multiples of 8.
 
     cuDNN's NHWC tensor-core kernels need the channels in 16-byte vectors (C and K multiples of 4 in TF32 / float32:
-    `..._nhwc_align4`; of 8 in half precision). Otherwise it falls back to slow kernels: on an H200, HiFT's
+    `..._nhwc_align4`; of 8 in half precision). Otherwise it falls back to slow kernels: HiFT's
     18-channel convs (the source STFT into `source_downs`, `conv_post` out to n_fft + 2) ran as
-    `sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_..._nhwc` (one call ~218 us vs ~15 us for the default layout).
+    `sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_..._nhwc`, an order of magnitude slower than in the default layout.
     Multiples of 8 cover both precisions; every other conv of the released HiFT has 64 to 512 channels."""
     return conv.in_channels % _CHANNELS_LAST_ALIGNMENT == 0 and conv.out_channels % _CHANNELS_LAST_ALIGNMENT == 0
 
@@ -86,7 +86,7 @@ def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.
     Frame t = h * d + w of the input viewed as a (frames / d, d) grid (the same memory, see `_frames_major`): the
     taps t, t + d, ..., t + (k - 1) d of a dilated conv are the rows h .. h + k - 1 of column w, so the conv is a
     (k, 1) conv over the grid without dilation. cuDNN has no NHWC kernel for dilated convs: it converts the input and
-    the weight on every call and runs an NCHW kernel (on an H200, ~8 us of conversions on top of a 12-21 us conv for
+    the weight on every call and runs an NCHW kernel (conversions costing a large fraction of the conv itself, for
     each of the released HiFT's 18 dilated convs). Equal up to float rounding."""
     dilation, kernel = conv.dilation[0], conv.kernel_size[0]
     frames = hidden.shape[-1]
@@ -169,7 +169,7 @@ def _inference_cached(owner: nn.Module, parameters: tuple, dtype: torch.dtype, c
     no in-place update: `_version`) and no gradient is needed.
 
     For the F0 predictor, which runs in float64 on every streamed chunk: its weights' casts and weight norm are
-    ~22 small kernels per call (~85 µs of a chunk on an H200) for values that only change with the weights. The
+    ~22 small kernel launches per streamed chunk for values that only change with the weights. The
     cache holds one float64 copy of the predictor's weights (~26 MB at full size)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in parameters)):
         return compute(dtype)
@@ -188,7 +188,7 @@ def conv1d_as_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     hidden (batch, in, frames), weight (out, in, kernel), bias (out,) -> (batch, out, frames - kernel + 1).
 
     For the float64 F0 predictor: cuDNN has no fast float64 convolution (a k=3, 512-channel conv over ~40 frames
-    took ~170 us on an H200), while a float64 GEMM of that size is a few us. Same sums, in another order.
+    measured dozens of times slower than a float64 GEMM of that size). Same sums, in another order.
     """
     out_channels, in_channels, kernel = weight.shape
     batch, _, frames = hidden.shape
@@ -249,8 +249,8 @@ class CausalConv1dUpsample(nn.Conv1d):
     def _polyphase_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Channels-last (batch, in, 1, frames) -> (batch, out, 1, frames * stride) without materialising the held
         signal: one conv with `stride` times the output channels at the input rate (stride times fewer
-        multiply-adds; on an H200 cuDNN ran the first upsampling conv of the released HiFT, 512 -> 256 channels with
-        k=16 over the held frames, as a 216 us kernel). Its output (batch, stride * out, 1, frames) holds, frames
+        multiply-adds; cuDNN ran the first upsampling conv of the released HiFT, 512 -> 256 channels with k=16 over
+        the held frames, as one slow kernel). Its output (batch, stride * out, 1, frames) holds, frames
         major, each frame's phases in order: the same memory as the interleaved (batch, out, 1, frames * stride).
         Equal up to float rounding (taps summed in the weight)."""
         taps = self.polyphase.shape[-1]

@@ -29,11 +29,11 @@ class CosyVoice3PerformanceMixin:
         instead, which with `mode="reduce-overhead"` replays as one CUDA graph per input length. `compile_kwargs`
         go to `torch.compile`; `dynamic` defaults to True (streaming chunk lengths vary). On CUDA in float32, inputs
         on either side of ~10 s of tokens (`MAX_UNFOLD_ELEMENTS`) are two graphs (a 16-bit estimator runs its
-        position convs as a Triton kernel at every length). Offline calls of a few seconds are bound by
-        kernel launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first
-        call), which halved a 10 s call on an H200 (BENCHMARKS.md). `fuse_qkv_projections` (default True): first
-        run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]). The position embedding's conv
-        weights are stored tap-major for its Triton kernel (`store_tap_major_weights`).
+        position convs as a Triton kernel at every length). Offline calls of a few seconds are bound by kernel
+        launches: `mode="reduce-overhead"` replays each input length as a CUDA graph (recorded on its first call),
+        which measured about twice as fast for a 10 s call (docs/performance.md). `fuse_qkv_projections` (default
+        True): first run each DiT block's q/k/v projections as one GEMM ([`fuse_qkv_projections`]). The position
+        embedding's conv weights are stored tap-major for its Triton kernel (`store_tap_major_weights`).
         """
         if fuse_qkv_projections:
             self.fuse_qkv_projections()
@@ -52,14 +52,14 @@ class CosyVoice3PerformanceMixin:
         The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses each Snake activation (~6 element-wise
         kernels eagerly, ~70 of them per call) and the residual sums; streaming decoders replay the compiled stack
         inside their CUDA graph. `compile_kwargs` go to `torch.compile`; `dynamic` defaults to True (the vocoder
-        windows of a stream and offline lengths vary). Measured on an H200 (BENCHMARKS.md): a streamed chunk's vocoder
-        stage goes from 5.4 to 3.8 ms; no offline gain; the first call compiles ~55 s longer.
+        windows of a stream and offline lengths vary). A streamed chunk's vocoder stage measured faster so, with
+        no offline gain; the first call compiles for about a minute longer (docs/performance.md).
 
         `channels_last_convolutions` (None = True when the model is on a CUDA device) first calls
         `hift.use_channels_last_convolutions()`: the filter's convs and the element-wise ops between them run
         channels-last, so that cuDNN's NHWC kernels need no layout conversions (convs with channel counts that are
-        not multiples of 8, such as the 18-channel source_downs and conv_post, keep the default layout). Side by side
-        on an H200, a streamed chunk took 12.91 against 13.25 ms (BENCHMARKS.md).
+        not multiples of 8, such as the 18-channel source_downs and conv_post, keep the default layout). A streamed
+        chunk measured slightly faster so (docs/performance.md).
         """
         if channels_last_convolutions is None:
             channels_last_convolutions = self.device.type == "cuda"
