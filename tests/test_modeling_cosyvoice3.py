@@ -249,6 +249,15 @@ def test_solve_computes_the_rotary_table_once(model, flow_full):
     assert len(tables) == 1 and len(seen) == model.config.n_timesteps and all(rotary is tables[0] for rotary in seen)
 
 
+
+def test_set_attn_implementation_leaves_the_decoder_as_it_is():
+    """The DiT runs its own attention, so switching the attention implementation must not touch the decoder's config
+    (a bundled decoder would otherwise be checked and switched by its chat model's `set_attn_implementation`)."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager" if before != "eager" else "sdpa")
+    assert model.config._attn_implementation == before
+
 def test_additive_attention_mask_values_and_fully_hidden_rows():
     mask = torch.tensor([[True, False, True], [False, False, False]]).reshape(1, 1, 2, 3)
     additive = additive_attention_mask(mask, torch.bfloat16)

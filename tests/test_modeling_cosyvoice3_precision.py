@@ -17,7 +17,7 @@ from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
 
 
 SNR_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decoder_precision_snr.py"
-LOGGER = "funaudiochat_hf.modeling_cosyvoice3"
+LOGGER = "funaudiochat_hf.modeling_cosyvoice3_performance"  # where `apply_device_defaults` logs
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,11 @@ from .triton_attention_funaudiochat import triton
 from .triton_config_funaudiochat import supports_programmatic_launch
 
 
-# The kernel for windows up to this many frames (streamed chunks: 136 frames with a 50-token look-back). Longer ones
-# run faster through cuDNN's attention (measured on an H200, bfloat16, 2 x 16 heads: 8.4 against 13.2 µs at 136
-# frames, 26.9 against 22.4 µs at 500 frames, 182 against 102 µs at 1,500; BENCHMARKS.md). Since the key-padding
-# mask is read one key block ahead: 6.75 µs at 136 frames (130 unmasked), 8.7 against 11.3 µs at 200.
+# The kernel for windows up to this many frames (streamed chunks: 136 frames with a 50-token look-back): measured
+# faster than cuDNN's attention there, slower from about 500 frames on, where longer windows go to cuDNN
+# (docs/performance.md).
 KERNEL_MAX_FRAMES = 256
-# Tiles and launch options: the best of a sweep at 136 frames on an H200 (`BLOCK_M` query frames per program,
+# Tiles and launch options: the best of a sweep at a streamed chunk's 136 frames (`BLOCK_M` query frames per program,
 # `BLOCK_N` key frames per inner step).
 BLOCK_M = 64
 BLOCK_N = 64
@@ -160,8 +159,7 @@ if triton is not None:
         online softmax over blocks of BLOCK_N keys. q / k / v / out rows: `(batch, frames, HEADS * HEAD_DIM)` with
         the given batch and frame strides, the last dimension contiguous; mask: additive `(batch, frames, frames)`
         (strides given; 0 for a broadcast dimension; KEY_MASK: the query stride is 0, one row is read, each key
-        block's part during the previous block: loaded in the block that adds it, its latency stalled every block,
-        8.4 against 6.75 µs per call at 136 frames on an H200)."""
+        block's part during the previous block: loaded in the block that adds it, its latency stalled every block)."""
         if PDL:  # a programmatic dependent launch: q, k and v are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         batch_head = tl.program_id(1)

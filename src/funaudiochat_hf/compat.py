@@ -34,7 +34,7 @@ def rotary_tables(rotary_emb, x: torch.Tensor, position_ids: torch.Tensor) -> tu
 
     For the default rope, the elementwise product of transformers 5.24 (`positions[..., None] * inv_freq`) on every
     release: 5.17 forms the same products as a K=1 batched matmul, which Inductor leaves to a cuBLAS sgemm, one more
-    kernel (~3 µs on an H200) per stack call of a decode step. One float32 product per entry either way: equal values.
+    kernel launch per stack call of a decode step. One float32 product per entry either way: equal values.
     Other rope types (their `dynamic_rope_update` may change `inv_freq`) call the module.
     """
     if getattr(rotary_emb, "rope_type", None) != "default":

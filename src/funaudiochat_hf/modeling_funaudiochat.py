@@ -1,7 +1,9 @@
-"""Fun-Audio-Chat: audio encoders, the CRQ speech decoder and `FunAudioChatForConditionalGeneration`.
+"""Fun-Audio-Chat: `FunAudioChatForConditionalGeneration`, the chat model (forward, losses, prompt embedding, loading).
 
-Module names follow the official checkpoint (`continuous_audio_tower`, `audio_tower`, `audio_invert_tower`,
-`language_model`) so the released safetensors load unchanged.
+Its audio encoders are in `modeling_funaudiochat_audio.py`, the CRQ speech decoder in `modeling_funaudiochat_crq.py`,
+the shared `FunAudioChatPreTrainedModel` in `modeling_funaudiochat_pretrained.py`. Module names follow the official
+checkpoint (`continuous_audio_tower`, `audio_tower`, `audio_invert_tower`, `language_model`) so the released
+safetensors load unchanged.
 
 Data flow (spec §4-5):
   mel (A_w, 128, F) -> `continuous_audio_tower` -> (A_w, S, H) at 25 Hz
@@ -10,7 +12,6 @@ Data flow (spec §4-5):
   per LLM position.
 """
 
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -19,49 +20,23 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
-from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-    Qwen2_5OmniAudioAttention,
-    Qwen2_5OmniAudioEncoderLayer,
-    eager_attention_forward,
-)
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
+from transformers import AutoModelForCausalLM, GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPooling, CausalLMOutputWithPast
 
 from .compat import CACHE_KWARG, OUTPUT_CACHE_FIELD, cache_kwargs
-from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
+from .configuration_funaudiochat import FunAudioChatConfig
 from .generation_funaudiochat import FunAudioChatSpeechGenerationMixin
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
+from .modeling_funaudiochat_audio import (  # noqa: F401  (re-exported: importable from here as before)
+    FunAudioChatAudioAttention,
+    FunAudioChatAudioEncoder,
+    FunAudioChatDiscreteEncoder,
+    FunAudioChatUnusedTable,
+    sinusoid_position_table,
+)
+from .modeling_funaudiochat_crq import FunAudioChatCRQDecoder
+from .modeling_funaudiochat_pretrained import FunAudioChatPreTrainedModel
 from .weights_files_funaudiochat import unreadable_weights_error
-
-
-def sinusoid_position_table(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
-    """Whisper's sinusoidal position table `(length, channels)`: `[sin(t * inv_j) || cos(t * inv_j)]` with
-    `inv_j = exp(-j * ln(max_timescale) / (channels / 2 - 1))`, j < channels / 2."""
-    if channels % 2 != 0:
-        raise ValueError(f"The sinusoidal position table needs an even number of channels, got {channels}.")
-    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
-    inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2, dtype=torch.float32))
-    scaled_time = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
-    return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
-
-
-def _chunk_lengths(feature_lens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Lengths of the consecutive `chunk_size`-frame chunks of every clip (the last one of a clip may be shorter).
-
-    Args:
-        feature_lens: `(num_clips,)` frame counts, all > 0.
-    Returns:
-        `(num_chunks,)` chunk lengths, clip-major.
-    """
-    num_chunks = torch.div(feature_lens + chunk_size - 1, chunk_size, rounding_mode="floor")
-    chunk_lengths = torch.full((int(num_chunks.sum()),), chunk_size, dtype=torch.long, device=feature_lens.device)
-    last_chunk = num_chunks.cumsum(0) - 1
-    tail = feature_lens % chunk_size
-    chunk_lengths[last_chunk] = torch.where(tail == 0, chunk_size, tail)
-    return chunk_lengths
 
 
 @dataclass
@@ -118,363 +93,6 @@ class FunAudioChatPromptEmbeddings:
     audio_token_mask: torch.Tensor
     group_speech_labels: torch.Tensor | None = None
     group_text_labels: torch.Tensor | None = None
-
-
-class FunAudioChatDiscreteEncoder(nn.Module):
-    """Discrete speech encoder: speech-token embeddings averaged per group of `group_size` (25 Hz -> 5 Hz), then
-    `output_matching`. Continuous encoder features, when given, are grouped the same way, projected by
-    `continual_output_matching` and replace (or are added to) the rows of the clips that have a waveform.
-
-    `embed_tokens` is also the CRQ speech decoder's output head (tied weights)."""
-
-    def __init__(self, config: FunAudioChatAudioEncoderConfig):
-        super().__init__()
-        self.group_size = config.group_size
-        self.continuous_features_mode = config.continuous_features_mode
-        self.embed_tokens = nn.Embedding(config.codebook_size, config.output_dim, padding_idx=config.pad_token_id)
-        self.output_matching = nn.Linear(config.output_dim, config.output_dim, bias=False)
-        self.continual_output_matching = nn.Linear(config.output_dim, config.output_dim, bias=False)
-
-    def _group_mean(self, frames: torch.Tensor) -> torch.Tensor:
-        """`(N, S, H)` -> `(N, S // K, H)`: mean over each group of K consecutive frames."""
-        num, length, hidden = frames.shape
-        if length % self.group_size != 0:
-            raise ValueError(f"Sequence length {length} is not a multiple of group_size {self.group_size}.")
-        return frames.reshape(num, length // self.group_size, self.group_size, hidden).mean(dim=2)
-
-    def encode_groups(self, speech_ids: torch.Tensor) -> torch.Tensor:
-        """LLM input vectors of speech tokens: `(N, S)` ids -> `(N, S // K, H)` (feeds generated speech back)."""
-        return self.output_matching(self._group_mean(self.embed_tokens(speech_ids)))
-
-    def forward(
-        self,
-        speech_ids: torch.Tensor,
-        continuous_features: torch.Tensor | None = None,
-        feature_exist_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            speech_ids: `(N, S)` speech-token ids, S a multiple of `group_size`.
-            continuous_features: `(N_w, S, H)` continuous encoder output of the clips that have a waveform.
-            feature_exist_mask: `(N,)` bool, which clips have a waveform (N_w true entries; default: all).
-        Returns:
-            `(N, S // K, H)` one LLM input vector per group.
-        """
-        hidden = self.encode_groups(speech_ids)
-        if continuous_features is None:
-            return hidden
-        if feature_exist_mask is None:
-            feature_exist_mask = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        clips_with_audio = feature_exist_mask.to(hidden.device).nonzero().squeeze(1)
-        if clips_with_audio.shape[0] != continuous_features.shape[0]:
-            raise ValueError(
-                f"feature_exist_mask marks {clips_with_audio.shape[0]} clips with a waveform but "
-                f"{continuous_features.shape[0]} continuous feature rows were given."
-            )
-        continuous_features = continuous_features.to(hidden.device, hidden.dtype)
-        continuous = self.continual_output_matching(self._group_mean(continuous_features))
-        if self.continuous_features_mode == "replace":
-            return hidden.index_copy(0, clips_with_audio, continuous)
-        return hidden.index_add(0, clips_with_audio, continuous)
-
-
-class FunAudioChatCRQDecoder(nn.Module):
-    """CRQ speech decoder ("Speech Refined Head"): from the LLM state of every position it predicts the K speech
-    tokens of the next position, autoregressively over K sub-positions with a small Qwen3 Transformer.
-
-    `pre_matching` splits each LLM position into K sub-positions (H -> K * H); `input_matching` maps to the
-    Transformer width; `output_matching` + `lm_head` (tied to the discrete encoder's `embed_tokens`) give the logits.
-    `forward` is the teacher-forced training pass; the generation loop calls the submodules directly.
-    """
-
-    def __init__(self, config: FunAudioChatAudioEncoderConfig):
-        super().__init__()
-        self.group_size = config.group_size
-        hidden_size = config.output_dim
-        crq_config = config.crq_transformer_config
-        self.pre_matching = nn.Linear(hidden_size, hidden_size * self.group_size, bias=True)
-        self.input_matching = nn.Linear(hidden_size, crq_config.hidden_size, bias=False)
-        self.crq_transformer = Qwen3Model(crq_config)
-        # The CRQ only ever gets `inputs_embeds`: its token embedding is dead weight (and absent from checkpoints).
-        self.crq_transformer.embed_tokens = None
-        self.output_matching = nn.Linear(crq_config.hidden_size, hidden_size, bias=False)
-        self.lm_head = nn.Linear(hidden_size, config.codebook_size, bias=False)
-
-    def split_positions(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`(B, L, H)` -> `(B, L * K, H)`: sub-position `t * K + k` gets slice k of `pre_matching` at position t."""
-        batch, length, hidden = hidden_states.shape
-        return self.pre_matching(hidden_states).reshape(batch, length * self.group_size, hidden)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        speech_label_embeds: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Teacher-forced pass over every LLM position (spec §5.4).
-
-        Args:
-            hidden_states: `(B, L, H)` conditioning = LLM final hidden state + (detached) input-token embeddings.
-            speech_label_embeds: `(B, L * K, H)` embeddings of the flat speech labels (pad id where ignored). Rolled
-                by -(K - 1) so sub-position j sees the token preceding its target ("previous speech token").
-            attention_mask: `(B, L)` LLM attention mask (or packing segment ids); repeated for the K sub-positions.
-            position_ids: `(B, L)` LLM positions; sub-position k of position p gets `p * K + k`, trailing padding 0.
-        Returns:
-            `(B, L * K, codebook_size)` speech logits.
-        """
-        group_size = self.group_size
-        inputs = self.split_positions(hidden_states)
-        if speech_label_embeds is not None:
-            inputs = inputs + torch.roll(speech_label_embeds.to(inputs.device), shifts=-(group_size - 1), dims=1)
-        inputs = self.input_matching(inputs)
-
-        if attention_mask is not None and attention_mask.dim() == 2:
-            attention_mask = attention_mask.repeat_interleave(group_size, dim=1)
-        if position_ids is not None:
-            length = position_ids.shape[-1]
-            steps = torch.arange(group_size, device=position_ids.device)
-            sub_positions = (position_ids[..., None] * group_size + steps).flatten(-2)
-            # Trailing padding (after the last non-zero position) keeps position 0 on all its sub-positions.
-            index = torch.arange(length, device=position_ids.device)
-            last_nonzero = torch.where(position_ids != 0, index, -1).amax(dim=-1, keepdim=True)
-            is_trailing_pad = (index > last_nonzero).repeat_interleave(group_size, dim=-1)
-            position_ids = sub_positions.masked_fill(is_trailing_pad, 0)
-
-        hidden = self.crq_transformer(
-            inputs_embeds=inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        return self.lm_head(self.output_matching(hidden))
-
-
-class FunAudioChatPreTrainedModel(PreTrainedModel):
-    """Shared loading / initialisation settings of the Fun-Audio-Chat models."""
-
-    config_class = FunAudioChatConfig
-    config: FunAudioChatConfig
-    # The official checkpoint has no root prefix (keys start with `language_model.`, `audio_tower.`, ...).
-    base_model_prefix = ""
-    main_input_name = "input_ids"
-    input_modalities = ("audio", "text")
-    supports_gradient_checkpointing = True
-    _no_split_modules = [
-        "Qwen3DecoderLayer",
-        "Qwen2_5OmniAudioEncoderLayer",
-        "FunAudioChatDiscreteEncoder",
-        "FunAudioChatCRQDecoder",
-    ]
-    _skip_keys_device_placement = ["past_key_values", "cache"]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_attention_backend = True
-    _can_compile_fullgraph = False
-
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, FunAudioChatAudioEncoder):
-            table = sinusoid_position_table(module.positional_embedding.shape[0], module.positional_embedding.shape[1])
-            init.copy_(module.positional_embedding, table)
-        elif isinstance(module, FunAudioChatUnusedTable):
-            init.zeros_(module.weight)
-
-
-class FunAudioChatUnusedTable(nn.Module):
-    """A `(num_rows, dim)` table the official checkpoint stores (`<prefix>.weight`) but the model never reads: a
-    persistent buffer, so it round-trips through checkpoints without being a parameter that never gets a gradient."""
-
-    def __init__(self, num_rows: int, dim: int):
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(num_rows, dim))
-
-
-class FunAudioChatAudioAttention(Qwen2_5OmniAudioAttention):
-    """Qwen2.5-Omni's audio attention (same parameters) that can also run on equal-length padded chunks.
-
-    transformers' version takes the chunks packed back to back and, unless flash attention's varlen kernel is used,
-    splits them with `cu_seqlens.tolist()` (a host sync in every layer) and makes one attention call per chunk. Given
-    `attention_mask` (num_chunks, 1, 1, chunk_frames), an additive key-padding mask, the input is instead the chunks
-    padded to `chunk_frames` rows each, `(num_chunks * chunk_frames, d_model)`, and one batched call covers them all.
-    """
-
-    def forward(self, hidden_states, cu_seqlens, attention_mask=None, attention_weights: list | None = None, **kwargs):
-        """`attention_weights`: a list that gets this layer's `(num_chunks, heads, chunk_frames, chunk_frames)`
-        weights appended (padded-chunk path with eager attention; other kernels give None)."""
-        if attention_mask is None:
-            if attention_weights is not None:
-                raise ValueError("Attention weights are only returned for the padded-chunk path (eager attention).")
-            return super().forward(hidden_states, cu_seqlens, **kwargs)
-        num_chunks, chunk_frames = attention_mask.shape[0], attention_mask.shape[-1]
-
-        def heads(projection: nn.Linear) -> torch.Tensor:  # (num_chunks, heads, chunk_frames, head_dim)
-            return projection(hidden_states).view(num_chunks, chunk_frames, self.num_heads, -1).transpose(1, 2)
-
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        attn_output, weights = attention(
-            self,
-            heads(self.q_proj),
-            heads(self.k_proj),
-            heads(self.v_proj),
-            attention_mask=attention_mask,
-            scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            is_causal=False,
-            **kwargs,
-        )
-        if attention_weights is not None:
-            attention_weights.append(weights)
-        return self.out_proj(attn_output.reshape(num_chunks * chunk_frames, -1))
-
-
-class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
-    """Continuous audio encoder: Whisper-large-v3-style Transformer on 128-bin log-mels (Qwen2.5-Omni layout).
-
-    Every clip is cut into chunks of `2 * n_window` mel frames (2 s) that are encoded independently (block-diagonal
-    attention; positions restart in every chunk), then average-pooled to 25 Hz and projected to the LLM width.
-    The layers are transformers' `Qwen2_5OmniAudioEncoderLayer` (same math and parameter names), so attention goes
-    through the transformers attention interface (sdpa / flash / eager all give the same, correct, result).
-    """
-
-    config_class = FunAudioChatAudioEncoderConfig
-    config: FunAudioChatAudioEncoderConfig
-    main_input_name = "input_features"
-    # Attention other than flash: run the 2-s chunks padded to one length, one attention call per layer (False:
-    # transformers' packed path, one call per chunk after a host sync in every layer).
-    pad_chunks = True
-    input_modalities = ("audio",)
-    _no_split_modules = ["Qwen2_5OmniAudioEncoderLayer"]
-
-    def __init__(self, config: FunAudioChatAudioEncoderConfig):
-        super().__init__(config)
-        embed_dim = config.d_model
-        self.n_window = config.n_window
-        self.conv1 = nn.Conv1d(config.num_mel_bins, embed_dim, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(embed_dim, embed_dim, kernel_size=3, stride=2, padding=1)
-        # Not in the checkpoint: recomputed from `sinusoid_position_table` (also by `_init_weights` after loading).
-        self.register_buffer(
-            "positional_embedding",
-            sinusoid_position_table(config.max_source_positions, embed_dim),
-            persistent=False,
-        )
-        # Present in the official checkpoint (Qwen2.5-Omni heritage) but never used by the model: kept as a buffer
-        # under the same key, so checkpoints load and save unchanged and no trained parameter goes without gradient.
-        self.audio_bos_eos_token = FunAudioChatUnusedTable(2, config.output_dim)
-        self.layers = nn.ModuleList([Qwen2_5OmniAudioEncoderLayer(config) for _ in range(config.encoder_layers)])
-        for layer in self.layers:
-            layer.self_attn = FunAudioChatAudioAttention(config)
-        self.ln_post = nn.LayerNorm(embed_dim)
-        self.proj = nn.Linear(embed_dim, config.output_dim)
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Module:
-        """The first conv plays the role of the input embedding (e.g. for `enable_input_require_grads`)."""
-        return self.conv1
-
-    @staticmethod
-    def output_lengths(feature_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(after_conv_lens, output_lens)` for mel lengths `feature_lens`: stride-2 conv, then stride-2 pooling."""
-        after_conv = (feature_lens - 1) // 2 + 1
-        return after_conv, (after_conv - 2) // 2 + 1
-
-    def forward(
-        self,
-        input_features: torch.Tensor,
-        feature_lens: torch.Tensor,
-        speech_maxlen: int,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
-    ) -> BaseModelOutput:
-        """
-        Args:
-            input_features: `(num_mel_bins, total_frames)` the valid mel frames of all clips, concatenated clip-major.
-            feature_lens: `(num_clips,)` mel frames per clip (0 for a clip without audio).
-            speech_maxlen: output length per clip (`S`, the padded speech-id length).
-            output_hidden_states: also return the input of every layer and the last layer's output (default: config).
-            output_attentions: also return every layer's attention weights (default: config; eager attention).
-        Returns:
-            `last_hidden_state` `(num_clips, speech_maxlen, output_dim)`: 25 Hz features, zero past each clip's length
-            (and for empty clips), truncated to `speech_maxlen`. `hidden_states`: `encoder_layers + 1` tensors,
-            `(num_chunks, chunk_frames, d_model)` chunks padded to one length (flash attention: the packed valid
-            frames `(frames, d_model)`). `attentions`: `encoder_layers` tensors `(num_chunks, heads, chunk_frames,
-            chunk_frames)`.
-        """
-        if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
-        if output_attentions is None:
-            output_attentions = self.config.output_attentions
-        all_hidden_states = [] if output_hidden_states else None
-        all_attentions = [] if output_attentions else None
-        num_clips = feature_lens.shape[0]
-        dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
-        input_features, feature_lens = input_features.to(device), feature_lens.to(device)
-        nonempty = feature_lens > 0
-        if not bool(nonempty.any()):
-            output = torch.zeros(num_clips, speech_maxlen, self.proj.out_features, dtype=dtype, device=device)
-            return BaseModelOutput(last_hidden_state=output, hidden_states=None, attentions=None)
-        clip_lens = feature_lens[nonempty]
-        if int(clip_lens.sum()) != input_features.shape[-1]:
-            raise ValueError(
-                f"feature_lens sum to {int(clip_lens.sum())} frames but input_features has {input_features.shape[-1]}."
-            )
-
-        # Chunk every clip into 2-s windows and right-pad them to a batch: (num_chunks, mel_bins, max_chunk_len).
-        chunk_lengths = _chunk_lengths(clip_lens, 2 * self.n_window)
-        chunks = input_features.T.split(chunk_lengths.tolist(), dim=0)
-        padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2).to(dtype)
-        frame_mask = torch.arange(padded.shape[-1], device=device) < chunk_lengths[:, None]
-
-        hidden = F.gelu(self.conv1(padded)) * frame_mask[:, None, :].to(dtype)
-        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(max_chunk_len / 2), d_model)
-        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
-
-        chunk_lens_after_conv = (chunk_lengths - 1) // 2 + 1
-        valid = torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]
-        if not self.pad_chunks or "flash" in (self.config._attn_implementation or ""):
-            # The valid frames packed, (total_frames_after_conv, d_model), chunk boundaries in cu_seqlens: flash
-            # attention's varlen kernel, or transformers' per-chunk attention calls.
-            if output_attentions:
-                raise ValueError("output_attentions needs the padded-chunk path: eager attention and pad_chunks.")
-            hidden = hidden[valid]
-            cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
-            for layer in self.layers:
-                if output_hidden_states:
-                    all_hidden_states.append(hidden)
-                hidden = layer(hidden, cu_seqlens=cu_seqlens)[0]
-            if output_hidden_states:
-                all_hidden_states.append(hidden)
-        else:
-            # The chunks padded to one length, (num_chunks * frames, d_model), padded keys masked: one attention call
-            # per layer for every chunk, no host sync (every op but attention is per frame, so padding rows do not
-            # touch the valid ones); the valid frames are packed afterwards.
-            num_chunks, frames, _ = hidden.shape
-            key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
-            key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
-            hidden = hidden.reshape(num_chunks * frames, -1)
-            for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
-                if output_hidden_states:
-                    all_hidden_states.append(hidden.view(num_chunks, frames, -1))
-                hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask, attention_weights=all_attentions)[0]
-            if output_hidden_states:
-                all_hidden_states.append(hidden.view(num_chunks, frames, -1))
-            hidden = hidden.view(num_chunks, frames, -1)[valid]
-
-        # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
-        clip_lens_after_conv, _ = self.output_lengths(clip_lens)
-        pooled = []
-        for clip_hidden in hidden.split(clip_lens_after_conv.tolist(), dim=0):
-            if clip_hidden.shape[0] >= 2:  # average-pool 2:1 to 25 Hz (floor); a 1-frame clip stays as is
-                clip_hidden = F.avg_pool1d(clip_hidden.T, kernel_size=2, stride=2).T
-            pooled.append(clip_hidden)
-        projected = self.proj(self.ln_post(torch.cat(pooled, dim=0))).split([p.shape[0] for p in pooled], dim=0)
-
-        output = projected[0].new_zeros(num_clips, speech_maxlen, projected[0].shape[-1])
-        for clip_index, clip_features in zip(nonempty.nonzero().squeeze(1).tolist(), projected):
-            length = min(clip_features.shape[0], speech_maxlen)
-            output[clip_index, :length] = clip_features[:length]
-        return BaseModelOutput(
-            last_hidden_state=output,
-            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
-            attentions=tuple(all_attentions) if output_attentions else None,
-        )
 
 
 def _check_token_ids(name: str, ids: torch.Tensor, num_embeddings: int) -> None:

@@ -5,10 +5,9 @@ Two implementations of `mish(conv(hidden)) [+ residual]`:
 - `causal_grouped_conv1d` + `F.mish`: every device, dtype and autograd (on CUDA the conv runs as unfold + matmul up to
   `MAX_UNFOLD_ELEMENTS`, see there);
 - `funaudiochat::causal_conv_mish`, one Triton kernel (CUDA, 16-bit inputs, inference): an implicit GEMM that reads the
-  input rows where they are (no unfolded copy) and applies the bias, Mish and the residual in its epilogue. Measured
-  on an H200 (bfloat16, 2 CFG rows x 1024 channels, 16 groups; BENCHMARKS.md): 12.5 µs per conv + Mish at 136 frames
-  (a streamed chunk's window) against 70 µs for unfold + matmul and 99 µs for cuDNN, 59 against 379 / 133 µs at
-  1,500 frames; a streamed chunk 13.70 against 14.02 ms side by side.
+  input rows where they are (no unfolded copy) and applies the bias, Mish and the residual in its epilogue. It
+  measured several times faster than unfold + matmul and than cuDNN at a streamed chunk's 136-frame window, and
+  still faster than both at 1,500 frames (docs/performance.md).
 
 `causal_conv_mish` picks the kernel where it applies (CUDA, bfloat16 / float16, no gradient).
 The kernel wants the conv weight tap-major, `(groups, kernel, in / groups, out / groups)` (`tap_major_weight`); a
@@ -35,7 +34,7 @@ NUM_STAGES = 3
 
 # Largest unfolded conv input (elements) built for the matmul path: 128 MB in float32, about 10 s of CFG-batched
 # frames; longer inputs use cuDNN, whose algorithms are fine at those lengths. The choice is a shape guard in a
-# compiled estimator: the first input past it compiles once more (~90 s at full size on an H200, BENCHMARKS.md).
+# compiled estimator: the first input past it compiles once more (slow at full size).
 MAX_UNFOLD_ELEMENTS = 2**25
 
 
@@ -47,12 +46,11 @@ def causal_grouped_conv1d(
 
     Up to `max_unfold_elements` unfolded input elements (batch * frames * channels * kernel_size), computed as
     unfold + one batched matmul per group instead of the convolution: for the DiT's kernel-31, 16-group conv,
-    cuDNN's float32 heuristics pick an FFT algorithm at some short lengths that takes ~49 ms per call on an H200
-    (136 frames, the window of a 50-token streaming flow call: ~1 s per chunk), and its good algorithms take
-    ~0.42 ms at short lengths where the matmul takes 0.08-0.22 ms (float32 and bfloat16). Equal to the convolution
-    up to float rounding (a different summation order). Longer inputs run the convolution itself (0.43 ms at 1500
-    frames), so memory stays bounded; the size test is a shape guard, so `torch.compile(dynamic=True)` keeps one
-    graph per side of the threshold.
+    cuDNN's float32 heuristics pick, at some short lengths (such as the 136-frame window of a 50-token streaming
+    flow call), an FFT algorithm that is orders of magnitude slower, and even its good algorithms are slower than
+    the matmul at short lengths (float32 and bfloat16). Equal to the convolution up to float rounding (a different
+    summation order). Longer inputs, where cuDNN is fast, run the convolution itself, so memory stays bounded; the
+    size test is a shape guard, so `torch.compile(dynamic=True)` keeps one graph per side of the threshold.
     """
     batch, frames, channels = hidden.shape
     kernel = conv.kernel_size[0]
@@ -62,7 +60,7 @@ def causal_grouped_conv1d(
     in_per_group = channels // groups
     # Columns in (tap, input channel) order: the copy that materialises them moves runs of in/g contiguous channels
     # (coalesced). The (channel, tap) order of `unfold(1, ...)` on (batch, frames, channels) made it read with a
-    # stride of `channels`: on an H200 that copy took ~0.11 ms per conv, more than the matmul (streaming profile).
+    # stride of `channels`, which made that copy slower than the matmul itself.
     padded = F.pad(hidden, (0, 0, kernel - 1, 0)).view(batch, frames + kernel - 1, groups, in_per_group)
     columns = padded.transpose(1, 2).unfold(2, kernel, 1).transpose(-1, -2)  # (batch, groups, frames, kernel, in/g)
     columns = columns.reshape(batch, groups, frames, kernel * in_per_group)

@@ -47,7 +47,7 @@ class CosyVoice3StreamingDecoder:
         HiFT's output equals the reference's whole-history run up to float rounding (tested), as long as
         `hift_left_context_frames` covers its receptive field (about 30 frames; default 64).
 
-    Cost per chunk (measured for issue 3): once the windows are full, every chunk runs exactly the same work (a
+    Cost per chunk: once the windows are full, every chunk runs exactly the same work (a
     flow call over `flow_left_context_tokens + token_hop_len + pre_lookahead_len` tokens and HiFT over
     `hift_left_context_frames` + 2 * hop + 8 frames) and allocates no more than that; no intermediate is
     proportional to the reply length or to the 300 s noise / source tables (tested). The flow call dominates and
@@ -285,8 +285,8 @@ class CosyVoice3StreamingDecoder:
         dtype = flow.input_embedding.weight.dtype  # of the token embeddings, hence of mu
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(dtype)
         # The same for every chunk of every reply: computed once per model (again if the weights or precision change),
-        # and fetched once per reply: checking that model cache's ~50 weight versions takes the host ~0.2 ms, during
-        # which the GPU waits for this chunk (the weights do not change within a reply, as for the speaker condition).
+        # and fetched once per reply: checking that model cache's ~50 weight versions is host work on every chunk,
+        # during which the GPU waits (the weights do not change within a reply, as for the speaker condition).
         if self._conditioning is None:
             self._conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
         conditioning = self._conditioning
