@@ -268,6 +268,7 @@ def test_gemv_kernel_folds_the_norm_of_narrow_inputs(monkeypatch):
     assert [(kwargs["K"], kwargs["FOLDED_NORM"]) for kwargs in launches] == [(1024, True), (4096, False)]
 
 
+@pytest.mark.triton
 def test_rows_kernel_tiles_and_counters_are_checked():
     """Default tiles split the reduction until the grid is large enough, never into empty splits; too few counters
     raise before any launch; a stack's counters cover its widest projection's column tiles."""
