@@ -10,7 +10,8 @@ reply["text"], reply["audio"], reply["sampling_rate"]  # str, float32 (samples,)
 ```
 
 The same file is shipped in one-folder Hub repos (see `scripts/build_hub_repo.py`), where
-`pipeline(model=repo, trust_remote_code=True)` finds it through `config.custom_pipelines` without this package.
+`pipeline(model=repo, trust_remote_code=True)` finds it through `config.custom_pipelines` without this package. With
+the package installed, `pipeline("speech-to-speech", model=repo)` runs the installed code and none of the repo's.
 It only imports its siblings relatively and uses the model's public `generate_speech` / `generate_speech_stream`.
 """
 
@@ -101,7 +102,9 @@ class SpeechToSpeechPipeline(Pipeline):
         source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
         if not source:
             raise ValueError("Pass `processor=` (a FunAudioChatProcessor): it cannot be inferred from this model.")
-        trust = bool(getattr(getattr(model, "config", None), "auto_map", None))
+        # The repo's processor code only where the model itself runs the repo's code (`trust_remote_code`, a
+        # `transformers_modules` class); the installed package serves its own one-folder repos without it.
+        trust = type(model).__module__.startswith("transformers_modules.")
         return AutoProcessor.from_pretrained(source, trust_remote_code=trust)
 
     @property
