@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoModel, Pipeline
+from transformers.utils import logging
 
 from .audio_io import load_audio
 from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
 
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_SAMPLING_RATE = 24000
 # Conversations per `generate_speech` call when a list is passed (override with `batch_size=`).
@@ -94,6 +97,11 @@ class SpeechToSpeechPipeline(Pipeline):
         if speaker is not None and self.speakers and speaker not in self.speakers:
             raise ValueError(f"Unknown speaker {speaker!r}; the decoder has: {', '.join(self.speakers)}.")
         self.default_speaker = speaker
+        if getattr(self.model.config, "tiny_weight_seed", None) is not None:  # written by tiny_model.py
+            logger.warning(
+                "This is the tiny RANDOM-WEIGHT model (funaudiochat_hf.tiny_model): its replies are noise, not speech, "
+                "and gibberish text. Load FunAudioLLM/Fun-Audio-Chat-8B for real replies."
+            )
 
     @staticmethod
     def _processor_for(model):
