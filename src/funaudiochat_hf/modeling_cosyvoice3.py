@@ -17,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .attention_cosyvoice3 import dit_attention
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator, reference_rng_after_flow
 from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
+
+
+logger = logging.get_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -926,6 +929,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         self.flow.decoder.estimator.input_embed.conv_pos_embed.store_tap_major_weights()
         compile_kwargs.setdefault("dynamic", True)
         self._flow_compile_kwargs = dict(compile_kwargs)
+        logger.warning("compile_estimator: the decoder's next call compiles its DiT estimator (a minute or more).")
         if whole_solver:
             decoder = self.flow.decoder
             decoder.solve = torch.compile(decoder.solve, **compile_kwargs)
@@ -952,6 +956,7 @@ class CosyVoice3Token2Wav(CosyVoice3PreTrainedModel):
         if channels_last_convolutions:
             self.hift.use_channels_last_convolutions()
         compile_kwargs.setdefault("dynamic", True)
+        logger.warning("compile_vocoder: the decoder's next call compiles its vocoder (about a minute).")
         self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
 
     @torch.no_grad()

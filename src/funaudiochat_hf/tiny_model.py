@@ -15,7 +15,6 @@ path = build_tiny_model()  # ~/.cache/funaudiochat_hf/tiny-<version>, built once
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -23,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .configuration_funaudiochat import FunAudioChatConfig
 
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 # Bump whenever the recipe below changes: the cache folder name includes it, so stale builds are never reused.
 TINY_MODEL_VERSION = "v2"
@@ -237,6 +237,7 @@ def build_tiny_model(path: str | os.PathLike | None = None, seed: int = 0, force
     if (folder / _COMPLETE_MARKER).is_file() and not force:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning(f"Building the tiny random-weight model in {folder}: once (up to a minute on a CPU), then cached.")
     # Build next to the target and move it into place, so concurrent or interrupted builds never leave half a model.
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     scratch.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any other
