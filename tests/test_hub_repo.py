@@ -153,9 +153,9 @@ def test_build_from_the_official_two_repo_layout(builder, tmp_path):
 
 
 def test_installed_package_serves_the_folder_without_remote_code(hub_dir):
-    """With the package installed, `pipeline("speech-to-speech", model=folder)` needs no `trust_remote_code` (transformers
-    refuses any pipeline listed in `custom_pipelines` without it) and runs none of the folder's code; the task is still
-    inferred from the folder, and `trust_remote_code=True` (the model card's call) keeps working."""
+    """With the package installed, `pipeline("speech-to-speech", model=folder)` needs no `trust_remote_code`
+    (transformers refuses any pipeline listed in `custom_pipelines` without it) and runs none of the folder's code; the
+    task is still inferred from the folder, and `trust_remote_code=True` (the model card's call) keeps working."""
     import sys
 
     import numpy as np

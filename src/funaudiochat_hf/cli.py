@@ -64,7 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, help="random seed for reproducible sampling (default: none)")
     add("--system-prompt", help="system prompt (default: the official spoken-chat prompt)")
     add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ... (default: %(default)s)")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype (default: %(default)s)")
+    add(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="chat model dtype (default: %(default)s)",
+    )
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     add("--debug", action="store_true", help="show full tracebacks")
     return parser
