@@ -158,3 +158,18 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: input file not found: {tmp_path / 'missing.wav'}"
+
+
+def test_a_first_download_is_announced(question, tmp_path, monkeypatch, capsys):
+    """A Hub id whose config is not in the local cache is downloaded first: the wait is announced before it starts."""
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(transformers, "pipeline", offline)
+    assert main([str(question), "--model", "someone/not-cached"]) == 1
+    err = capsys.readouterr().err
+    assert "note: downloading someone/not-cached from the Hub: the first run only" in err and "error: offline" in err
