@@ -86,6 +86,8 @@ def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
     with its estimator and vocoder compiled, and the chat loop compiled. Returns the `generate_speech` keyword
     arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
     compile_kwargs = {} if backend is None else {"backend": backend}
+    note = "note: FUNAUDIOCHAT_FAST=1: the first reply compiles the chat loop and the decoder (a few minutes)."
+    print(note, file=sys.stderr)
     decoder = pipe.decoder
     if decoder is not None:
         decoder.use_low_precision_estimator("bfloat16")

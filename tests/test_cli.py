@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from funaudiochat_hf.cli import main
@@ -63,6 +64,13 @@ def test_list_voices(cache_dir, monkeypatch, capsys):
     "argv, message",
     [
         (["/no/such/question.wav"], "input file not found"),
+        (["DIRECTORY"], "input is a directory, not an audio file"),
+        (["NOT_AUDIO"], "input is not an audio file"),
+        (["QUESTION", "--model", "/no/such/folder"], "--model folder not found: /no/such/folder"),
+        (["QUESTION", "--model", "./missing-model"], "--model folder not found: ./missing-model"),
+        (["QUESTION", "--decoder", "/no/such/decoder"], "--decoder folder not found: /no/such/decoder"),
+        (["QUESTION", "--model", "NOT_AUDIO"], "is a file: pass the model's folder or a Hub id"),
+        (["QUESTION", "--speakers", "/no/such/spk2info.pt"], "--speakers file not found"),
         ([], "no input"),
         (["QUESTION", "--voice", "nobody"], "unknown voice 'nobody'"),
         (["QUESTION", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
@@ -70,12 +78,78 @@ def test_list_voices(cache_dir, monkeypatch, capsys):
         (["QUESTION", "--system-prompt", "x" * 300_000], "--system-prompt has 300000 characters"),
     ],
 )
-def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, monkeypatch, capsys, argv, message):
+def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
-    argv = [str(question) if a == "QUESTION" else a for a in argv]
-    assert main(argv) == 1
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_text("not a recording")
+    paths = {"QUESTION": str(question), "DIRECTORY": str(tmp_path), "NOT_AUDIO": str(not_audio)}
+    assert main([paths.get(a, a) for a in argv]) == 1
     err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err_lines) == 1 and message in err_lines[0]
+    assert len(err_lines) == 1 and message in err_lines[0], err_lines
+
+
+@pytest.mark.parametrize("argv", [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"]])
+def test_bad_voice_and_input_are_rejected_before_any_model_loads(cache_dir, question, tmp_path, monkeypatch, capsys,
+                                                                 argv):  # fmt: skip
+    from funaudiochat_hf import cli
+
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_bytes(b"RIFF\x00\x00")
+    assert main([{"QUESTION": str(question), "NOT_AUDIO": str(not_audio)}.get(a, a) for a in argv]) == 1
+    assert capsys.readouterr().err.startswith("error:")
+
+
+def test_voices_of_a_folder_are_read_before_loading(cache_dir, question, monkeypatch, capsys):
+    """A model folder's voices come from its config.json (no weights loaded): --list-voices and --voice use them."""
+    from funaudiochat_hf import cli
+
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
+    model = str(cache_dir / f"tiny-{TINY_MODEL_VERSION}")
+    assert main(["--list-voices", "--model", model]) == 0
+    assert capsys.readouterr().out.split() == ["中文女", "中文男"]
+    assert main([str(question), "--model", model, "--voice", "nobody"]) == 1
+    assert "unknown voice 'nobody'; this decoder has: 中文女, 中文男" in capsys.readouterr().err
+    # The official two-repo layout: the voices are the official decoder folder's speaker file's.
+    from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_TINY
+
+    assert main(["--list-voices", "--model", str(FUNAUDIOCHAT_TINY), "--decoder", str(COSYVOICE3_TINY)]) == 0
+    assert capsys.readouterr().out.split() == ["中文女", "中文男"]
+
+
+def test_reply_text_cannot_drive_the_terminal(cache_dir, question, monkeypatch, capsys):
+    """Model text is printed with its control characters escaped: an escape sequence, a carriage return or a bidi
+    override in the reply reaches the terminal as visible text, not as an action."""
+    from funaudiochat_hf import cli
+
+    text = "red\x1b[31m!\rover\u202eevil\tok\n中文"
+    assert cli._printable(text) == "red\\x1b[31m!\\rover\\u202eevil\tok\n中文"
+
+    class Pipe:
+        speakers, device, sampling_rate = [], "cpu", 24000
+
+        def __call__(self, inputs, **kwargs):
+            return {"text": text, "audio": np.zeros(240, dtype=np.float32), "sampling_rate": 24000}
+
+        def stream(self, inputs, **kwargs):
+            yield {"text": text, "audio": np.zeros(240, dtype=np.float32), "sampling_rate": 24000, "finished": True}
+
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: Pipe())
+    for extra in ([], ["--stream"]):
+        assert main([str(question), "-o", str(question.parent / "reply.wav"), *extra]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\r" not in out and "\u202e" not in out and "\\x1b[31m" in out
+
+
+def test_help_shows_the_defaults_and_the_first_run(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ("(default: 512; 48 with the tiny offline model)", "temperature (default: 0.8)",
+                     "threshold (default: 0.9)", "(default: sampling)", "The first run waits longer"):  # fmt: skip
+        assert expected in text, expected
 
 
 def test_subprocess_error_has_no_traceback(tmp_path):
@@ -85,3 +159,18 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: input file not found: {tmp_path / 'missing.wav'}"
+
+
+def test_a_first_download_is_announced(question, tmp_path, monkeypatch, capsys):
+    """A Hub id whose config is not in the local cache is downloaded first: the wait is announced before it starts."""
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(transformers, "pipeline", offline)
+    assert main([str(question), "--model", "someone/not-cached"]) == 1
+    err = capsys.readouterr().err
+    assert "note: downloading someone/not-cached from the Hub: the first run only" in err and "error: offline" in err

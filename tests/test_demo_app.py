@@ -37,12 +37,13 @@ def test_fast_setting_is_ignored_with_a_note_off_the_gpu(app, monkeypatch, capsy
     assert pipe.decoder.config.estimator_autocast_dtype is None and not pipe.decoder.flow_is_compiled
 
 
-def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch):
+def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch, capsys):
     pipe = _tiny_pipe(app, monkeypatch)
     decoder = pipe.decoder
     torch._dynamo.reset()
     try:
         kwargs = app.enable_fast_decoding(pipe, backend="eager")
+        assert "the first reply compiles the chat loop and the decoder" in capsys.readouterr().err
         assert kwargs == {"compile": {"backend": "eager"}}
         assert decoder.config.estimator_autocast_dtype == "bfloat16" and decoder.flow_is_compiled
         assert decoder.qkv_projections_fused

@@ -150,3 +150,32 @@ def test_build_from_the_official_two_repo_layout(builder, tmp_path):
     model = AutoModel.from_pretrained(out)
     assert model.token2wav is not None and model.token2wav.config.speaker_names
     assert model.token2wav.config.speaker_names == config["token2wav_config"]["speaker_names"]
+
+
+def test_installed_package_serves_the_folder_without_remote_code(hub_dir):
+    """With the package installed, `pipeline("speech-to-speech", model=folder)` needs no `trust_remote_code`
+    (transformers refuses any pipeline listed in `custom_pipelines` without it) and runs none of the folder's code; the
+    task is still inferred from the folder, and `trust_remote_code=True` (the model card's call) keeps working."""
+    import sys
+
+    import numpy as np
+    from transformers import AutoConfig, pipeline
+
+    import funaudiochat_hf
+
+    before = {name for name in sys.modules if name.startswith("transformers_modules")}
+    s2s = pipeline("speech-to-speech", model=str(hub_dir), device="cpu")
+    assert isinstance(s2s, funaudiochat_hf.SpeechToSpeechPipeline)
+    assert isinstance(s2s.model, funaudiochat_hf.FunAudioChatForConditionalGeneration)
+    assert isinstance(s2s.processor, funaudiochat_hf.FunAudioChatProcessor)
+    reply = s2s(np.zeros(8000, dtype=np.float32), max_new_tokens=6, do_sample=False)
+    assert reply["sampling_rate"] == 24000 and reply["audio"].size > 0
+    for kwargs in ({}, {"trust_remote_code": True}):  # the task inferred from `custom_pipelines`
+        inferred = pipeline(model=str(hub_dir), device="cpu", **kwargs)
+        assert inferred.task == "speech-to-speech" and isinstance(inferred, funaudiochat_hf.SpeechToSpeechPipeline)
+    assert {name for name in sys.modules if name.startswith("transformers_modules")} == before
+    # The entries are kept as the folder wrote them (a model saved from it lists them again).
+    config = AutoConfig.from_pretrained(hub_dir)
+    assert json.loads(config.to_json_string())["custom_pipelines"] == json.loads(
+        (hub_dir / "config.json").read_text()
+    )["custom_pipelines"]

@@ -321,6 +321,20 @@ def test_pipeline_factory_with_the_tiny_model(tiny_pipe):
     assert np.isfinite(reply["audio"]).all() and np.abs(reply["audio"]).max() <= 1.0
 
 
+def test_the_tiny_model_says_it_is_noise(tiny_pipe, monkeypatch):
+    from transformers.testing_utils import CaptureLogger
+
+    from funaudiochat_hf import pipeline_speech_to_speech
+
+    with CaptureLogger(pipeline_speech_to_speech.logger) as captured:
+        SpeechToSpeechPipeline(model=tiny_pipe.model, processor=tiny_pipe.processor)
+    assert "RANDOM-WEIGHT" in captured.out and "noise, not speech" in captured.out
+    monkeypatch.delattr(tiny_pipe.model.config, "tiny_weight_seed")  # as a trained model: no such warning
+    with CaptureLogger(pipeline_speech_to_speech.logger) as captured:
+        SpeechToSpeechPipeline(model=tiny_pipe.model, processor=tiny_pipe.processor)
+    assert "RANDOM-WEIGHT" not in captured.out
+
+
 def test_tiny_model_batch_equals_single_runs(tiny_pipe):
     clips = [synthetic_question(1.0), synthetic_question(2.2)]
     batch = tiny_pipe(clips, max_new_tokens=10, do_sample=False)

@@ -11,6 +11,7 @@ from transformers import AutoModel, AutoProcessor
 import funaudiochat_hf  # noqa: F401
 from funaudiochat_hf.tiny_model import (
     NOISE_WARNING,
+    REPLY_PEAK_DBFS,
     TINY_MODEL_VERSION,
     _prompt,
     _redraw_weights,
@@ -87,6 +88,33 @@ def test_loads_and_speaks(tiny_model_dir):
     assert output.sampling_rate == 24000
     audio = output.audio[0]
     assert audio.ndim == 1 and audio.numel() > 0 and torch.isfinite(audio).all()
+
+
+def _dbfs(audio) -> float:
+    return float(20 * np.log10(np.abs(np.asarray(audio)).max()))
+
+
+def test_replies_are_audible_at_a_normal_level(tiny_model_dir):
+    """The random decoder is leveled at build time: its greedy reply to the synthetic question (the tokens it was
+    leveled on) peaks at REPLY_PEAK_DBFS, and a sampled reply to a recording (the README's offline command) at a normal
+    level too, loud enough to hear (it once peaked at -71 dBFS: an impulse per STFT frame cancelled by the window)."""
+    from conftest import FUNAUDIOCHAT_GOLDEN
+    from funaudiochat_hf.audio_io import load_audio
+
+    model = AutoModel.from_pretrained(tiny_model_dir).eval()
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    prompt = _prompt(processor)
+    leveled = model.generate_speech(
+        **processor(text=prompt, audio=[synthetic_question()], return_tensors="pt"), max_new_tokens=40, do_sample=False
+    ).audio[0]
+    assert abs(_dbfs(leveled) - REPLY_PEAK_DBFS) < 0.5
+    recording = load_audio(str(FUNAUDIOCHAT_GOLDEN / "input_16k.wav"))
+    sampled = model.generate_speech(
+        **processor(text=prompt, audio=[recording], return_tensors="pt"), max_new_tokens=24, seed=1
+    ).audio[0].numpy()
+    assert sampled.size > 24000 // 2  # half a second at least
+    rms = float(20 * np.log10(np.sqrt(np.mean(sampled.astype(np.float64) ** 2))))
+    assert -15 < _dbfs(sampled) < -2 and -40 < rms < -15, (_dbfs(sampled), rms)
 
 
 def test_synthetic_question():

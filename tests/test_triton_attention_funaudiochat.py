@@ -426,8 +426,8 @@ def test_split_mask_bits_give_each_blocks_visible_positions():
     assert json.loads(run_in_triton_interpreter(_MASK_BITS_SCRIPT)) == [True] * 4
 
 
+@pytest.mark.triton
 def test_mask_blocks_hold_a_splits_blocks_up_to_the_limit():
-    pytest.importorskip("triton")
     assert [triton_attention.mask_blocks(b) for b in (1, 3, 4, 5, 64)] == [1, 4, 4, 8, 64]
     assert triton_attention.mask_blocks(65) == 0  # past MAX_MASK_BLOCKS: a mask load per block
 

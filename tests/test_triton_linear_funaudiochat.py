@@ -275,10 +275,10 @@ def test_gemv_kernel_folds_the_norm_of_narrow_inputs(monkeypatch):
     assert folded == [(1024, True), (4096, False), (1024, True), (4096, True)]
 
 
+@pytest.mark.triton
 def test_rows_kernel_counters_are_checked():
     """Too few counters raise before any launch; a stack's counters cover its widest projection's column tiles and
     the decode attention's arrivals."""
-    pytest.importorskip("triton")
     from transformers import Qwen3Config
 
     x, weight = torch.zeros(2, 4096), torch.zeros(512, 4096)

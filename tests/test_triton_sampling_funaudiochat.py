@@ -154,6 +154,7 @@ def test_nucleus_race_goes_on_past_removed_winners_in_the_triton_interpreter():
 HOPPER_SWITCHES = [(True, True, True), (True, False, False), (False, True, False)]
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("switches", HOPPER_SWITCHES)
 def test_kernel_compiles_for_hopper(switches):
     """Every path of the kernel through Triton's compiler (sm_90, on the CPU). The interpreter tests run its Python

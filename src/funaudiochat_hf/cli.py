@@ -11,6 +11,9 @@ Prints the text reply on stdout; progress and notes go to stderr. Errors are one
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,12 +22,18 @@ import numpy as np
 
 
 TINY_MODEL_MAX_NEW_TOKENS = 48  # 9.6 s of speech at most
+# Characters a terminal acts on instead of showing: C0/C1 controls (not tab and newline; a carriage return would let
+# text overwrite itself) and the bidirectional overrides that reorder what is shown. Printed escaped (`\x1b`).
+_TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="funaudiochat-s2s",
         description="Fun-Audio-Chat speech-to-speech: reply to a spoken question with text and 24 kHz speech.",
+        epilog="The first run waits longer: it builds the tiny offline model (or downloads --model and --decoder) "
+        "into a cache that later runs reuse. Every run then loads the models and generates on the chosen device; "
+        "progress and notes go to stderr.",
     )
     add = parser.add_argument
     add("input", nargs="?", help="the spoken question: an audio file (wav, flac, mp3, ogg; any rate, mono or stereo)")
@@ -43,14 +52,24 @@ def _parser() -> argparse.ArgumentParser:
     add("--voice", help="voice name stored in the decoder, e.g. 中文女 (see --list-voices)")
     add("--list-voices", action="store_true", help="print the available voices and exit")
     add("--stream", action="store_true", help="print text and write audio while they are generated")
-    add("--max-new-tokens", type=int, help="reply length limit in LLM steps (0.2 s of speech each)")
-    add("--temperature", type=float, help="speech sampling temperature")
-    add("--top-p", type=float, help="speech nucleus sampling threshold")
-    add("--greedy", action="store_true", help="greedy decoding (deterministic)")
-    add("--seed", type=int, help="random seed for reproducible sampling")
+    add(
+        "--max-new-tokens",
+        type=int,
+        help=f"reply length limit in LLM steps, 0.2 s of speech each (default: 512; {TINY_MODEL_MAX_NEW_TOKENS} with "
+        "the tiny offline model)",
+    )
+    add("--temperature", type=float, help="speech sampling temperature (default: 0.8)")
+    add("--top-p", type=float, help="speech nucleus sampling threshold (default: 0.9)")
+    add("--greedy", action="store_true", help="greedy decoding, deterministic (default: sampling)")
+    add("--seed", type=int, help="random seed for reproducible sampling (default: none)")
     add("--system-prompt", help="system prompt (default: the official spoken-chat prompt)")
-    add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
+    add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ... (default: %(default)s)")
+    add(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="chat model dtype (default: %(default)s)",
+    )
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     add("--debug", action="store_true", help="show full tracebacks")
     return parser
@@ -58,6 +77,80 @@ def _parser() -> argparse.ArgumentParser:
 
 def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _printable(text: str) -> str:
+    """`text` with the characters a terminal would act on (escape sequences, carriage returns, bidi overrides) shown
+    as escapes: model text is printed, never interpreted."""
+    return _TERMINAL_CONTROLS.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def _looks_local(source: str) -> bool:
+    """A path rather than a Hub id (`owner/name` or `name`)."""
+    return source.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(source)) or source.count("/") > 1
+
+
+def _check_input(path: str | None) -> None:
+    """The question exists, is a file and decodes as audio: checked before any model loads."""
+    from .audio_io import load_audio
+
+    if path is None:
+        raise ValueError("no input: pass the spoken question as an audio file (funaudiochat-s2s question.wav)")
+    expanded = Path(path).expanduser()
+    if expanded.is_dir():
+        raise ValueError(f"input is a directory, not an audio file: {path}")
+    if not expanded.is_file():
+        raise ValueError(f"input file not found: {path}")
+    try:
+        load_audio(str(expanded))
+    except ValueError as error:
+        raise ValueError(f"input is not an audio file: {path} ({error})") from None
+
+
+def _check_sources(args) -> None:
+    """--model / --decoder name an existing folder or a Hub id, --speakers an existing file: checked before loading,
+    so that a mistyped path reads "not found" rather than a Hub id format error."""
+    for option, source in (("--model", args.model), ("--decoder", args.decoder)):
+        if source is None:
+            continue
+        path = Path(source).expanduser()
+        if path.is_file():
+            raise ValueError(f"{option} {source} is a file: pass the model's folder or a Hub id")
+        if not path.is_dir() and _looks_local(source):
+            raise ValueError(f"{option} folder not found: {source}")
+    if args.speakers is not None and not Path(args.speakers).expanduser().is_file():
+        raise ValueError(f"--speakers file not found: {args.speakers}")
+
+
+def _config_json(source: str) -> dict | None:
+    """A model's config.json from its folder or the local Hub cache (no download); None where not at hand."""
+    path = Path(source).expanduser() / "config.json"
+    if not path.is_file() and not _looks_local(source):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _voices_before_loading(args) -> list[str] | None:
+    """The decoder's voice names, read from config / speaker files without loading any weights; None where that is not
+    possible (then they are checked once the decoder has loaded)."""
+    if args.model is None and args.decoder is None:
+        from .tiny_model import tiny_token2wav_config
+
+        return list(tiny_token2wav_config(speech_vocab_size=1).speaker_names)
+    if args.decoder is not None:
+        decoder = Path(args.decoder).expanduser()
+        if (decoder / "config.json").is_file():
+            return list(_config_json(str(decoder)).get("speaker_names") or [])
+        from .conversion_cosyvoice3 import SPEAKER_FILES, read_speakers
+
+        found = [args.speakers] if args.speakers else [decoder / n for n in SPEAKER_FILES if (decoder / n).is_file()]
+        return read_speakers(found[0])[0] if found else None
+    config = _config_json(args.model)
+    token2wav = (config or {}).get("token2wav_config")
+    return list(token2wav.get("speaker_names") or []) if token2wav else None
 
 
 def _device(name: str) -> str:
@@ -107,11 +200,13 @@ def _load_pipeline(args):
     register_pipeline()
     model = args.model
     if model is None:
-        _note("note: no --model given: using the tiny offline model (built once, then cached).")
+        _note("note: no --model given: using the tiny offline model (built on the first run, then cached).")
         _note(f"note: {NOISE_WARNING}")
         started = time.perf_counter()
         model = str(build_tiny_model())
         _note(f"tiny model ready at {model} ({time.perf_counter() - started:.1f} s)")
+    elif not _looks_local(model) and _config_json(model) is None:
+        _note(f"note: downloading {model} from the Hub: the first run only, later runs read the local cache.")
     device = _device(args.device)
     _note(f"loading chat model {model} on {device} ...")
     if args.decoder is not None:
@@ -130,11 +225,11 @@ def _load_pipeline(args):
     return pipe
 
 
-def _check_voice(pipe, voice: str | None) -> None:
-    if voice is None or not pipe.speakers:
+def _check_voice(voices: list[str], voice: str | None) -> None:
+    if voice is None or not voices:
         return
-    if voice not in pipe.speakers:
-        raise ValueError(f"unknown voice {voice!r}; this decoder has: {', '.join(pipe.speakers)}.")
+    if voice not in voices:
+        raise ValueError(f"unknown voice {voice!r}; this decoder has: {', '.join(voices)}.")
 
 
 def _write_wav(path: Path, audio: np.ndarray, sampling_rate: int) -> None:
@@ -148,7 +243,7 @@ def _run_offline(pipe, args, kwargs) -> None:
     started = time.perf_counter()
     reply = pipe(args.input, **kwargs)
     elapsed = time.perf_counter() - started
-    print(reply["text"], flush=True)
+    print(_printable(reply["text"]), flush=True)
     _write_wav(Path(args.output), reply["audio"], reply["sampling_rate"])
     seconds = len(reply["audio"]) / reply["sampling_rate"]
     _note(f"wrote {args.output}: {seconds:.2f} s of audio at {reply['sampling_rate']} Hz in {elapsed:.1f} s")
@@ -166,7 +261,7 @@ def _run_streaming(pipe, args, kwargs) -> None:
     try:
         for event in pipe.stream(args.input, **kwargs):
             if event["text"]:
-                print(event["text"], end="", flush=True)
+                print(_printable(event["text"]), end="", flush=True)
             if event["audio"].size:
                 if sink is None:  # the file is created with the first chunk, so the sampling rate is known
                     sink = soundfile.SoundFile(
@@ -190,20 +285,26 @@ def _run_streaming(pipe, args, kwargs) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        # Everything that can be checked without the models is checked first: loading them takes long.
         if not args.list_voices:
-            if args.input is None:
-                raise ValueError("no input: pass the spoken question as an audio file (funaudiochat-s2s question.wav)")
-            if not Path(args.input).expanduser().is_file():
-                raise ValueError(f"input file not found: {args.input}")
+            _check_input(args.input)
         kwargs = _generate_kwargs(args)
         if args.model is None:
             # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
             kwargs.setdefault("max_new_tokens", TINY_MODEL_MAX_NEW_TOKENS)
+        _check_sources(args)
+        voices = _voices_before_loading(args)
+        if args.list_voices and voices is not None:
+            print("\n".join(voices) if voices else "(this decoder stores no named voices)")
+            return 0
+        if voices:
+            _check_voice(voices, args.voice)
         pipe = _load_pipeline(args)
         if args.list_voices:
             print("\n".join(pipe.speakers) if pipe.speakers else "(this decoder stores no named voices)")
             return 0
-        _check_voice(pipe, args.voice)
+        _check_voice(pipe.speakers, args.voice)
+        _note(f"generating the reply on {pipe.device} ...")
         if args.stream:
             _run_streaming(pipe, args, kwargs)
         else:

@@ -182,6 +182,43 @@ class FunAudioChatAudioEncoderConfig(PreTrainedConfig):
         super().__init__(**kwargs)
 
 
+class _PipelinesOfTheRepo(dict):
+    """`config.custom_pipelines` as the installed package reads it: the repo's entries, minus membership (`in`) for
+    the tasks that the package registers itself.
+
+    A one-folder repo (scripts/build_hub_repo.py) lists its `speech-to-speech` pipeline file there, so that
+    `pipeline(model=repo, trust_remote_code=True)` finds it without this package. transformers' `pipeline()` infers
+    the task from the entries' keys, then runs the repo's code for a task `in` them, and refuses to without
+    `trust_remote_code`, even where the installed package registered that task. Read by the installed package, such a
+    task is not `in` the entries, so the installed code serves the repo and none of the repo's code runs; the keys (the
+    task inference) and the saved entries stay as the repo wrote them."""
+
+    def __init__(self, entries: dict, served: frozenset):
+        super().__init__(entries)
+        self.served = served
+
+    def __contains__(self, task) -> bool:
+        return task not in self.served and super().__contains__(task)
+
+    def __reduce__(self):  # copies (`to_dict` deep-copies the config) keep the class and what it serves
+        return type(self), (dict(self), self.served)
+
+
+def _pipelines_of_the_repo(custom_pipelines: dict) -> dict:
+    """`custom_pipelines` with the tasks whose registered pipeline lives next to this file marked as served (see
+    `_PipelinesOfTheRepo`). Read as the repo's own code (a `transformers_modules` copy), nothing is served here."""
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    package = __name__.rpartition(".")[0]
+    served = frozenset(
+        task
+        for task in custom_pipelines
+        if getattr(PIPELINE_REGISTRY.supported_tasks.get(task, {}).get("impl"), "__module__", "").rpartition(".")[0]
+        == package
+    )
+    return _PipelinesOfTheRepo(custom_pipelines, served) if served else custom_pipelines
+
+
 class FunAudioChatConfig(PreTrainedConfig):
     r"""
     Configuration of [`FunAudioChatForConditionalGeneration`]. Defaults are the Fun-Audio-Chat-8B values.
@@ -248,6 +285,8 @@ class FunAudioChatConfig(PreTrainedConfig):
         self.token2wav_config = token2wav_config
         # The official config.json stores `hidden_size` (= text hidden); it is always derived from text_config.
         kwargs.pop("hidden_size", None)
+        if kwargs.get("custom_pipelines"):
+            kwargs["custom_pipelines"] = _pipelines_of_the_repo(kwargs["custom_pipelines"])
         super().__init__(**kwargs)
 
     @classmethod

@@ -591,6 +591,8 @@ _RECOMPILE_LIMIT = 64
 def _compiled(function, options: dict):
     key = (function.__name__, tuple(sorted((name, repr(value)) for name, value in options.items())))
     if key not in _COMPILED:
+        if not any(options_key == key[1] for _, options_key in _COMPILED):  # long one-off work says so
+            logger.warning(f"torch.compile {options}: the first call compiles (minutes at full size); then reused")
         dynamo_config = torch._dynamo.config
         if hasattr(dynamo_config, "recompile_limit"):
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)

@@ -40,6 +40,7 @@ class CosyVoice3PerformanceMixin:
         self.flow.decoder.estimator.input_embed.conv_pos_embed.store_tap_major_weights()
         compile_kwargs.setdefault("dynamic", True)
         self._flow_compile_kwargs = dict(compile_kwargs)
+        logger.warning("compile_estimator: the decoder's next call compiles its DiT estimator (a minute or more).")
         if whole_solver:
             decoder = self.flow.decoder
             decoder.solve = torch.compile(decoder.solve, **compile_kwargs)
@@ -66,6 +67,7 @@ class CosyVoice3PerformanceMixin:
         if channels_last_convolutions:
             self.hift.use_channels_last_convolutions()
         compile_kwargs.setdefault("dynamic", True)
+        logger.warning("compile_vocoder: the decoder's next call compiles its vocoder (about a minute).")
         self.hift.filter_body = torch.compile(self.hift.filter_body, **compile_kwargs)
 
     def use_low_precision_estimator(self, dtype: str = "bfloat16") -> None:

@@ -10,7 +10,8 @@ reply["text"], reply["audio"], reply["sampling_rate"]  # str, float32 (samples,)
 ```
 
 The same file is shipped in one-folder Hub repos (see `scripts/build_hub_repo.py`), where
-`pipeline(model=repo, trust_remote_code=True)` finds it through `config.custom_pipelines` without this package.
+`pipeline(model=repo, trust_remote_code=True)` finds it through `config.custom_pipelines` without this package. With
+the package installed, `pipeline("speech-to-speech", model=repo)` runs the installed code and none of the repo's.
 It only imports its siblings relatively and uses the model's public `generate_speech` / `generate_speech_stream`.
 """
 
@@ -24,11 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoModel, Pipeline
+from transformers.utils import logging
 
 from .audio_io import load_audio
 from .limits_funaudiochat import MAX_AUDIO_SECONDS, check_text_length
 from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
 
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_SAMPLING_RATE = 24000
 # Conversations per `generate_speech` call when a list is passed (override with `batch_size=`).
@@ -97,6 +101,11 @@ class SpeechToSpeechPipeline(Pipeline):
         if speaker is not None and self.speakers and speaker not in self.speakers:
             raise ValueError(f"Unknown speaker {speaker!r}; the decoder has: {', '.join(self.speakers)}.")
         self.default_speaker = speaker
+        if getattr(self.model.config, "tiny_weight_seed", None) is not None:  # written by tiny_model.py
+            logger.warning(
+                "This is the tiny RANDOM-WEIGHT model (funaudiochat_hf.tiny_model): its replies are noise, not speech, "
+                "and gibberish text. Load FunAudioLLM/Fun-Audio-Chat-8B for real replies."
+            )
 
     @staticmethod
     def _processor_for(model):
@@ -105,7 +114,9 @@ class SpeechToSpeechPipeline(Pipeline):
         source = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
         if not source:
             raise ValueError("Pass `processor=` (a FunAudioChatProcessor): it cannot be inferred from this model.")
-        trust = bool(getattr(getattr(model, "config", None), "auto_map", None))
+        # The repo's processor code only where the model itself runs the repo's code (`trust_remote_code`, a
+        # `transformers_modules` class); the installed package serves its own one-folder repos without it.
+        trust = type(model).__module__.startswith("transformers_modules.")
         return AutoProcessor.from_pretrained(source, trust_remote_code=trust)
 
     @property

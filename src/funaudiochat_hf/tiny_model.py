@@ -8,14 +8,13 @@ Use the real model with `--model FunAudioLLM/Fun-Audio-Chat-8B --decoder <CosyVo
 ```python
 from funaudiochat_hf.tiny_model import build_tiny_model
 
-path = build_tiny_model()  # ~/.cache/funaudiochat_hf/tiny-v1, built once (a few seconds), then reused
+path = build_tiny_model()  # ~/.cache/funaudiochat_hf/tiny-<version>, built once (a few seconds), then reused
 ```
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -23,21 +22,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .configuration_funaudiochat import FunAudioChatConfig
 
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 # Bump whenever the recipe below changes: the cache folder name includes it, so stale builds are never reused.
-TINY_MODEL_VERSION = "v1"
+TINY_MODEL_VERSION = "v2"
 ASSETS_DIR = Path(__file__).parent / "tiny_assets"
 _COMPLETE_MARKER = ".complete"
 # How many weight seeds the deterministic search may try before giving up (the first one usually works).
 _MAX_SEED_TRIES = 64
 _SEARCH_MAX_NEW_TOKENS = 40
 _MIN_SPEECH_TOKENS = 20
+# The tiny decoder's level: its reply to the synthetic question peaks here (a normal level for speech, with headroom).
+REPLY_PEAK_DBFS = -6.0
+# Spreads of the vocoder's random outputs: log-magnitudes (natural log; wider ones make a spikier, quieter-sounding
+# noise at the same peak) and phases (radians, before the model's own sin).
+_LOG_MAGNITUDE_STD = 0.5
+_PHASE_STD = float(np.pi)
 
 NOISE_WARNING = (
     "This is a tiny RANDOM-WEIGHT model: its text is gibberish and its audio is noise. It only shows that everything "
@@ -135,8 +141,9 @@ def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(values.to(param.dtype))
 
 
-def _speaks(model, processor) -> tuple[bool, int]:
-    """Whether greedy decoding of the synthetic question emits enough speech and then the speech EOS."""
+def _speaks(model, processor) -> tuple[bool, int, torch.Tensor]:
+    """Whether greedy decoding of the synthetic question emits enough speech and then the speech EOS; the count of
+    speech tokens, and those tokens `(1, count)`."""
     inputs = processor(
         text=_prompt(processor), audio=[synthetic_question()], return_tensors="pt"
     )
@@ -145,9 +152,42 @@ def _speaks(model, processor) -> tuple[bool, int]:
     )
     speech = output.speech_ids[0]
     audio_config = model.config.audio_config
-    n_speech = int((speech < audio_config.bos_token_id).sum())
+    is_speech = speech < audio_config.bos_token_id
+    n_speech = int(is_speech.sum())
     ended = bool((speech == audio_config.eos_token_id).any())
-    return n_speech >= _MIN_SPEECH_TOKENS and ended, n_speech
+    return n_speech >= _MIN_SPEECH_TOKENS and ended, n_speech, speech[is_speech][None]
+
+
+@torch.no_grad()
+def _set_vocoder_level(token2wav, speech_tokens: torch.Tensor, seed: int) -> None:
+    """Redraw HiFT's last convolution so that the random decoder makes audible noise at a normal level.
+
+    Initialised like any transformers model (weights N(0, 0.02^2)), the random HiFT ends in outputs of ~1e-4: every
+    log-magnitude ~0 and every phase ~0, an impulse per STFT frame that the Hann window cancels (-70 dBFS). Here
+    `conv_post` is redrawn so that, on the tiny model's reply `speech_tokens` (1, tokens), its log-magnitude outputs
+    spread by `_LOG_MAGNITUDE_STD` and its phase outputs by `_PHASE_STD` (each output channel's weights scaled to that
+    spread), with a log-magnitude bias that puts the reply's peak at `REPLY_PEAK_DBFS`: the iSTFT is linear in the
+    magnitude, so one probe at a low level fixes the bias."""
+    hift = token2wav.hift
+    conv = hift.conv_post
+    bins = hift.n_fft // 2 + 1
+    speaker = token2wav.get_speaker_embedding()
+    captured = {}
+    hook = conv.register_forward_hook(lambda module, args, output: captured.__setitem__("output", output))
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator))
+        conv.bias.zero_()
+        token2wav(speech_tokens, speaker_embedding=speaker)
+        spread = torch.full((2 * bins,), _PHASE_STD)
+        spread[:bins] = _LOG_MAGNITUDE_STD
+        conv.weight.mul_((spread / captured["output"].std(dim=(0, 2)))[:, None, None])
+        probe_bias = -10.0  # far below the clamps (magnitude <= 1e2, samples <= audio_limit)
+        conv.bias[:bins] = probe_bias
+        peak = token2wav(speech_tokens, speaker_embedding=speaker).waveform.abs().max().item()
+        conv.bias[:bins] = probe_bias + float(np.log(10 ** (REPLY_PEAK_DBFS / 20) / peak))
+    finally:
+        hook.remove()
 
 
 def _prompt(processor) -> str:
@@ -168,13 +208,14 @@ def _build(folder: Path, seed: int) -> None:
     for attempt in range(_MAX_SEED_TRIES):
         weight_seed = seed * 1000 + attempt
         _redraw_weights(model, weight_seed)
-        ok, n_speech = _speaks(model, processor)
+        ok, n_speech, speech_tokens = _speaks(model, processor)
         tried.append((weight_seed, n_speech))
         if ok:
             break
     else:
         raise RuntimeError(f"No weight seed in {tried[0][0]}..{tried[-1][0]} makes the tiny model speak: {tried}")
     logger.info("tiny model: weight seed %d (%d speech tokens)", weight_seed, n_speech)
+    _set_vocoder_level(model.token2wav, speech_tokens, weight_seed)
     model.config.tiny_weight_seed = weight_seed
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
@@ -203,6 +244,7 @@ def build_tiny_model(path: str | os.PathLike | None = None, seed: int = 0, force
     if (folder / _COMPLETE_MARKER).is_file() and not force:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning(f"Building the tiny random-weight model in {folder}: once (up to a minute on a CPU), then cached.")
     # Build next to the target and move it into place, so concurrent or interrupted builds never leave half a model.
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     scratch.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any other
