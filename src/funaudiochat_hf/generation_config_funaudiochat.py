@@ -90,6 +90,7 @@ _NEUTRAL_VALUES = {
 }
 
 CACHE_IMPLEMENTATIONS = ("static", "dynamic")
+SAMPLING_VALUES = ("temperature", "top_p", "top_k")
 
 
 class FunAudioChatGenerationConfig(GenerationConfig):
@@ -112,7 +113,10 @@ class FunAudioChatGenerationConfig(GenerationConfig):
 
     def __init__(self, **kwargs):
         for name, value in SPEECH_DEFAULTS.items():
-            kwargs.setdefault(name, value)
+            # Without sampling the sampling values stay unset (a greedy config that names them does not validate);
+            # `resolve_request` takes the official ones for a stream that samples anyway.
+            if name not in SAMPLING_VALUES or kwargs.get("do_sample", True):
+                kwargs.setdefault(name, value)
         self.text_greedy = kwargs.pop("text_greedy")
         self.force_text_abos = kwargs.pop("force_text_abos")
         self.disable_speech = kwargs.pop("disable_speech")
@@ -275,6 +279,7 @@ def resolve_request(
 
     text_greedy = _check_bool("text_greedy", config.text_greedy)
     shared = {name: getattr(config, name) for name in STREAM_SETTINGS}
+    shared = {name: SPEECH_DEFAULTS[name] if value is None else value for name, value in shared.items()}
     speech = _stream_settings(config, "speech", shared)
     # text_greedy: plain argmax of the raw text logits (the reference bypasses its processors for text).
     text_base = dict(shared, do_sample=False, repetition_penalty=1.0) if text_greedy else shared
