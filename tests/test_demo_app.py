@@ -43,7 +43,7 @@ def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch)
     torch._dynamo.reset()
     try:
         kwargs = app.enable_fast_decoding(pipe, backend="eager")
-        assert kwargs == {"compile": {"backend": "eager"}}
+        assert kwargs == {"backend": "compiled", "compile_config": {"backend": "eager"}}
         assert decoder.config.estimator_autocast_dtype == "bfloat16" and decoder.flow_is_compiled
         assert decoder.qkv_projections_fused
         events = list(pipe.stream(synthetic_question(1.0), max_new_tokens=8, do_sample=False, **kwargs))
