@@ -159,11 +159,11 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _check_int(name: str, value, minimum: int, maximum: int = 2**63 - 1) -> int:
     if not _is_int(value):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"`{name}` must be in [{minimum}, {maximum}], got {value}.")
     return int(value)
 
 
