@@ -746,7 +746,7 @@ def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatc
     batch = {name: torch.cat([value, value]) for name, value in inputs.items()}
     kwargs = dict(GOLDEN_KWARGS, max_new_tokens=3)
     # The text head's kernel has no CPU path outside the interpreter.
-    generator = model.speech_generator(backend="cuda_graphs", plan_overrides={"overlap_text_head": False})
+    generator = model.speech_generator(2, backend="cuda_graphs", plan_overrides={"overlap_text_head": False})
     kernels = generator.generate(**batch, **kwargs)
     decode_steps = [(is_llm, counters) for is_llm, positions, counters in calls if positions == 1]
     llm_counters = [counters for is_llm, counters in decode_steps if is_llm]
@@ -818,17 +818,17 @@ def test_decode_kernels_supported_needs_plain_linears_and_silu():
 
 def test_kernel_view_is_one_object_sharing_the_fused_weights():
     """`with_decode_kernels` returns the same view every run (a compiled step guards on it) over the same tensors;
-    the cached copies themselves keep `decode_kernels` off."""
+    the kept copies themselves keep `decode_kernels` off."""
     crq = _tiny_model().audio_invert_tower.crq_transformer
     fused = fused_crq_projections(crq)
     view = with_decode_kernels(fused)
-    assert with_decode_kernels(fused) is view and with_decode_kernels(fused_crq_projections(crq)) is view
+    assert with_decode_kernels(fused) is view and with_decode_kernels(fused_crq_projections(crq, fused)) is view
     assert all(layer.decode_kernels for layer in view.layers)
     assert not any(layer.decode_kernels for layer in fused.layers)
     assert view.layers[0].qkv_weight is fused.layers[0].qkv_weight
     with torch.no_grad():
         crq.layers[0].mlp.up_proj.weight.add_(1.0)  # stale copies: rebuilt, and so is the view
-    assert with_decode_kernels(fused_crq_projections(crq)) is not view
+    assert with_decode_kernels(fused_crq_projections(crq, fused)) is not view
 
 
 @pytest.mark.gpu
