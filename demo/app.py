@@ -83,8 +83,8 @@ def load_pipeline():
 
 def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
     """The measured fast settings (BENCHMARKS.md): the decoder's DiT in bfloat16 (mel SNR ~49 dB against float32)
-    with its estimator and vocoder compiled, and the chat loop compiled. Returns the `generate_speech` keyword
-    arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
+    with its estimator and vocoder compiled, and the chat loop's "compiled" backend. Returns the `generate_speech`
+    keyword arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
     compile_kwargs = {} if backend is None else {"backend": backend}
     note = "note: FUNAUDIOCHAT_FAST=1: the first reply compiles the chat loop and the decoder (a few minutes)."
     print(note, file=sys.stderr)
@@ -93,7 +93,7 @@ def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
         decoder.use_low_precision_estimator("bfloat16")
         decoder.compile_estimator(**compile_kwargs)
         decoder.compile_vocoder(**compile_kwargs)
-    return {"compile": compile_kwargs or True}
+    return {"backend": "compiled", **({"compile_config": compile_kwargs} if compile_kwargs else {})}
 
 
 def example_wav() -> str:

@@ -157,13 +157,10 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "host": platform.node(),
         "tiny": args.tiny,
         "chat_compile": (
-            f"{compile_argument('compiled', args)!r}, compile_scope={args.compile_scope!r}, "
-            f"compile_attention={args.compile_attention!r}, fuse_crq_projections={args.fuse_crq_projections!r}, "
-            f"fold_crq_matching={args.fold_crq_matching!r}, "
-            f"crq_linear={args.crq_linear!r}, llm_linear={args.llm_linear!r}, speech_sampler={args.speech_sampler!r}, "
-            f"text_head={args.text_head!r}"
+            f"backend={args.chat_backend!r}, compile_config={compile_argument('compiled', args)!r}, "
+            f"plan_overrides={plan_overrides(args)!r}"
             + (f"; kernel_config {json.dumps(args.kernel_config)}" if args.kernel_config else "")
-            + ("; time to first audio also with compile_prefill=False" if args.eager_prefill else "")
+            + ("; time to first audio also with backend='cuda_graphs' (eager prefill)" if args.eager_prefill else "")
         ),
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
         + (" + compile_vocoder()" if args.compile_vocoder else ""),
@@ -505,18 +502,51 @@ def make_chat_inputs(model: torch.nn.Module, batch: int, seconds: float, device:
 
 
 def compile_argument(mode: str, args: argparse.Namespace):
+    """The `compile_config` of the chat's compiled rows (None: generate_speech's defaults)."""
     if mode == "eager":
-        return False
+        return None
     if args.compile_config:
         return json.loads(args.compile_config)
     if is_cuda(args.device):
-        return True  # generate_speech's default: torch.compile(mode="reduce-overhead") -> CUDA graphs
+        return None
     # CPU smoke runs: trace with dynamo (proves the step is capturable) without slow C++ codegen.
     return {"backend": "eager", "fullgraph": True}
 
 
+def plan_overrides(args: argparse.Namespace) -> dict:
+    return json.loads(args.plan_overrides) if args.plan_overrides else {}
+
+
+# One SpeechGenerator per model, backend, cache length and plan overrides: the runs of a row share its caches and
+# recorded graphs, as a serving process would (closed by `drop_generators`).
+_GENERATORS: dict = {}
+
+
+def speech_generator(model, backend: str, max_length: int, overrides: dict, config=None):
+    key = (id(model), backend, max_length, tuple(sorted(overrides.items())), config)
+    if key not in _GENERATORS:
+        _GENERATORS[key] = model.speech_generator(
+            max_batch_size=64, max_length=max_length, backend=backend, plan_overrides=overrides, kernel_config=config
+        )
+    return _GENERATORS[key]
+
+
+def drop_generators(model) -> None:
+    """Close the generators of `model` (their caches and CUDA graphs) and its default one."""
+    for key in [key for key in _GENERATORS if key[0] == id(model)]:
+        _GENERATORS.pop(key).close()
+    if hasattr(model, "clear_speech_caches"):
+        model.clear_speech_caches()
+
+
 def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens: int, **extra) -> dict:
+    """`generate_speech` keywords of a row. `extra`: more keywords; `cache_max_length` (the generator's max_length),
+    `plan_overrides` (the generator's) and `eager_prefill` (the compiled row's kernels and CUDA graphs with an eager prefill: backend "cuda_graphs")
+    pick the `speech_generator`."""
     ids = chat_token_ids(model.config)
+    backend = "eager" if mode == "eager" else args.chat_backend
+    if extra.pop("eager_prefill", False) and mode != "eager":
+        backend = "cuda_graphs"
     kwargs = {
         "max_new_tokens": max_new_tokens,
         # performance.md setting: text greedy, speech sampled T=0.8 / top-p 0.9 / repetition penalty 1.2
@@ -525,24 +555,23 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
         "temperature": 0.8,
         "top_p": 0.9,
         "repetition_penalty": 1.2,
-        # An id the text head can never produce (== vocab size): every run does exactly max_new_tokens steps.
-        "eos_token_id": ids["vocab_size"],
+        # No stop id: every run does exactly max_new_tokens steps.
+        "eos_token_id": [],
         "pad_token_id": ids["pad"],
-        "compile": compile_argument(mode, args),
-        "compile_scope": args.compile_scope,
-        "compile_attention": args.compile_attention,
-        "compile_prefill": None,  # default: compiled with the loop; --eager-prefill adds a TTFA row without
-        "fuse_crq_projections": {"auto": None, "on": True, "off": False}[args.fuse_crq_projections],
-        "fold_crq_matching": {"auto": None, "on": True, "off": False}[args.fold_crq_matching],
-        "crq_linear": args.crq_linear,
-        "llm_linear": args.llm_linear,
-        "speech_sampler": args.speech_sampler,
-        "text_head": args.text_head,
+        "backend": backend,
         "cache_implementation": "static",
         "return_audio": False,
     }
-    if args.kernel_config:
-        kwargs["kernel_config"] = kernel_config(model, args.kernel_config)
+    compile_config = compile_argument(mode, args)
+    if compile_config is not None and backend == "compiled":
+        kwargs["compile_config"] = compile_config
+    max_length = extra.pop("cache_max_length", None)
+    overrides = extra.pop("plan_overrides", None) or plan_overrides(args)  # a --compare variant's, else the run's
+    config = extra.pop("kernel_config", None)  # a --compare variant's DecodeKernelConfig, else --kernel-config's
+    if config is None and args.kernel_config:
+        config = kernel_config(model, args.kernel_config)
+    if max_length is not None:
+        kwargs["speech_generator"] = speech_generator(model, backend, max_length, overrides, config)
     kwargs.update(extra)
     return kwargs
 
@@ -680,13 +709,16 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     return {"mode": mode, "batch": batch, "rounds": args.compare_rounds, "variants": variants}
 
 
-def variant_kwargs(model, spec: dict, args: argparse.Namespace) -> dict:
-    """A `--compare` variant's generate_speech keyword arguments: its `"kernel_config"` overrides (over
-    `--kernel-config`'s) as a `DecodeKernelConfig` object."""
-    kwargs = {name: value for name, value in spec.items() if name != "kernel_config"}
-    if "kernel_config" in spec or args.kernel_config:
-        kwargs["kernel_config"] = kernel_config(model, {**(args.kernel_config or {}), **spec.get("kernel_config", {})})
-    return kwargs
+    compile_config = compile_argument(mode, args)
+    if compile_config is not None and backend == "compiled":
+        kwargs["compile_config"] = compile_config
+    max_length = extra.pop("cache_max_length", None)
+    overrides = extra.pop("plan_overrides", None) or plan_overrides(args)  # a --compare variant's, else the run's
+    config = extra.pop("kernel_config", None)  # a --compare variant's DecodeKernelConfig, else --kernel-config's
+    if config is None and args.kernel_config:
+        config = kernel_config(model, args.kernel_config)
+    if max_length is not None:
+        kwargs["speech_generator"] = speech_generator(model, backend, max_length, overrides, config)
 
 
 def variant_label(variant: dict) -> str:
@@ -715,8 +747,7 @@ def ttfa_row(model, decoder, mode: str, args: argparse.Namespace, eager_prefill:
     notes: list[str] = []
     prompt_len = inputs["input_ids"].shape[1]
     kwargs = generation_kwargs(
-        model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args),
-        compile_prefill=False if eager_prefill else None,
+        model, mode, args, args.ttfa_steps, cache_max_length=cache_length(prompt_len, args), eager_prefill=eager_prefill
     )
     kwargs.pop("return_audio")
     kwargs.update({"speech_decoder": decoder, "speaker": speaker_embedding(device)[0], "token_hop_len": args.hop})
@@ -1319,7 +1350,7 @@ def render_markdown(data: dict) -> str:
     # Name only the parts that ran (a decoder-only run says nothing about generate_speech's settings).
     compiled = []
     if data["chat"] or data.get("chat_model"):
-        compiled.append(f"`generate_speech(compile={meta.get('chat_compile')})`")
+        compiled.append(f"`generate_speech({meta.get('chat_compile')})`")
     if data.get("decoder") or data.get("decoder_model"):
         compiled.append(f"decoder `{meta.get('decoder_compile')}`")
     parts = [
@@ -1432,10 +1463,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-seconds", type=float, default=None, help="spoken question length (10; 2 with --tiny)")
     p.add_argument("--chat-dtype", default="auto", help="auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument(
-        "--compile-config", default=None, help='generate_speech(compile=...) as JSON, e.g. \'{"mode": "max-autotune"}\''
+        "--compile-config", default=None,
+        help='generate_speech(compile_config=...) of the compiled rows as JSON, e.g. \'{"mode": "max-autotune"}\'',
     )
     p.add_argument(
-        "--compile-scope", default="parts", choices=["step", "parts"], help="generate_speech(compile_scope=...)"
+        "--chat-backend", default="compiled", choices=["compiled", "cuda_graphs", "auto"],
+        help="generate_speech(backend=...) of the chat's non-eager rows (their mode is still labelled 'compiled')",
+    )
+    p.add_argument(
+        "--plan-overrides", default=None,
+        help='SpeechGenerator(plan_overrides=...) as JSON, e.g. \'{"fold_crq_matching": false}\' (debugging)',
     )
     p.add_argument(
         "--compile-vocoder", action="store_true",
@@ -1443,33 +1480,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--eager-prefill", action="store_true",
-        help="also measure the time to first audio with generate_speech(compile_prefill=False), side by side",
-    )
-    p.add_argument(
-        "--compile-attention", default="auto",
-        choices=["auto", "default", "math", "efficient", "cudnn", "gqa_matmul", "triton"],
-        help="generate_speech(compile_attention=...)",
-    )
-    p.add_argument(
-        "--fuse-crq-projections", default="auto", choices=["auto", "on", "off"],
-        help="generate_speech(fuse_crq_projections=None | True | False)",
-    )
-    p.add_argument(
-        "--fold-crq-matching", default="auto", choices=["auto", "on", "off"],
-        help="generate_speech(fold_crq_matching=None | True | False)",
-    )
-    p.add_argument(
-        "--crq-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(crq_linear=...)"
-    )
-    p.add_argument(
-        "--llm-linear", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(llm_linear=...)"
-    )
-    p.add_argument(
-        "--speech-sampler", default="auto", choices=["auto", "triton", "torch"],
-        help="generate_speech(speech_sampler=...)",
-    )
-    p.add_argument(
-        "--text-head", default="auto", choices=["auto", "triton", "torch"], help="generate_speech(text_head=...)"
+        help="also measure the time to first audio with backend='cuda_graphs' (no compiled prefill), side by side",
     )
     p.add_argument(
         "--kernel-config", default=None, metavar="JSON",
@@ -1511,7 +1522,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compare", nargs="+", default=None, metavar="JSON",
         help="measure only chat variants, side by side: each a JSON object of generate_speech keyword arguments\n"
-             "(e.g. '{\"text_head\": \"torch\"}' '{}'), every round measuring each in turn, per batch size. A\n"
+             "(e.g. '{\"plan_overrides\": {\"overlap_text_head\": false}}' '{}'), every round measuring each in turn, per batch size. A\n"
              "variant's \"kernel_config\" holds DecodeKernelConfig field overrides (e.g. '{\"kernel_config\":\n"
              "{\"attention_split_warps\": [[1, 4]]}}'): a config object passed down, which records the variant's\n"
              "own step graphs",
@@ -1530,7 +1541,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except json.JSONDecodeError as error:
             p.error(f"--compare takes JSON objects of generate_speech keyword arguments: {error}")
         if not all(isinstance(kwargs, dict) for kwargs in args.compare) or args.compare_rounds < 1:
-            p.error("--compare takes JSON objects (e.g. '{\"text_head\": \"torch\"}') and --compare-rounds >= 1")
+            p.error("--compare takes JSON objects (e.g. '{\"plan_overrides\": {\"overlap_text_head\": false}}') and --compare-rounds >= 1")
         try:
             for kwargs in args.compare:
                 parse_kernel_config(kwargs.get("kernel_config"))

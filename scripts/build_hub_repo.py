@@ -21,8 +21,8 @@ Then, with nothing but transformers installed:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -41,7 +41,30 @@ CUSTOM_PIPELINES = {
         "type": "multimodal",
     }
 }
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
+
+
+def relative_imports(path: Path) -> list[str]:
+    """The sibling modules a flat package file imports relatively: `from .name import ...` and `from . import name`
+    (anywhere in the file, also inside functions).
+
+    Raises:
+        ValueError: a relative import of another form (`from ..x`, `from .x.y`): the Hub code is one flat folder.
+    """
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        if node.level == 1 and node.module is None:
+            names += [alias.name for alias in node.names]
+        elif node.level == 1 and "." not in node.module:
+            names.append(node.module)
+        else:
+            statement = f"from {'.' * node.level}{node.module or ''} import ..."
+            raise ValueError(
+                f"{path.name}:{node.lineno}: `{statement}` is not a flat relative import (`from .module import name`"
+                " or `from . import module`); the Hub folder is flat, so the exporter cannot follow it."
+            )
+    return names
 
 
 def code_files(package_dir: Path) -> list[Path]:
@@ -58,7 +81,7 @@ def code_files(package_dir: Path) -> list[Path]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is imported by the Hub code but does not exist.")
         seen.add(name)
-        todo.extend(_RELATIVE_IMPORT.findall(path.read_text(encoding="utf-8")))
+        todo.extend(relative_imports(path))
     return [package_dir / f"{name}.py" for name in sorted(seen)]
 
 

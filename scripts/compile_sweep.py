@@ -1,4 +1,4 @@
-"""Compare `generate_speech(compile=...)` configurations on one model build: ms per LLM step for each.
+"""Compare `generate_speech(backend="compiled", compile_config=...)` configurations on one model build: ms per LLM step for each.
 
     python scripts/compile_sweep.py default \
         '{"fullgraph": true, "dynamic": false, "mode": "max-autotune"}' \
@@ -28,7 +28,7 @@ import benchmark  # noqa: E402  (same folder: reuse its model builder, inputs an
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="+", help="compile= values as JSON, or `default`")
+    parser.add_argument("configs", nargs="+", help="compile_config= values as JSON, or `default`")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,6 +1,6 @@
 """Profile the compiled `generate_speech` decode loop of the full-size model on one GPU (random weights).
 
-    python scripts/profile_step.py [--steps 24] [--compile-scope parts] [--batch 1] [--prefill]
+    python scripts/profile_step.py [--steps 24] [--backend compiled] [--batch 1] [--prefill]
 
 Prints why CUDA graphs were skipped (if they were), the number of kernel and graph launches per LLM step, and the
 kernels that take the most GPU time. `--prefill` profiles a one-step call instead (the prompt's encoders, LLM and
@@ -40,11 +40,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--compile-scope", default="parts", choices=["step", "parts"])
-    parser.add_argument("--compile-config", default=None, help="generate_speech(compile=...) as JSON")
+    parser.add_argument("--backend", default="compiled", choices=["compiled", "cuda_graphs"])
+    parser.add_argument("--compile-config", default=None, help="generate_speech(compile_config=...) as JSON")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--prefill", action="store_true", help="profile a max_new_tokens=1 call (the prefill)")
-    parser.add_argument("--eager-prefill", action="store_true", help="generate_speech(compile_prefill=False)")
+    parser.add_argument("--eager-prefill", action="store_true", help="backend 'cuda_graphs' (no compiled prefill)")
     parser.add_argument("--timeline", default=None, metavar="CSV",
                         help="also write every GPU kernel of the profiled call (name, start and duration in us) to CSV, "
                              "in start order, and print the GPU's idle share between kernels")
@@ -63,7 +63,7 @@ def main() -> None:
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
     bench_args = benchmark.parse_args(
-        ["--no-write", "--compile-scope", args.compile_scope]
+        ["--no-write", "--chat-backend", args.backend]
         + (["--compile-config", args.compile_config] if args.compile_config else [])
     )
     model, info = benchmark.build_chat_model(bench_args)
@@ -73,7 +73,7 @@ def main() -> None:
     steps = 1 if args.prefill else args.steps
     kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, steps,
                                          cache_max_length=benchmark.cache_length(prompt_len, bench_args),
-                                         compile_prefill=False if args.eager_prefill else None)
+                                         eager_prefill=args.eager_prefill)
     for attempt in range(3):  # compile, capture, warm
         start = time.perf_counter()
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Tests of `gqa_decode_attention` and of `generate_speech(compile_attention="gqa_matmul")` on the tiny fixture.
+"""Tests of `gqa_decode_attention` and of the compiled backend's GQA decode attention on the tiny fixture.
 
 Golden parity: tests/fixtures/MANIFEST.md §2e (reference `generate`, greedy, max_new_tokens 16, eos 322, pad 320).
 """
@@ -15,11 +15,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import attention_funaudiochat
 from funaudiochat_hf.attention_funaudiochat import (
-    GQA_DECODE_ATTENTION,
     gqa_decode_attention,
     register_gqa_decode_attention,
 )
-from funaudiochat_hf.generation_funaudiochat import _DecodeAttention
 
 from conftest import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
 
@@ -134,7 +132,7 @@ def test_bad_shapes_raise():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# generate_speech(compile_attention="gqa_matmul")
+# The compiled backend's decode attention (a CPU: the GQA matmuls)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -171,11 +169,8 @@ def test_compiled_gqa_step_reproduces_reference(model, inputs, attention_calls, 
     golden = load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
     attention_calls.zero_()
     out = model.generate_speech(
-        **inputs,
-        **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)),
-        compile=COMPILE,
-        compile_attention="gqa_matmul",
-    )
+        **inputs, **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)), backend="compiled", compile_config=COMPILE
+    )  # on a CPU the compiled backend's decode attention is the GQA matmuls
     assert torch.equal(out.sequences, golden["sequences"])
     assert torch.equal(out.speech_ids, golden["speech_ids"])
     # The compiled decode steps, and the K - 1 CRQ sub-steps that end the prefill (not its eager one-pass forwards),
@@ -183,7 +178,7 @@ def test_compiled_gqa_step_reproduces_reference(model, inputs, attention_calls, 
     calls = int(attention_calls)
     prefill_calls = (model.config.audio_config.group_size - 1) * len(model.audio_invert_tower.crq_transformer.layers)
     assert calls > prefill_calls and (calls - prefill_calls) % _layers_per_step(model) == 0
-    # The models' attention setting is restored after the call.
+    # The models' attention setting is never changed (the choice is passed down the call path).
     assert model.config.text_config._attn_implementation == "sdpa"
     assert model.audio_invert_tower.crq_transformer.config._attn_implementation == "sdpa"
 
@@ -197,8 +192,7 @@ def test_compiled_gqa_batch_rows_equal_single_runs(model, inputs):
     batch_ids[1, -25:] = short_ids[0]
     mask = torch.ones_like(batch_ids)
     mask[1, :-25] = 0
-    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=8, repetition_penalty=1.2, compile=COMPILE)
-    kwargs["compile_attention"] = "gqa_matmul"
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=8, repetition_penalty=1.2, backend="compiled", compile_config=COMPILE)
 
     batch = model.generate_speech(batch_ids, mask, **kwargs)
     for row, prompt in enumerate([long_ids, short_ids]):
@@ -211,44 +205,17 @@ def test_compiled_gqa_batch_rows_equal_single_runs(model, inputs):
         assert (batch.speech_ids[row, groups:] == SPEECH_PAD).all()
 
 
-def test_eager_call_ignores_the_option(model, inputs):
-    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
-    default = model.generate_speech(**inputs, **kwargs)
-    with_option = model.generate_speech(**inputs, **kwargs, compile_attention="gqa_matmul")
-    assert torch.equal(with_option.sequences, default.sequences)
-    assert torch.equal(with_option.speech_ids, default.speech_ids)
-    assert torch.equal(with_option.speech_logits, default.speech_logits)
-    assert torch.equal(with_option.text_logits, default.text_logits)
-
-
-def test_attention_setting_switched_during_the_step_and_restored_on_error(model):
-    seen = []
-
-    def failing_step(model, ws, cfg):
-        seen.append(
-            (
-                model.language_model.config._attn_implementation,
-                model.audio_invert_tower.crq_transformer.config._attn_implementation,
-            )
-        )
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        _DecodeAttention(failing_step, "gqa_matmul")(model, None, None)
-    assert seen == [(GQA_DECODE_ATTENTION, GQA_DECODE_ATTENTION)]
-    assert model.language_model.config._attn_implementation == "sdpa"
-    assert model.audio_invert_tower.crq_transformer.config._attn_implementation == "sdpa"
-
-
 @pytest.mark.gpu
 def test_cuda_graph_gqa_step_matches_eager_on_gpu(inputs):
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     inputs = {name: value.cuda() for name, value in inputs.items()}
-    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="eager")  # rep 1.0: the widest greedy margins
     golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
     assert torch.equal(eager.sequences.cpu(), golden["sequences"])
-    for _ in range(2):  # the second call replays the captured CUDA graphs (Inductor + reduce-overhead)
-        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, compile_attention="gqa_matmul")
+    generator = model.speech_generator(backend="compiled", plan_overrides={"triton_attention": False})
+    assert generator.plan(None, 1, False, None).attention == "gqa_matmul"
+    for _ in range(3):  # the later calls replay the captured CUDA graph
+        graphed = generator.generate(**inputs, **GOLDEN_KWARGS)
         assert torch.equal(graphed.sequences, eager.sequences)
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
     assert model.config.text_config._attn_implementation == "sdpa"

@@ -120,7 +120,7 @@ def test_decoder_precision_and_stream_options(tmp_path):
     assert "Precision check (bfloat16 vs float32" in proc.stdout
     # A decoder-only run names the decoder's compile settings, not generate_speech's.
     header = (tmp_path / "benchmark.md").read_text()
-    assert "compiled = decoder `" in header and "generate_speech(compile=" not in header
+    assert "compiled = decoder `" in header and "generate_speech(backend=" not in header
 
 
 def test_time_budget_skips_remaining_work(tmp_path):
@@ -218,24 +218,27 @@ def test_eager_prefill_adds_a_side_by_side_time_to_first_audio_row():
     ttfa = [label for label in labels if label.startswith("time to first audio")]
     assert ttfa == ["time to first audio (compiled)", "time to first audio (compiled, eager prefill)"]
     assert labels.index(ttfa[1]) == labels.index(ttfa[0]) + 1
-    # Every other row keeps generate_speech's default (the prefill compiled with a compiled loop).
+    # The side-by-side row runs the same kernels and CUDA graphs without the compiled prefill ("cuda_graphs"); every
+    # other row keeps the compiled backend (the prefill compiled with the loop).
     from funaudiochat_hf import FunAudioChatConfig
 
     model = type("Model", (), {"config": FunAudioChatConfig()})()
-    assert benchmark.generation_kwargs(model, "compiled", args, 4)["compile_prefill"] is None
+    assert benchmark.generation_kwargs(model, "compiled", args, 4)["backend"] == "compiled"
+    assert benchmark.generation_kwargs(model, "compiled", args, 4, eager_prefill=True)["backend"] == "cuda_graphs"
+    assert benchmark.generation_kwargs(model, "eager", args, 4)["backend"] == "eager"
 
 
 def test_bench_ttfa_smoke():
-    """scripts/bench_ttfa.py on tiny configs: one row per `--compile-attention` value, in the order given, each with
-    a time to first audio and the arrival of every stream event."""
+    """scripts/bench_ttfa.py on tiny configs: one row per `--backends` value, in the order given, each with a time to
+    first audio and the arrival of every stream event ("auto" on a CPU: the eager loop)."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / "bench_ttfa.py"), "--compile-attention", "default,gqa_matmul", "--",
+        [sys.executable, str(SCRIPT.parent / "bench_ttfa.py"), "--backends", "compiled,auto", "--",
          "--tiny", "--device", "cpu", "--repeats", "1"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert [row[1] for row in rows] == ["default", "gqa_matmul"]
+    assert [row[1] for row in rows] == ["compiled", "auto"]
     for row in rows:
         ttfa, events = float(row[2]), [float(ms) for ms in row[3].split(", ")]
         assert len(events) >= 2 and 0 < events[0] <= ttfa + 1  # the first event (the prefill) precedes the audio
@@ -295,12 +298,12 @@ def test_kernel_config_overrides_build_config_objects(tmp_path):
     assert benchmark.kernel_config(model, args.kernel_config) == expected
     args = benchmark.parse_args(
         ["--kernel-config", '{"attention_pipeline_stages": 3}', "--compare", "{}",
-         '{"text_head": "torch", "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
+         '{"plan_overrides": {"overlap_text_head": False}, "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
     )  # fmt: skip
     first, second = (benchmark.variant_kwargs(model, spec, args) for spec in args.compare)
     assert first == {"kernel_config": DecodeKernelConfig(attention_pipeline_stages=3)}
     assert second == {
-        "text_head": "torch",
+        "plan_overrides": {"overlap_text_head": False},
         "kernel_config": DecodeKernelConfig(attention_split_warps=((1, 4),), attention_pipeline_stages=1),
     }
     assert benchmark.variant_kwargs(model, {}, benchmark.parse_args([])) == {}  # no overrides: the run's default
@@ -317,7 +320,8 @@ def test_compare_measures_variants_side_by_side(tmp_path):
     JSON and one markdown table per batch; a malformed variant is refused before anything runs."""
     proc = _run(
         ["--tiny", "--device", "cpu", "--steps", "4", "--no-write", "--modes", "eager", "--batch-sizes", "1",
-         "--compare", '{"text_head": "torch"}', '{"speech_sampler": "torch"}', "--compare-rounds", "2"],
+         "--compare", '{"plan_overrides": {"overlap_text_head": false}}', '{"plan_overrides": {"speech_sampler": false}}',
+         "--compare-rounds", "2"],
         tmp_path,
         timeout=300,
     )
@@ -326,9 +330,11 @@ def test_compare_measures_variants_side_by_side(tmp_path):
     assert data["chat"] == [] and data["decoder"] == []
     (row,) = data["compare"]
     assert row["batch"] == 1 and row["mode"] == "eager" and row["rounds"] == 2
-    assert [v["kwargs"] for v in row["variants"]] == [{"text_head": "torch"}, {"speech_sampler": "torch"}]
+    assert [v["kwargs"] for v in row["variants"]] == [
+        {"plan_overrides": {"overlap_text_head": False}}, {"plan_overrides": {"speech_sampler": False}}
+    ]
     for variant in row["variants"]:
         assert len(variant["ms_per_step"]) == 2 and variant["median_ms"] > 0
-    assert '| `{"speech_sampler": "torch"}` |' in proc.stdout and "2 interleaved rounds" in proc.stdout
+    assert '| `{"plan_overrides": {"speech_sampler": false}}` |' in proc.stdout and "2 interleaved rounds" in proc.stdout
     bad = _run(["--tiny", "--device", "cpu", "--no-write", "--compare", "text_head=torch"], tmp_path)
     assert bad.returncode == 2 and "--compare takes JSON objects" in bad.stderr

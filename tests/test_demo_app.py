@@ -44,7 +44,7 @@ def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch,
     try:
         kwargs = app.enable_fast_decoding(pipe, backend="eager")
         assert "the first reply compiles the chat loop and the decoder" in capsys.readouterr().err
-        assert kwargs == {"compile": {"backend": "eager"}}
+        assert kwargs == {"backend": "compiled", "compile_config": {"backend": "eager"}}
         assert decoder.config.estimator_autocast_dtype == "bfloat16" and decoder.flow_is_compiled
         assert decoder.qkv_projections_fused
         events = list(pipe.stream(synthetic_question(1.0), max_new_tokens=8, do_sample=False, **kwargs))

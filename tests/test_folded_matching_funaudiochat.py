@@ -1,4 +1,4 @@
-"""Tests of the folded linear maps around the CRQ stack (`generate_speech(fold_crq_matching=...)`,
+"""Tests of the folded linear maps around the CRQ stack (the fast backends' `fold_crq_matching` part,
 `fused_crq_funaudiochat.folded_crq_matching`) on the tiny fixture.
 
 Golden parity: tests/fixtures/MANIFEST.md §2e (reference `generate` with text_greedy, do_sample=False,
@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
-from funaudiochat_hf.fused_crq_funaudiochat import _FOLDED, can_fold_crq_matching, folded_crq_matching
-from funaudiochat_hf.generation_funaudiochat import _WORKSPACES
+from funaudiochat_hf.fused_crq_funaudiochat import can_fold_crq_matching, folded_crq_matching
 
 from conftest import FUNAUDIOCHAT_GOLDEN, assert_batch_rows_equal_single_runs
 
@@ -78,22 +77,26 @@ def test_folded_maps_equal_the_maps_they_fold(model, biases):
     assert folded.head(states).shape == (2, tower.lm_head.out_features)
 
 
-def test_folded_copies_are_cached_and_rebuilt_after_weight_changes(model):
+def test_folded_copies_are_kept_and_rebuilt_after_weight_changes(model):
     other = copy.deepcopy(model)
     first = folded_crq_matching(other)
-    assert folded_crq_matching(other) is first
+    assert folded_crq_matching(other, previous=first) is first
     with torch.no_grad():
         other.audio_tower.embed_tokens.weight.mul_(2.0)  # in place: a new version
-    second = folded_crq_matching(other)
+    second = folded_crq_matching(other, previous=first)
     assert second is not first
     torch.testing.assert_close(second.speech_inputs, 2.0 * first.speech_inputs, atol=ATOL, rtol=RTOL)
     other.to(torch.float64)  # re-allocated
-    third = folded_crq_matching(other)
+    third = folded_crq_matching(other, previous=second)
     assert third is not second and third.head.weight.dtype == torch.float64
 
 
+def _generator(model, fold: bool = True):
+    return model.speech_generator(backend="compiled", plan_overrides={"fold_crq_matching": fold})
+
+
 def test_fold_refuses_what_it_cannot_fold(model, inputs):
-    """A LoRA-wrapped (or quantized) source is not folded by default (no error); asking for the fold raises, naming
+    """A LoRA-wrapped (or quantized) source is not folded by the plan (no error); asking for the fold raises, naming
     the module; without a speech decoder there is nothing to fold."""
     other = copy.deepcopy(model)
     old = other.audio_invert_tower.output_matching
@@ -101,41 +104,37 @@ def test_fold_refuses_what_it_cannot_fold(model, inputs):
     wrapped.load_state_dict(old.state_dict())
     other.audio_invert_tower.output_matching = wrapped
     assert can_fold_crq_matching(model) and not can_fold_crq_matching(other)
-    assert not other._speech_run(inputs["input_ids"], None, {}, {"compile": COMPILED}).cfg.fold_crq_matching
+    assert not other.speech_generator(backend="compiled").plan(None, 1, False, None).fold_crq_matching
+    with pytest.raises(ValueError, match="fold_crq_matching"):
+        _generator(other).plan(None, 1, False, None)
     with pytest.raises(ValueError, match=r"audio_invert_tower\.output_matching.*LoraLikeLinear"):
-        other.generate_speech(**inputs, **GOLDEN_KWARGS, fold_crq_matching=True)
+        folded_crq_matching(other)
     speechless = copy.deepcopy(model)
     speechless.audio_invert_tower = None
     with pytest.raises(ValueError, match="audio_invert_tower"):
         folded_crq_matching(speechless)
 
 
-def test_compiled_loops_fold_by_default(model, inputs):
-    """`fold_crq_matching=None` (default): on in a compiled loop, off in the eager one and without speech; explicit
-    values win."""
-    ids = inputs["input_ids"]
-    assert not model._speech_run(ids, None, {}, {}).cfg.fold_crq_matching
-    assert model._speech_run(ids, None, {}, {"compile": COMPILED}).cfg.fold_crq_matching
-    assert model._speech_run(ids, None, {}, {"fold_crq_matching": True}).cfg.fold_crq_matching
-    off = model._speech_run(ids, None, {}, {"compile": COMPILED, "fold_crq_matching": False})
-    assert not off.cfg.fold_crq_matching
-    speech_off = model._speech_run(ids, None, {}, {"compile": COMPILED, "disable_speech": True})
-    assert not speech_off.cfg.fold_crq_matching
+def test_compiled_backend_folds(model):
+    """The compiled backend folds where it can; the eager one and a speech-off call do not; an override turns it
+    off."""
+    generator = model.speech_generator(backend="compiled")
+    assert generator.plan(None, 1, False, None).fold_crq_matching
+    assert not generator.plan("eager", 1, False, None).fold_crq_matching
+    assert not generator.plan(None, 1, True, None).fold_crq_matching  # disable_speech
+    assert not _generator(model, fold=False).plan(None, 1, False, None).fold_crq_matching
 
 
-@pytest.mark.parametrize("compile_option", [False, COMPILED])
 @pytest.mark.parametrize("rep", ["1.0", "1.2"])
-def test_folded_generate_matches_reference(model, inputs, rep, compile_option):
-    """The golden tokens, and the golden per-step logits within the parity tolerance, eagerly and compiled
-    (fullgraph=True: the folded sub-step is one graph)."""
+def test_folded_generate_matches_reference(model, inputs, rep):
+    """The golden tokens, and the golden per-step logits within the parity tolerance, compiled (fullgraph=True: the
+    folded sub-step is one graph)."""
     golden = load_file(FUNAUDIOCHAT_GOLDEN / f"e_generate_rep{rep}.safetensors")
-    out = model.generate_speech(
-        **inputs,
-        **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)),
-        output_logits=True,
-        fold_crq_matching=True,
-        compile=compile_option,
-    )
+    with _generator(model) as generator:
+        out = generator.generate(
+            **inputs, **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)), output_logits=True, compile_config=COMPILED
+        )
+        assert generator._weights.folded is not None
     assert torch.equal(out.sequences, golden["sequences"])
     assert torch.equal(out.speech_ids, golden["speech_ids"])
     steps = len(golden["generated_text_ids"][0])
@@ -143,41 +142,37 @@ def test_folded_generate_matches_reference(model, inputs, rep, compile_option):
     torch.testing.assert_close(out.speech_logits[0], crq_logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_folded_copies_are_what_runs(model, inputs, compiled):
-    """Corrupting a cached folded copy (its sources untouched, so it is not rebuilt) changes the output: the option
-    runs the folded weights, eagerly and inside the compiled step; unfolded, the same logits as before."""
-    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, fold_crq_matching=True)
-    if compiled:
-        kwargs["compile"] = COMPILED
-    other = copy.deepcopy(model)
-    good = other.generate_speech(**inputs, **kwargs)
-    folded = _FOLDED[other.audio_invert_tower]
-    for corrupt in (folded.head.weight, folded.speech_inputs, folded.sub_inputs.weight, folded.feedback):
-        original = corrupt.clone()
-        with torch.no_grad():
-            corrupt.mul_(3.0)
-        bad = other.generate_speech(**inputs, **kwargs)
-        with torch.no_grad():
-            corrupt.copy_(original)
-        changed = not torch.allclose(bad.speech_logits, good.speech_logits, atol=1e-3)
-        assert changed or not torch.allclose(bad.text_logits, good.text_logits, atol=1e-3)
-    plain = other.generate_speech(**inputs, **dict(kwargs, fold_crq_matching=False))
+def test_the_folded_copies_are_what_runs(model, inputs):
+    """Corrupting the generator's folded copy (its sources untouched, so it is not rebuilt) changes the output: the
+    plan runs the folded weights inside the compiled step; unfolded, the same logits as before."""
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, compile_config=COMPILED)
+    with _generator(model) as generator:
+        good = generator.generate(**inputs, **kwargs)
+        folded = generator._weights.folded
+        for corrupt in (folded.head.weight, folded.speech_inputs, folded.sub_inputs.weight, folded.feedback):
+            original = corrupt.clone()
+            with torch.no_grad():
+                corrupt.mul_(3.0)
+            bad = generator.generate(**inputs, **kwargs)
+            with torch.no_grad():
+                corrupt.copy_(original)
+            changed = not torch.allclose(bad.speech_logits, good.speech_logits, atol=1e-3)
+            assert changed or not torch.allclose(bad.text_logits, good.text_logits, atol=1e-3)
+    with _generator(model, fold=False) as generator:
+        plain = generator.generate(**inputs, **kwargs)
     torch.testing.assert_close(plain.speech_logits, good.speech_logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(plain.text_logits, good.text_logits, atol=ATOL, rtol=RTOL)
-    # A finished run does not keep the folded copies alive through its cached workspace.
-    assert all(ws.folded is None for ws in _WORKSPACES[other].values())
 
 
 def test_folded_batch_rows_equal_single_runs(model, inputs):
-    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, fold_crq_matching=True)
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, backend="compiled", compile_config=COMPILED)
     assert_batch_rows_equal_single_runs(model, inputs, kwargs)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cuda_graph_folded_loop_matches_unfolded_on_gpu(inputs, batch):
-    """On CUDA the compiled loop runs the folded copies through the GEMV kernel at one row and through cuBLAS (the
+    """On CUDA the fast backend runs the folded copies through the GEMV kernel at one row and through cuBLAS (the
     padded head) at several: float32 tokens equal the unfolded loop's, logits to rounding, batch rows alike."""
     from transformers import AutoModel
 
@@ -192,10 +187,13 @@ def test_cuda_graph_folded_loop_matches_unfolded_on_gpu(inputs, batch):
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, :8] = 0
         inputs = {"input_ids": input_ids.cuda(), "attention_mask": attention_mask.cuda()}
-    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.0, output_logits=True, compile=True)
-    unfolded = model.generate_speech(**inputs, **kwargs, fold_crq_matching=False)
-    for _ in range(2):  # the second call replays the recorded CUDA graphs, reading the folded copies in place
-        folded = model.generate_speech(**inputs, **kwargs, fold_crq_matching=True)
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.0, output_logits=True)
+    unfolded = model.speech_generator(backend="cuda_graphs", plan_overrides={"fold_crq_matching": False}).generate(
+        **inputs, **kwargs
+    )
+    generator = model.speech_generator(backend="cuda_graphs")
+    for _ in range(3):  # the later calls replay the recorded CUDA graphs, reading the folded copies in place
+        folded = generator.generate(**inputs, **kwargs)
         assert torch.equal(folded.sequences, unfolded.sequences)
         assert torch.equal(folded.speech_ids, unfolded.speech_ids)
         torch.testing.assert_close(folded.speech_logits, unfolded.speech_logits, atol=1e-4, rtol=1e-4)

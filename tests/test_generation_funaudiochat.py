@@ -13,13 +13,16 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
-from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput, split_speech_segments
+from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput
+from funaudiochat_hf.generation_vocoding_funaudiochat import speech_segments
 from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3Token2Wav, CosyVoice3Token2WavOutput
 
 from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
+# The "compiled" backend on a CPU: torch.compile with a backend that needs no C++ compiler.
+CPU_COMPILE = {"backend": "aot_eager", "fullgraph": True}
 AUDIO_TOKEN, AUDIO_BOS, IM_END, PAD = 346, 347, 322, 320
 SPEECH_BOS, SPEECH_PAD = 36, 38
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 Hz
@@ -63,17 +66,53 @@ def test_greedy_matches_reference(model, inputs, rep, cache_implementation):
     assert out.audio is None  # no decoder attached
 
 
-@pytest.mark.parametrize("compile_scope", ["step", "parts"])
-def test_compiled_step_matches_eager(model, inputs, compile_scope):
-    """fullgraph=True fails on any graph break, so this also proves the decode step (or each part) is one graph."""
+def test_official_generate_arguments_pass_and_beams_raise(model, inputs):
+    """A call written for the official `generate` (num_beams=1, length_penalty=1.0, ...) gives the golden greedy
+    tokens; values this decoder cannot honour raise a clear error naming the argument."""
+    golden = _golden("1.0")[0]
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, num_beams=1, length_penalty=1.0, early_stopping=False,
+                                use_cache=True, num_return_sequences=1, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, golden["sequences"]) and torch.equal(out.speech_ids, golden["speech_ids"])
+    for name, value in (("num_beams", 2), ("num_return_sequences", 2), ("penalty_alpha", 0.6), ("min_new_tokens", 4),
+                        ("output_scores", True), ("bad_words_ids", [[5]])):  # fmt: skip
+        with pytest.raises(ValueError, match=f"`{name}="):
+            model.generate_speech(**inputs, **GOLDEN_KWARGS, **{name: value})
+
+
+def test_generation_config_round_trips_and_drives_the_call(model, inputs, tmp_path):
+    from transformers import GenerationConfig
+
+    from funaudiochat_hf import FunAudioChatGenerationConfig
+
+    defaults = FunAudioChatGenerationConfig()  # the official ones
+    assert (defaults.do_sample, defaults.temperature, defaults.top_p, defaults.repetition_penalty) == (True, 0.8, 0.9, 1.2)
+    assert (defaults.max_new_tokens, defaults.text_greedy, defaults.force_text_abos) == (512, True, True)
+    config = FunAudioChatGenerationConfig(**GOLDEN_KWARGS, text_greedy=False, speech_top_k=7)
+    config.save_pretrained(tmp_path / "config")
+    loaded = FunAudioChatGenerationConfig.from_pretrained(tmp_path / "config")
+    assert loaded.to_dict() == config.to_dict()
+    assert loaded.speech_top_k == 7 and loaded.text_greedy is False
+    # Saved with the model, it comes back as the model's generation config and drives its calls.
+    model.generation_config, saved = config, model.generation_config
+    try:
+        model.save_pretrained(tmp_path / "model")
+    finally:
+        model.generation_config = saved
+    reloaded = AutoModel.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    assert reloaded.speech_generation_config().to_dict() == config.to_dict()
+    golden = _golden("1.0")[0]
+    by_config = model.generate_speech(**inputs, generation_config=FunAudioChatGenerationConfig(**GOLDEN_KWARGS))
+    assert torch.equal(by_config.sequences, golden["sequences"])
+    # A plain GenerationConfig counts over the official defaults; keyword arguments update it.
+    plain = model.generate_speech(**inputs, generation_config=GenerationConfig(**GOLDEN_KWARGS), max_new_tokens=4)
+    assert torch.equal(plain.sequences, golden["sequences"][:, : inputs["input_ids"].shape[1] + 4])
+
+
+def test_compiled_step_matches_eager(model, inputs):
+    """fullgraph=True fails on any graph break, so this also proves each part of the decode step is one graph."""
     kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
-    eager = model.generate_speech(**inputs, **kwargs)
-    compiled = model.generate_speech(
-        **inputs,
-        **kwargs,
-        compile={"backend": "aot_eager", "fullgraph": True},
-        compile_scope=compile_scope,
-    )
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
+    compiled = model.generate_speech(**inputs, **kwargs, backend="compiled", compile_config=CPU_COMPILE)
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch.equal(compiled.speech_ids, eager.speech_ids)
     torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-5, rtol=1e-5)
@@ -132,6 +171,8 @@ def test_left_padded_batch_rows_equal_single_runs(model, inputs):
 
 
 def test_consecutive_calls_and_threads_do_not_interfere(model, inputs):
+    """Calls from two threads at once: the second finds the default generator busy and decodes with a temporary one
+    (checked below with a generator held by the test), with the same results as alone."""
     kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2)
     first = model.generate_speech(**inputs, **kwargs)
     other = model.generate_speech(_text_prompt(inputs, 30), **kwargs)  # different size in between
@@ -155,6 +196,14 @@ def test_consecutive_calls_and_threads_do_not_interfere(model, inputs):
     assert torch.equal(results["text"].sequences, other.sequences)
     model.clear_speech_caches()  # freed buffers are rebuilt on demand
     assert torch.equal(model.generate_speech(**inputs, **kwargs).speech_ids, first.speech_ids)
+    default = model.default_speech_generator
+    assert default.acquire(blocking=False)  # as if another thread were decoding with it
+    try:
+        busy = model.generate_speech(**inputs, **kwargs, cache_implementation="static")
+    finally:
+        default.release()
+    assert torch.equal(busy.speech_ids, first.speech_ids)
+    assert default.memory_bytes() == 0  # the call did not touch it
 
 
 def test_seeded_sampling_is_reproducible(model, inputs):
@@ -191,29 +240,46 @@ def test_text_sampling_overrides(model, inputs):
 
 def test_cache_overflow_raises(model, inputs):
     length = inputs["input_ids"].shape[1]
-    with pytest.raises(ValueError, match="cache_max_length"):
-        model.generate_speech(**inputs, max_new_tokens=16, cache_max_length=length + 15)
-    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_max_length=length + 16)
+    with model.speech_generator(max_length=length + 15) as generator:
+        with pytest.raises(ValueError, match="max_length"):
+            generator.generate(**inputs, max_new_tokens=16, cache_implementation="static")
+    with model.speech_generator(max_length=length + 16) as generator:
+        out = generator.generate(**inputs, **GOLDEN_KWARGS, cache_implementation="static")
+        assert generator._workspaces and all(key[1] == length + 16 for key in generator._workspaces)
     assert torch.equal(out.sequences, _golden("1.0")[0]["sequences"])
 
 
+def test_max_new_tokens_is_bounded_by_the_context(model, inputs):
+    """Issue #50 (4): a cap beyond the model's context is a clear error naming both numbers, not an allocator
+    error; a cap that fits sizes the static caches by prompt + cap (rounded), never beyond."""
+    length = inputs["input_ids"].shape[1]
+    context = model.config.text_config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"holds {context} positions and the prompt takes {length}"):
+        model.generate_speech(**inputs, max_new_tokens=context - length + 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        model.generate_speech(**inputs, max_new_tokens=10**9)
+    with model.speech_generator(backend="eager") as generator:
+        out = generator.generate(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=20), cache_implementation="static")
+        ((batch, cache_length, _),) = generator._workspaces
+    assert cache_length == -(-(length + 20) // 128) * 128 and out.sequences.shape[1] <= length + 20
+
+
 def test_finished_rows_are_noticed_one_launched_step_late(monkeypatch):
-    """The loop reads each "all rows finished" check only after launching the next step (`_LaggedCheck`), so the GPU
-    always has a step queued while the host waits for the check (a blocking check left it idle ~0.45 ms per check
-    on an H200 while the host launched the next step's CUDA graph); at most `sync_every` steps run after the last
-    row finishes, and never more than `max_new_tokens` in all."""
-    from funaudiochat_hf import generation_funaudiochat as generation
+    """The loop reads each "all rows finished" check only after launching the next step (`LaggedCheck`), so the GPU
+    always has a step queued while the host waits for the check; one step runs after the last row finishes, and
+    never more than `max_new_tokens` in all."""
+    from funaudiochat_hf import generation_loop_funaudiochat as generation
 
     log = []
-    read = generation._LaggedCheck.read
+    read = generation.LaggedCheck.read
 
     def logged_read(check):
         log.append(("read", check.step))
         return read(check)
 
-    monkeypatch.setattr(generation._LaggedCheck, "read", logged_read)
+    monkeypatch.setattr(generation.LaggedCheck, "read", logged_read)
 
-    def run_until(finish_step, check_every, max_new_tokens=40):
+    def run_until(finish_step, max_new_tokens=40):
         log.clear()
         run = SimpleNamespace(ws=SimpleNamespace(done=torch.zeros(2, dtype=torch.bool)), steps=1,
                               max_new_tokens=max_new_tokens)  # fmt: skip
@@ -225,15 +291,13 @@ def test_finished_rows_are_noticed_one_launched_step_late(monkeypatch):
             run.ws.done[1] = run.steps >= finish_step
 
         run.decode = decode
-        generation._SpeechRun.decode_until_done(run, check_every)
+        generation.SpeechRun.decode_until_done(run)
         return run.steps
 
-    assert run_until(finish_step=5, check_every=1) == 6  # noticed after the step launched next
+    assert run_until(finish_step=5) == 6  # noticed after the step launched next
     assert log[:4] == [("decode", 1), ("read", 1), ("decode", 2), ("read", 2)]  # each check after the next launch
     assert log[-2:] == [("decode", 5), ("read", 5)]
-    assert run_until(finish_step=6, check_every=4) == 10  # checks after steps 1, 5 and 9 (read at 2, 6 and 10)
-    assert [entry for entry in log if entry[0] == "read"] == [("read", 1), ("read", 5), ("read", 9)]
-    assert run_until(finish_step=99, check_every=1, max_new_tokens=7) == 7  # the budget ends the loop
+    assert run_until(finish_step=99, max_new_tokens=7) == 7  # the budget ends the loop
 
 
 def test_bad_inputs_raise(model, inputs):
@@ -252,10 +316,74 @@ def test_bad_inputs_raise(model, inputs):
         model.generate_speech(ids, max_new_tokens=2, return_audio=True)
     with pytest.raises(ValueError, match="batch size 1"):
         next(model.generate_speech_stream(torch.cat([ids, ids]), max_new_tokens=2))
-    with pytest.raises(ValueError, match="compile_attention"):
-        model.generate_speech(ids, max_new_tokens=2, compile=True, compile_attention="flashy")
-    with pytest.raises(ValueError, match="compile_scope"):
-        model.generate_speech(ids, max_new_tokens=2, compile=True, compile_scope="layer")
+    with pytest.raises(ValueError, match="backend"):
+        model.generate_speech(ids, max_new_tokens=2, backend="flashy")
+    with pytest.raises(ValueError, match="CUDA"):
+        model.generate_speech(ids, max_new_tokens=2, backend="cuda_graphs")
+    with pytest.raises(ValueError, match="Unknown"):  # the backend knobs are gone from the call
+        model.generate_speech(ids, max_new_tokens=2, compile=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(eos_token_id="<|im_end|>"), TypeError, "eos_token_id"),
+        (dict(eos_token_id=10**6), ValueError, "eos_token_id"),
+        (dict(eos_token_id=[322, -1]), ValueError, "eos_token_id"),
+        (dict(pad_token_id=10**6), ValueError, "pad_token_id"),
+        (dict(pad_token_id=1.5), TypeError, "pad_token_id"),
+        (dict(seed="42"), TypeError, "seed"),
+        (dict(seed=True), TypeError, "seed"),
+        (dict(max_new_tokens=2.0), TypeError, "max_new_tokens"),
+        (dict(max_new_tokens=True), TypeError, "max_new_tokens"),
+        (dict(max_new_tokens=-3), ValueError, "max_new_tokens"),
+        (dict(top_k=5.5), TypeError, "top_k"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(temperature="hot"), TypeError, "temperature"),
+        (dict(repetition_penalty=float("inf")), ValueError, "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty"),
+        (dict(speech_temperature=0.0), ValueError, "temperature"),
+        (dict(do_sample="yes"), TypeError, "do_sample"),
+        (dict(text_greedy=1), TypeError, "text_greedy"),
+        (dict(cache_implementation="offloaded"), ValueError, "cache_implementation"),
+        (dict(generator=42), TypeError, "generator"),
+        (dict(generation_config={"max_new_tokens": 2}), TypeError, "generation_config"),
+        (dict(return_audio="yes"), TypeError, "return_audio"),
+    ],
+)
+def test_bad_arguments_raise_one_clear_error(model, inputs, kwargs, error, match):
+    """Issue #50 (7): each bad argument gets one TypeError / ValueError naming it, before any decoding."""
+    ids = _text_prompt(inputs, 10)
+    with pytest.raises(error, match=match):
+        model.generate_speech(ids, **{"max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        (torch.ones(1, 5), TypeError),  # float ids
+        (torch.ones(1, 5, dtype=torch.bool), TypeError),
+        (torch.ones(5, dtype=torch.long), ValueError),  # 1-D
+        (torch.ones(1, 0, dtype=torch.long), ValueError),  # empty
+        (torch.full((1, 5), 10**6), ValueError),  # outside the vocabulary
+        ([[1, 2, 3]], TypeError),
+    ],
+)
+def test_bad_input_ids_raise(model, ids, error):
+    with pytest.raises(error, match="input_ids"):
+        model.generate_speech(ids, max_new_tokens=2)
+
+
+def test_out_of_range_pad_is_refused_before_a_row_finishes_early(model, inputs):
+    """Issue #50 (7): a pad id outside the vocabulary used to end in an IndexError once a batch row finished early
+    (the pad token is embedded as that row's next input); it is refused up front now, and a valid one pads."""
+    batch_ids, mask, _, audio = _left_padded_batch(inputs)
+    kwargs = dict(GOLDEN_KWARGS, eos_token_id=[IM_END, 152])  # the audio row stops early
+    with pytest.raises(ValueError, match="pad_token_id"):
+        model.generate_speech(batch_ids, mask, **audio, **dict(kwargs, pad_token_id=5000))
+    out = model.generate_speech(batch_ids, mask, **audio, **dict(kwargs, pad_token_id=7))
+    assert (out.sequences[0, -2:] == 7).all()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -323,11 +451,14 @@ def test_offline_audio_with_decoder(model, inputs):
     assert model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, return_audio=False).audio is None
 
 
-def test_split_speech_segments():
-    assert [len(s) for s in split_speech_segments(torch.arange(1600))] == [750, 750, 100]
-    assert [len(s) for s in split_speech_segments(torch.arange(1520))] == [750, 385, 385]
-    assert [len(s) for s in split_speech_segments(torch.arange(30))] == [30]
-    assert torch.equal(torch.cat(split_speech_segments(torch.arange(1520))), torch.arange(1520))
+def test_speech_segments_are_the_decoders_own():
+    """The offline split is `CosyVoice3Token2Wav.segment_bounds` (no second copy of its constants)."""
+    assert [len(s) for s in speech_segments(torch.arange(1600))] == [750, 750, 100]
+    assert [len(s) for s in speech_segments(torch.arange(1520))] == [750, 385, 385]
+    assert [len(s) for s in speech_segments(torch.arange(30))] == [30]
+    assert torch.equal(torch.cat(speech_segments(torch.arange(1520))), torch.arange(1520))
+    bounds = CosyVoice3Token2Wav.segment_bounds(1520)
+    assert [(int(s[0]), int(s[-1]) + 1) for s in speech_segments(torch.arange(1520))] == bounds
 
 
 def test_stream_matches_offline_and_arrives_in_chunks(model, inputs):
@@ -398,45 +529,67 @@ def test_compiled_loop_survives_many_distinct_sampling_settings(model, inputs):
     ids = _text_prompt(inputs, 12)
     combos = [(True, k, p, r) for k in (0, 5) for p in (1.0, 0.9) for r in (1.0, 1.2)]
     combos += [(False, 0, 1.0, r) for r in (1.0, 1.2)]  # 10 distinct graphs
-    compile_options = {"backend": "eager", "fullgraph": True, "dynamic": False}  # as compile=True
+    compile_options = {"backend": "eager", "fullgraph": True, "dynamic": False}
+    limit = torch._dynamo.config.recompile_limit
     for do_sample, top_k, top_p, penalty in combos:
         out = model.generate_speech(
             ids, max_new_tokens=2, do_sample=do_sample, top_k=top_k, top_p=top_p, repetition_penalty=penalty, seed=0,
-            compile=compile_options,
+            backend="compiled", compile_config=compile_options,
         )
         assert out.sequences.shape == (1, 14)
+    assert torch._dynamo.config.recompile_limit == limit  # raised around the compiled calls only
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_scope", ["step", "parts"])
-def test_cuda_graph_step_matches_eager_on_gpu(inputs, compile_scope):
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compiled"])
+def test_cuda_graph_step_matches_eager_on_gpu(inputs, backend):
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     inputs = {name: value.cuda() for name, value in inputs.items()}
-    kwargs = dict(GOLDEN_KWARGS, compile_scope=compile_scope)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
-    eager = model.generate_speech(**inputs, **kwargs)
+    kwargs = dict(GOLDEN_KWARGS)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
     assert torch.equal(eager.sequences.cpu(), _golden("1.0")[0]["sequences"])
-    for _ in range(2):  # the second call replays the captured CUDA graph(s)
-        graphed = model.generate_speech(**inputs, **kwargs, compile=True)
+    for _ in range(3):  # the second call records the step's CUDA graph, the third replays it
+        graphed = model.generate_speech(**inputs, **kwargs, backend=backend)
         assert torch.equal(graphed.sequences, eager.sequences)
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
     sampled = [
-        model.generate_speech(**inputs, max_new_tokens=16, seed=3, compile=c, compile_scope=compile_scope).speech_ids
-        for c in (False, True)
+        model.generate_speech(**inputs, max_new_tokens=16, seed=3, backend=b).speech_ids for b in ("eager", backend)
     ]
     assert torch.equal(sampled[0], sampled[1])
 
 
 @pytest.mark.gpu
-def test_cuda_graph_batch_matches_eager_batch_on_gpu(inputs):
-    """A left-padded batch through the compiled loop on CUDA (cuBLAS projections, the Triton attention with the q/k
+@pytest.mark.parametrize("backend", ["eager", "cuda_graphs"])
+def test_speech_generator_frees_its_memory_on_close_on_gpu(inputs, backend):
+    """The generator's caches, weight copies and CUDA graphs are all it keeps: after `close()` the allocated memory
+    is back to its level before the call."""
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    generator = model.speech_generator(backend=backend)
+    for _ in range(3):
+        generator.generate(**inputs, **GOLDEN_KWARGS, cache_implementation="static")
+    assert generator.memory_bytes() > 0
+    assert torch.cuda.memory_allocated() > before
+    generator.close()
+    assert generator.memory_bytes() == 0
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compiled"])
+def test_cuda_graph_batch_matches_eager_batch_on_gpu(inputs, backend):
+    """A left-padded batch through a fast backend on CUDA (cuBLAS projections, the Triton attention with the q/k
     norms, rotary and cache write in its kernels) gives the eager batch's tokens."""
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     batch_ids, mask, _, audio = _left_padded_batch(inputs)
     batch = {"input_ids": batch_ids.cuda(), "attention_mask": mask.cuda(), **{k: v.cuda() for k, v in audio.items()}}
     kwargs = dict(GOLDEN_KWARGS, output_logits=True)  # rep 1.0: the widest greedy margins (MANIFEST §2e)
-    eager = model.generate_speech(**batch, **kwargs)
-    for _ in range(2):  # the second call replays the captured CUDA graphs
-        graphed = model.generate_speech(**batch, **kwargs, compile=True)
+    eager = model.generate_speech(**batch, **kwargs, backend="eager")
+    for _ in range(3):  # the second call records the CUDA graphs, the third replays them
+        graphed = model.generate_speech(**batch, **kwargs, backend=backend)
         torch.testing.assert_close(graphed.text_logits, eager.text_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(graphed.speech_logits, eager.speech_logits, atol=1e-4, rtol=1e-4)
         assert torch.equal(graphed.sequences, eager.sequences)
@@ -510,58 +663,65 @@ def test_new_sampling_values_reuse_the_compiled_step(model, inputs):
         dict(temperature=0.2, top_p=0.5, top_k=1, repetition_penalty=0.9),
     ]
     frames = []
-    for i, settings in enumerate(values):
-        kwargs = dict(max_new_tokens=4, do_sample=True, seed=i, **settings)
-        compiled = model.generate_speech(ids, **kwargs, compile=compile_options)
-        eager = model.generate_speech(ids, **kwargs)
-        assert torch.equal(compiled.sequences, eager.sequences)
-        assert torch.equal(compiled.speech_ids, eager.speech_ids)
-        frames.append(counter.frame_count)
+    with model.speech_generator(backend="compiled") as generator:
+        for i, settings in enumerate(values):
+            kwargs = dict(max_new_tokens=4, do_sample=True, seed=i, **settings)
+            compiled = generator.generate(ids, **kwargs, compile_config=compile_options)
+            eager = model.generate_speech(ids, **kwargs, backend="eager")
+            assert torch.equal(compiled.sequences, eager.sequences)
+            assert torch.equal(compiled.speech_ids, eager.speech_ids)
+            frames.append(counter.frame_count)
     assert frames[0] >= 1 and frames == [frames[0]] * len(values)
 
 
-def test_prefill_runs_its_last_crq_sub_steps_through_the_compiled_sub_step(model, inputs):
-    """Issue 4 (time to first audio): after the one-pass CRQ prefill, the K - 1 remaining sub-steps of the first
-    group have decode shapes, so a compiled loop runs them through its compiled CRQ sub-step instead of eagerly."""
-    graphs, graph_calls = [], []
+def _counting_backend(graphs: list, calls: list | None = None):
+    """A torch.compile backend that records each graph (and, given `calls`, each call of one) and runs it as is."""
 
-    def counting_backend(graph_module, example_inputs):
+    def backend(graph_module, example_inputs):
         graphs.append(graph_module)
+        if calls is None:
+            return graph_module.forward
 
         def run(*args):
-            graph_calls.append(graph_module)
+            calls.append(graph_module)
             return graph_module.forward(*args)
 
         return run
 
+    return backend
+
+
+def test_prefill_runs_its_last_crq_sub_steps_through_the_compiled_sub_step(model, inputs, monkeypatch):
+    """Issue 4 (time to first audio): after the one-pass CRQ prefill, the K - 1 remaining sub-steps of the first
+    group have decode shapes, so the compiled backend runs them through its compiled CRQ sub-step."""
+    from funaudiochat_hf import generation_state_funaudiochat as state
+
+    # The prefill's layer halves compiled apart (counted in test_compiled_prefill_graphs_serve_every_layer...).
+    monkeypatch.setattr(state, "prefill_compile_options", lambda options: {"backend": "eager", "dynamic": True})
+    graphs, graph_calls = [], []
     kwargs = dict(GOLDEN_KWARGS, max_new_tokens=1)  # the prefill step only
-    eager = model.generate_speech(**inputs, **kwargs)
-    compiled = model.generate_speech(
-        **inputs, **kwargs, compile={"backend": counting_backend, "fullgraph": True}, compile_scope="parts",
-        compile_prefill=False,  # counted apart (test_compiled_loop_compiles_the_prefill_by_default_with_its_backend)
-    )
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
+    with model.speech_generator(backend="compiled") as generator:
+        compiled = generator.generate(
+            **inputs, **kwargs, compile_config={"backend": _counting_backend(graphs, graph_calls), "fullgraph": True}
+        )
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch.equal(compiled.speech_ids, eager.speech_ids)
     group_size = model.config.audio_config.group_size
     assert len(graphs) == 1 and len(graph_calls) == group_size - 1  # the CRQ sub-step graph, K - 1 calls
 
 
-def test_compiled_prefill_graphs_serve_every_layer_and_prompt_length(model, inputs):
-    """Issue 4 (time to first audio): `compile_prefill` compiles the two halves of a decoder layer around its
+def test_compiled_prefill_graphs_serve_every_layer_and_prompt_length(model, inputs, monkeypatch):
+    """Issue 4 (time to first audio): the compiled backend compiles the two halves of a decoder layer around its
     attention with dynamic shapes (fullgraph: no graph breaks). One graph per half and stack serves every layer and
-    every prompt length, so the compile cost does not grow with the depth (the whole prompt forward as one graph
-    took more than 5 minutes to compile at full size, BENCHMARKS.md); prompts of several lengths and a left-padded
-    batch give the eager result."""
+    every prompt length, so the compile cost does not grow with the depth; prompts of several lengths and a
+    left-padded batch give the eager result."""
+    from funaudiochat_hf import generation_state_funaudiochat as state
+
     graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    compile_prefill = {"backend": counting_backend, "fullgraph": True, "dynamic": True}
-    # One cache size for all (a workspace of another batch size or cache length is a graph of its own, as for the
-    # decode step).
-    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True, cache_max_length=384)
+    prefill_options = {"backend": _counting_backend(graphs), "fullgraph": True, "dynamic": True}
+    monkeypatch.setattr(state, "prefill_compile_options", lambda options: prefill_options)
+    kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.2, output_logits=True)
     audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     long_ids = inputs["input_ids"]
     short_ids = _text_prompt(inputs, 40)
@@ -575,68 +735,99 @@ def test_compiled_prefill_graphs_serve_every_layer_and_prompt_length(model, inpu
         dict(input_ids=_text_prompt(inputs, 33)),
         dict(input_ids=batch_ids, attention_mask=batch_mask, **audio),
     ]
-    for prompt in prompts:
-        eager = model.generate_speech(**prompt, **kwargs)
-        compiled = model.generate_speech(**prompt, **kwargs, compile_prefill=compile_prefill)
-        assert torch.equal(compiled.sequences, eager.sequences)
-        assert torch.equal(compiled.speech_ids, eager.speech_ids)
-        torch.testing.assert_close(compiled.text_logits, eager.text_logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-5, rtol=1e-5)
+    # One cache size for all (a workspace of another batch size or cache length is a graph of its own, as for the
+    # decode step).
+    with model.speech_generator(max_batch_size=2, max_length=384, backend="compiled") as generator:
+        for prompt in prompts:
+            eager = model.generate_speech(**prompt, **kwargs, backend="eager")
+            compiled = generator.generate(**prompt, **kwargs, compile_config={"backend": "eager", "fullgraph": True})
+            assert torch.equal(compiled.sequences, eager.sequences)
+            assert torch.equal(compiled.speech_ids, eager.speech_ids)
+            # The compiled step also runs the fused / folded weight copies: float rounding moves a little.
+            torch.testing.assert_close(compiled.text_logits, eager.text_logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-4, rtol=1e-4)
     # 2 halves x 2 stacks (LLM, CRQ: different widths) x 2 batch classes (dynamo specialises a batch of 1), whatever
     # the number of layers and prompt lengths.
     crq_config = model.config.audio_config.crq_transformer_config
     assert model.config.text_config.num_hidden_layers > 1 and crq_config.num_hidden_layers > 1
     assert len(graphs) == 2 * 2 * 2
-    with pytest.raises(ValueError, match="compile_prefill"):
-        model.generate_speech(**prompts[1], **kwargs, compile_prefill="yes")
 
 
-def test_compiled_prefill_with_the_compiled_loop_and_fused_crq_projections(model, inputs):
-    """The GPU combination: `compile=True` (fused CRQ projections in the step) with `compile_prefill=True`, whose
-    CRQ prefill then runs the compiled halves on the fused weights; same tokens as eager, logits within rounding."""
+def test_compiled_backend_with_fused_and_folded_copies_matches_eager(model, inputs):
+    """The compiled backend on a CPU runs the fused CRQ projections and the folded CRQ matching (its plan) and
+    compiles the prefill's halves with the `compile_config` backend; same tokens as eager, logits within rounding."""
+    graphs = []
     kwargs = dict(GOLDEN_KWARGS, max_new_tokens=8, output_logits=True)
-    eager = model.generate_speech(**inputs, **kwargs)
-    compiled = model.generate_speech(
-        **inputs, **kwargs, compile={"backend": "aot_eager", "fullgraph": True}, fuse_crq_projections=True,
-        compile_prefill={"backend": "aot_eager", "fullgraph": True, "dynamic": True},
-    )
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
+    with model.speech_generator(backend="compiled") as generator:
+        plan = generator.plan(None, 1, False, None)
+        assert plan.fuse_crq_projections and plan.fold_crq_matching and plan.compile_prefill
+        assert plan.attention == "gqa_matmul" and not plan.step_graph  # no CUDA here
+        compiled = generator.generate(**inputs, **kwargs, compile_config={"backend": _counting_backend(graphs)})
+        assert generator._weights.fused is not None and generator._weights.folded is not None
     assert torch.equal(compiled.sequences, eager.sequences) and torch.equal(compiled.speech_ids, eager.speech_ids)
     torch.testing.assert_close(compiled.text_logits, eager.text_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(compiled.speech_logits, eager.speech_logits, atol=1e-4, rtol=1e-4)
+    assert len(graphs) >= 3 + 2 * 2  # the three step parts, 2 halves x 2 stacks
 
 
-def test_compiled_loop_compiles_the_prefill_by_default_with_its_backend(model, inputs):
-    """`compile_prefill=None` (default) follows `compile`: a compiled loop also compiles the prefill's layer halves
-    (the time to first audio went from 189 to 135 ms on an H200), through the backend `compile` names; `False` opts out,
-    and an eager loop keeps an eager prefill."""
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=3, compile={"backend": counting_backend, "fullgraph": True})
-    eager = model.generate_speech(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=3))
-    assert not graphs
-    without = model.generate_speech(**inputs, **kwargs, compile_prefill=False)
-    step_graphs = len(graphs)
-    assert step_graphs > 0
-    default = model.generate_speech(**inputs, **kwargs)
-    assert len(graphs) == step_graphs + 2 * 2  # 2 halves x 2 stacks (batch 1): the prefill, compiled
-    for out in (without, default):
-        assert torch.equal(out.sequences, eager.sequences) and torch.equal(out.speech_ids, eager.speech_ids)
+def test_compiled_backend_needs_a_static_cache(model, inputs):
+    """An explicit fast backend that cannot run says why; "auto" on a CPU is the eager loop, also with a dynamic
+    cache."""
+    with pytest.raises(ValueError, match="static"):
+        model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="compiled", cache_implementation="dynamic")
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="auto", cache_implementation="dynamic")
+    assert torch.equal(out.sequences, _golden("1.0")[0]["sequences"])
 
 
-def test_compile_switches_fall_back_to_eager_with_a_dynamic_cache(model, inputs):
-    """`compile` / `compile_prefill` need the static caches: with `cache_implementation="dynamic"` the loop runs
-    eagerly and says so (same tokens), instead of failing inside torch.compile."""
-    from transformers.testing_utils import CaptureLogger
+def test_decode_attention_is_passed_down_not_set_on_the_config(model, inputs, monkeypatch):
+    """The decode steps' one-query attention reaches the layers as an argument: the configs' `_attn_implementation`
+    is never changed during a call (it used to be rewritten around every step, visible to other threads)."""
+    from funaudiochat_hf import decoder_stack_funaudiochat as stack_module
+    from funaudiochat_hf import generation_state_funaudiochat as state
+    from funaudiochat_hf import generation_step_funaudiochat as step
 
-    from funaudiochat_hf import generation_funaudiochat
+    class EagerParts(step.CompiledParts):  # the compiled backend's plan, its parts run eagerly (observable)
+        def __init__(self, options):
+            self.llm_part, self.crq_part, self.finish_part = step.llm_part, step.crq_part, step.finish_part
 
-    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_implementation="dynamic")
-    for switch in ("compile", "compile_prefill"):
-        with CaptureLogger(generation_funaudiochat.logger) as captured:
-            out = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_implementation="dynamic", **{switch: True})
-        assert f"`{switch}` needs `cache_implementation='static'`" in captured.out
-        assert torch.equal(out.sequences, eager.sequences) and torch.equal(out.speech_ids, eager.speech_ids)
+    monkeypatch.setattr(state, "CompiledParts", EagerParts)
+    monkeypatch.setattr(state, "prefill_compile_options", lambda options: {"backend": "eager", "dynamic": True})
+    configs = [model.language_model.config, model.audio_invert_tower.crq_transformer.config]
+    original = [config._attn_implementation for config in configs]
+    seen = []
+    get_interface = stack_module.ALL_ATTENTION_FUNCTIONS.get_interface
+
+    def spy(name, default):
+        seen.append((name, tuple(config._attn_implementation for config in configs)))
+        return get_interface(name, default)
+
+    monkeypatch.setattr(stack_module.ALL_ATTENTION_FUNCTIONS, "get_interface", spy)
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="eager")
+    with model.speech_generator(backend="compiled") as generator:
+        out = generator.generate(**inputs, **GOLDEN_KWARGS)
+    assert torch.equal(out.sequences, eager.sequences) and torch.equal(out.speech_ids, eager.speech_ids)
+    assert {name for name, _ in seen} >= {"funaudiochat_gqa_decode"}
+    assert all(implementations == tuple(original) for _, implementations in seen)
+
+
+def test_speech_generator_owns_and_frees_its_state(model, inputs):
+    """The generator holds the caches and weight copies (reported by `memory_bytes`) and frees them on `close()` /
+    leaving a `with` block: nothing of it is left in module state (the weight copies die with it)."""
+    import gc
+    import weakref
+
+    with model.speech_generator(backend="compiled") as generator:
+        generator.generate(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=3), compile_config={"backend": "eager"})
+        workspace = weakref.ref(next(iter(generator._workspaces.values())))
+        fused = weakref.ref(generator._weights.fused.layers[0].qkv_weight)
+        caches = sum(t.numel() * t.element_size() for t in workspace()._cache_tensors())
+        assert generator.memory_bytes() >= caches > 0
+    assert generator.memory_bytes() == 0
+    gc.collect()
+    assert workspace() is None and fused() is None
+    model.clear_speech_caches()
+    model.generate_speech(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=3), cache_implementation="static")
+    assert model.default_speech_generator.memory_bytes() > 0
+    model.clear_speech_caches()
+    assert model.__dict__["_speech_generator_slot"].generator is None

@@ -66,8 +66,26 @@ def test_code_files_follow_relative_imports(builder):
     package = ROOT / "src" / "funaudiochat_hf"
     names = {p.name for p in builder.code_files(package)}
     for path in builder.code_files(package):
-        for imported in builder._RELATIVE_IMPORT.findall(path.read_text()):
+        for imported in builder.relative_imports(path):
             assert f"{imported}.py" in names, (path.name, imported)
+    # Every generation_* file the model's mixin needs goes along (the generation package is split by job).
+    generation = {p.name for p in package.glob("generation_*_funaudiochat.py")} | {"generation_funaudiochat.py"}
+    assert generation <= names
+
+
+def test_relative_import_forms(builder, tmp_path):
+    """`from .x import y` (also multi-line, also inside a function) and `from . import x` are followed; any other
+    relative form fails loudly, naming the file and line, instead of silently leaving a file out."""
+    source = tmp_path / "flat_funaudiochat.py"
+    source.write_text(
+        "from .a_x import (\n    b,\n)\nfrom . import c_x, d_x as d\nimport torch\n\n\ndef f():\n"
+        "    from .e_x import g\n"
+    )
+    assert sorted(builder.relative_imports(source)) == ["a_x", "c_x", "d_x", "e_x"]
+    for statement in ("from ..outside import x", "from .pkg.sub import x"):
+        source.write_text(f"import os\n{statement}\n")
+        with pytest.raises(ValueError, match=r"flat_funaudiochat.py:2: .*not a flat relative import"):
+            builder.relative_imports(source)
 
 
 def test_refuses_to_overwrite_and_needs_a_decoder(builder, tiny_model_dir, hub_dir, tmp_path):

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from funaudiochat_hf import generation_funaudiochat, tiny_model
+from funaudiochat_hf import tiny_model
 
 
 def _messages(caplog, needle: str) -> list[str]:
@@ -13,9 +13,11 @@ def _messages(caplog, needle: str) -> list[str]:
 
 
 def test_compiling_the_decoding_loop_says_so_once(model, inputs, monkeypatch, caplog):
-    monkeypatch.setattr(generation_funaudiochat, "_COMPILED", {})  # as in a fresh process
+    model.clear_speech_caches()  # its compiled functions belong to the model's default generator: as in a fresh process
     torch._dynamo.reset()
-    kwargs = dict(max_new_tokens=2, do_sample=False, return_audio=False, compile={"backend": "eager"})
+    kwargs = dict(
+        max_new_tokens=2, do_sample=False, return_audio=False, backend="compiled", compile_config={"backend": "eager"}
+    )
     try:
         with caplog.at_level(logging.WARNING):
             model.generate_speech(**inputs, **kwargs)

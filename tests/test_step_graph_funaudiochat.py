@@ -8,7 +8,6 @@ from torch import nn
 from transformers import AutoModel
 
 from funaudiochat_hf import step_graph_funaudiochat
-from funaudiochat_hf.generation_funaudiochat import _WORKSPACES
 from funaudiochat_hf.step_graph_funaudiochat import CapturedStep, StepGraphs, tensor_addresses
 
 from conftest import FUNAUDIOCHAT_TINY
@@ -94,28 +93,27 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     assert calls[-1] == ("ran", "cfg")
 
 
-def test_step_graph_needs_a_compiled_cuda_loop(model, inputs):
-    with pytest.raises(ValueError, match="step_graph=True.*CUDA"):
-        model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, step_graph=True)
-    with pytest.raises(ValueError, match="step_graph=True.*compiled loop"):
-        model.generate_speech(**inputs, **GOLDEN_KWARGS, step_graph=True)
-    with pytest.raises(ValueError, match="`step_graph` must be"):
-        model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, step_graph="yes")
-    # Off (and auto, on a CPU) the compiled loop runs as before.
-    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile={"backend": "aot_eager"}, step_graph=False)
+def test_step_graph_needs_cuda(model, inputs):
+    """The CUDA-graph backend says it needs a GPU; the compiled backend on a CPU runs without a step graph."""
+    with pytest.raises(ValueError, match="cuda_graphs.*CUDA"):
+        model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="cuda_graphs")
+    with model.speech_generator(backend="compiled") as generator:
+        assert not generator.plan(None, 1, False, None).step_graph
+        out = generator.generate(**inputs, **GOLDEN_KWARGS, compile_config={"backend": "aot_eager"})
     assert out.sequences.shape[1] > inputs["input_ids"].shape[1]
 
 
-def _workspace(model):
-    (workspace,) = _WORKSPACES[model].values()
+def _workspace(generator):
+    (workspace,) = generator._workspaces.values()
     return workspace
 
 
 @pytest.mark.gpu
-def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(inputs):
-    """On CUDA the compiled loop records its decode step and CRQ sub-step as one CUDA graph each: the golden tokens
-    and per-step logits of the eager loop, the same as torch.compile's own graphs per part, every call; a replaced
-    weight is read after the next call records again."""
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compiled"])
+def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(inputs, backend):
+    """On CUDA the fast backends record their decode step and CRQ sub-step as one CUDA graph each: the golden tokens
+    and per-step logits of the eager loop every call; a replaced weight is read after the next call records
+    again."""
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     inputs = {name: value.cuda() for name, value in inputs.items()}
     kwargs = dict(GOLDEN_KWARGS, output_logits=True)
@@ -126,31 +124,32 @@ def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(i
         torch.testing.assert_close(compiled.text_logits, reference.text_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(compiled.speech_logits, reference.speech_logits, atol=1e-4, rtol=1e-4)
 
-    eager = model.generate_speech(**inputs, **kwargs)
-    check(eager, model.generate_speech(**inputs, **kwargs, compile=True, step_graph=False))
-    _WORKSPACES.pop(model)
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
+    generator = model.speech_generator(backend=backend)
     for _ in range(3):  # warm-up and recording in the first call, replays only in the next ones
-        check(eager, model.generate_speech(**inputs, **kwargs, compile=True))
-        graphs = _workspace(model).step_graphs
+        check(eager, generator.generate(**inputs, **kwargs))
+        graphs = _workspace(generator).step_graphs
         assert set(key[0] for key in graphs.graphs) == {"step", "crq_part"}
     recorded = dict(graphs.graphs)
-    check(eager, model.generate_speech(**inputs, **kwargs, compile=True))
+    check(eager, generator.generate(**inputs, **kwargs))
     assert graphs.graphs == recorded  # replayed, not recorded again
 
     down_proj = model.audio_invert_tower.crq_transformer.layers[0].mlp.down_proj
     down_proj.weight = nn.Parameter(down_proj.weight.detach() * 3)
-    changed = model.generate_speech(**inputs, **kwargs)
+    changed = model.generate_speech(**inputs, **kwargs, backend="eager")
     assert not torch.equal(changed.speech_logits, eager.speech_logits)
     for _ in range(2):
-        check(changed, model.generate_speech(**inputs, **kwargs, compile=True))
-    assert all(graph is not recorded.get(key) for key, graph in _workspace(model).step_graphs.graphs.items())
+        check(changed, generator.generate(**inputs, **kwargs))
+    assert all(graph is not recorded.get(key) for key, graph in _workspace(generator).step_graphs.graphs.items())
+    generator.close()
 
 
 @pytest.mark.gpu
-def test_step_graph_batch_rows_equal_single_runs_on_gpu(inputs):
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compiled"])
+def test_step_graph_batch_rows_equal_single_runs_on_gpu(inputs, backend):
     from conftest import assert_batch_rows_equal_single_runs
 
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     inputs = {name: value.cuda() for name, value in inputs.items()}
     for _ in range(2):  # the second time from recorded graphs
-        assert_batch_rows_equal_single_runs(model, inputs, dict(GOLDEN_KWARGS, compile=True, step_graph=True))
+        assert_batch_rows_equal_single_runs(model, inputs, dict(GOLDEN_KWARGS, backend=backend))

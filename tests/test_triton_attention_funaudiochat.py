@@ -1,4 +1,4 @@
-"""Tests of the Triton one-query attention (`triton_attention_funaudiochat`, `compile_attention="triton"`).
+"""Tests of the Triton one-query attention (`triton_attention_funaudiochat`, the fast backends' decode attention on CUDA).
 
 The kernels are checked against `gqa_decode_attention` (itself checked against SDPA in test_attention_funaudiochat.py):
 on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess: the variable must be set before the
@@ -16,7 +16,6 @@ from transformers import AutoModel
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf import triton_attention_funaudiochat as triton_attention
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
-from funaudiochat_hf.generation_funaudiochat import _SpeechRun
 from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
 from conftest import (
@@ -67,6 +66,7 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_triton_attention_funaudiochat import CASES, _case_tensors
 from funaudiochat_hf.attention_funaudiochat import gqa_decode_attention
+from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 from funaudiochat_hf.triton_attention_funaudiochat import launch_decode_attention
 errors = []
 for case in CASES:
@@ -199,25 +199,18 @@ def test_falls_back_to_matmul_attention_off_cuda_and_for_unsupported_masks():
     assert triton_attention._flat_bool_mask(mask, 3, 71) == (False, None)  # mask / cache length mismatch
 
 
-def test_compile_attention_choice(monkeypatch):
-    """"auto" picks the Triton kernels only for a compiled loop where they can run; asking for them elsewhere is a
-    clear error; unknown names are refused."""
-    pick = _SpeechRun._pick_attention
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    available = "funaudiochat_hf.generation_funaudiochat.triton_available"
-    monkeypatch.setattr(available, lambda device: device.type == "cuda")
-    assert pick("auto", True, cuda) == "triton"
-    assert pick("auto", True, cpu) == "gqa_matmul"
-    assert pick("auto", False, cuda) == "default"
-    assert pick("gqa_matmul", True, cuda) == "gqa_matmul"
-    with pytest.raises(ValueError, match="CUDA GPU"):
-        pick("triton", True, cpu)
-    monkeypatch.setattr(available, lambda device: False)
-    assert pick("auto", True, cuda) == "gqa_matmul"
-    with pytest.raises(ValueError, match="needs the `triton` package"):
-        pick("triton", True, cuda)
-    with pytest.raises(ValueError, match="compile_attention"):
-        pick("flash", True, cuda)
+def test_decode_attention_choice():
+    """The fast backends take the Triton kernels where they can run, the GQA matmuls elsewhere; the eager loop the
+    model's own attention; forcing the Triton attention where it cannot run is a clear error."""
+    from funaudiochat_hf.generation_plan_funaudiochat import DeviceFacts, ModelFacts, plan_decode
+
+    speech = ModelFacts(speech=True)
+    assert plan_decode("auto", DeviceFacts("cuda", triton=True), speech).attention == "triton"
+    assert plan_decode("compiled", DeviceFacts("cpu", triton=False), speech).attention == "gqa_matmul"
+    assert plan_decode("eager", DeviceFacts("cuda", triton=True), speech).attention == "default"
+    assert plan_decode("auto", DeviceFacts("cuda", triton=False), speech).attention == "gqa_matmul"
+    with pytest.raises(ValueError, match="triton_attention"):
+        plan_decode("compiled", DeviceFacts("cpu", triton=False), speech, overrides={"triton_attention": True})
 
 
 def test_triton_available_needs_triton_and_a_recent_gpu(monkeypatch):
@@ -262,11 +255,11 @@ def test_cuda_operator_compiles_into_one_graph():
 def test_cuda_graph_triton_step_matches_eager_on_gpu(inputs):
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     inputs = {name: value.cuda() for name, value in inputs.items()}
-    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS)
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="eager")
     golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
     assert torch.equal(eager.sequences.cpu(), golden["sequences"])
-    for _ in range(2):  # the second call replays the captured CUDA graphs
-        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, compile=True, compile_attention="triton")
+    for _ in range(3):  # the later calls replay the captured CUDA graphs
+        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="compiled")
         assert torch.equal(graphed.sequences, eager.sequences)
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
     assert model.config.text_config._attn_implementation == "sdpa"

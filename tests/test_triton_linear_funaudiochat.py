@@ -1,4 +1,4 @@
-"""Tests of the CRQ's Triton decode projections (`triton_linear_funaudiochat`, `generate_speech(crq_linear=...)`).
+"""Tests of the CRQ's Triton decode projections (`triton_linear_funaudiochat`, the plan parts `crq_linear` / `llm_linear`).
 
 The kernel is checked against the eager composition it replaces (Qwen3RMSNorm, `F.linear`, SiLU * up, residual add):
 on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, in a subprocess: the variable must be set before the kernel
@@ -406,24 +406,27 @@ import json, sys, torch
 from safetensors.torch import load_file
 from transformers import AutoModel
 import funaudiochat_hf
-from funaudiochat_hf import decoder_stack_funaudiochat, generation_funaudiochat, triton_linear_funaudiochat
+from funaudiochat_hf import decoder_stack_funaudiochat, generation_step_funaudiochat, triton_linear_funaudiochat
+from funaudiochat_hf import generation_plan_funaudiochat, generation_state_funaudiochat
 from funaudiochat_hf import triton_attention_funaudiochat, triton_attention_inputs_funaudiochat
 from funaudiochat_hf import fused_crq_funaudiochat, triton_sampling_funaudiochat, triton_text_head_funaudiochat
 from test_triton_linear_funaudiochat import FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, GOLDEN_KWARGS
 
-# Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors), and count the launches.
-generation_funaudiochat.triton_available = lambda device: True
+# Let the CPU take the kernel path (the interpreter runs the kernels on CPU tensors): plans as on a Triton GPU, their
+# steps run directly (no CUDA graph off CUDA); and count the launches.
+generation_plan_funaudiochat.DeviceFacts.of = classmethod(lambda cls, model: cls("cuda", True))
+generation_state_funaudiochat.CapturedStep = lambda function, key: function
 rows = lambda h: h.numel() // h.shape[-1]
 use_kernels = lambda h: rows(h) <= triton_linear_funaudiochat.MAX_ROWS
-decoder_stack_funaudiochat.use_decode_kernels = generation_funaudiochat.use_decode_kernels = use_kernels
-generation_funaudiochat.use_sampler_kernel = lambda scores: True
+decoder_stack_funaudiochat.use_decode_kernels = generation_step_funaudiochat.use_decode_kernels = use_kernels
+generation_step_funaudiochat.use_sampler_kernel = lambda scores: True
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 tower = model.audio_invert_tower
 head = {m.weight.data_ptr() for m in (tower.input_matching, tower.output_matching, tower.lm_head)}
 calls = []
 launch = triton_linear_funaudiochat.launch_decode_linear
 def counted(*args, **kwargs):
-    folded = fused_crq_funaudiochat._FOLDED.get(tower)  # the compiled loop folds the head's linears
+    folded = generator._weights.folded  # the compiled run folds the head's linears
     folded = () if folded is None else (folded.head.weight.data_ptr(), folded.sub_inputs.weight.data_ptr())
     if args[1].data_ptr() in head:
         calls.append("head")
@@ -451,18 +454,25 @@ inputs = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")
 inputs.pop("waveform_16k")
 golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
 result = {}
-# The last run compiles the loop (its parts, fullgraph: the kernels' operators, the cache writes among them),
-# with the Triton attention, which takes the attention inputs' work into its kernels.
-compiled = {"compile": {"backend": "aot_eager", "fullgraph": True}, "compile_attention": "triton"}
+# The first two runs: the CRQ's kernels, then the LLM's too, run eagerly ("cuda_graphs" without its graph here), with
+# the other fast parts off. The last run compiles the loop (its parts, fullgraph: the kernels' operators, the cache
+# writes among them) with every part: the Triton attention, which takes the attention inputs' work into its
+# kernels, the folded linears, the sampler and text head kernels.
+only_linears = {"triton_attention": False, "fold_crq_matching": False, "speech_sampler": False,
+                "overlap_text_head": False}
+runs = (
+    ("torch", "cuda_graphs", {**only_linears, "llm_linear": False}, {}),
+    ("triton", "cuda_graphs", only_linears, {}),
+    ("compiled", "compiled", {}, {"compile_config": {"backend": "aot_eager", "fullgraph": True}}),
+)
 # 8 of the golden run's 16 steps (6 of them with speech): greedy decoding's first steps are a prefix of the golden
 # sequences and speech ids (each interpreted step is slow: the whole run took ~5 minutes of the CI's test time).
 steps = 8
 kwargs = dict(GOLDEN_KWARGS, max_new_tokens=steps)
-for name, llm_linear, options in (("torch", "torch", {}), ("triton", "triton", {}), ("compiled", "triton", compiled)):
+for name, backend, overrides, options in runs:
     calls.clear()
-    out = model.generate_speech(
-        **inputs, **kwargs, fuse_crq_projections=True, crq_linear="triton", llm_linear=llm_linear, **options
-    )
+    generator = model.speech_generator(backend=backend, plan_overrides=overrides)
+    out = generator.generate(**inputs, **kwargs, **options)
     length, speech = out.sequences.shape[1], out.speech_ids.shape[1]
     result[name] = {
         "sequences": length == inputs["input_ids"].shape[1] + steps
@@ -478,12 +488,12 @@ print(json.dumps(result))
 
 
 def test_generate_through_the_kernels_matches_reference_in_the_triton_interpreter():
-    """`crq_linear="triton"`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step, and
+    """The plan's `crq_linear`: the CRQ decode sub-steps run through the kernels (4 launches per layer and sub-step, and
     the attention inputs' kernel; input matching, output matching and speech head around the stack);
-    `llm_linear="triton"` adds the LLM's decode steps (4 per layer and step: q, k and v in one kernel over the three
+    `llm_linear` adds the LLM's decode steps (4 per layer and step: q, k and v in one kernel over the three
     weights, the gate and up weights unfused; and the attention inputs). The compiled run also picks its speech tokens
-    with the sampler kernel, and its decode steps' text logits with the text head kernel (`text_head="auto"`: in a
-    loop compiled in parts; inline here, off CUDA), and folds the linears around the CRQ stack (`fold_crq_matching`:
+    with the sampler kernel, and its decode steps' text logits with the text head kernel (inline here, off CUDA),
+    and folds the linears around the CRQ stack (`fold_crq_matching`:
     one folded head per sub-step, one folded sub-input projection per decode step). The greedy tokens of the first 8
     steps equal the official implementation's either way, also with the loop compiled whole."""
     result = json.loads(run_in_triton_interpreter(_GENERATE_SCRIPT))
@@ -498,7 +508,7 @@ def test_generate_through_the_kernels_matches_reference_in_the_triton_interprete
     assert crq_only["folded"] == both["folded"] == compiled["head"] == 0, result
     # The prefill's sub-inputs are several rows (cuBLAS); its first sub-step's head is one row, as every other's.
     assert compiled["folded"] == sub_steps + 1 + decode_steps, result
-    assert crq_only["sampler"] == both["sampler"] == 0, result  # "auto": the sampler kernel only in a compiled loop
+    assert crq_only["sampler"] == both["sampler"] == 0, result  # turned off in those runs
     assert compiled["sampler"] == sub_steps + 1, result
     assert crq_only["text_head"] == both["text_head"] == 0 and compiled["text_head"] == decode_steps, result
     assert crq_only["crq_mlp"] > 0 and crq_only["llm_mlp"] == 0 and crq_only["plain"] == 3 * crq_only["crq_mlp"]
@@ -669,15 +679,26 @@ def _tiny_model():
     return AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
 
 
-def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
+def _on_a_triton_gpu(monkeypatch):
+    """Plans as on a CUDA GPU with Triton, their steps run directly (no CUDA graph on this CPU)."""
+    from funaudiochat_hf import generation_plan_funaudiochat as plan_module
+    from funaudiochat_hf import generation_state_funaudiochat as state
+
+    monkeypatch.setattr(plan_module.DeviceFacts, "of", classmethod(lambda cls, model: cls("cuda", True)))
+    monkeypatch.setattr(state, "CapturedStep", lambda function, key: function)
+
+
+def _plan(model, batch: int = 1, backend: str = "compiled", **overrides):
+    return model.speech_generator(backend=backend, plan_overrides=overrides).plan(None, batch, False, None)
+
+
+def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch):
     """With `crq_linear` on, the CRQ's input / output matching and speech head take the GEMV kernel too, unless one of
     them is not a plain `nn.Linear` (a LoRA wrapper, a quantized layer: the kernel would read its raw weight)."""
     model = _tiny_model()
-    ids = inputs["input_ids"]
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    options = {"crq_linear": "triton", "fuse_crq_projections": True}
-    assert model._speech_run(ids, None, {}, options).cfg.crq_head_linear
-    assert not model._speech_run(ids, None, {}, {**options, "crq_linear": "torch"}).cfg.crq_head_linear
+    _on_a_triton_gpu(monkeypatch)
+    assert _plan(model).crq_head_linear
+    assert not _plan(model, crq_linear=False).crq_head_linear
 
     class Wrapped(nn.Linear):
         pass
@@ -686,88 +707,73 @@ def test_crq_head_takes_the_kernels_only_as_plain_linears(monkeypatch, inputs):
     wrapped = Wrapped(head.in_features, head.out_features, bias=False)
     wrapped.weight = head.weight
     model.audio_invert_tower.lm_head = wrapped
-    run = model._speech_run(ids, None, {}, options)
-    assert run.cfg.crq_linear and not run.cfg.crq_head_linear
+    plan = _plan(model)
+    assert plan.crq_linear and not plan.crq_head_linear
 
 
 def test_batched_decode_steps_hand_both_stacks_the_workspace_counters(monkeypatch, inputs):
     """With `llm_linear` and `crq_linear` on, every decode step of the LLM and of the CRQ gets the workspace's split-K
     counters, which let 2 to 16 rows take the several-row kernel on CUDA (on CPU the layers keep their torch path, so
     the tokens equal the run without the kernels)."""
-    from funaudiochat_hf import generation_funaudiochat as generation
+    from funaudiochat_hf import generation_step_funaudiochat as step
 
     model = _tiny_model()
-    monkeypatch.setattr(generation, "triton_available", lambda device: True)
+    _on_a_triton_gpu(monkeypatch)
     calls = []
-    stack_forward = generation._stack_forward
+    stack_forward = step._stack_forward
 
     def recording(stack, inputs_embeds, *args, **kwargs):
         counters = kwargs.get("split_k_counters", args[6] if len(args) > 6 else None)
         calls.append((stack is model.language_model.model, inputs_embeds.shape[1], counters))
         return stack_forward(stack, inputs_embeds, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "_stack_forward", recording)
+    monkeypatch.setattr(step, "_stack_forward", recording)
     batch = {name: torch.cat([value, value]) for name, value in inputs.items()}
     kwargs = dict(GOLDEN_KWARGS, max_new_tokens=3)
-    options = dict(llm_linear="triton", crq_linear="triton", fuse_crq_projections=True)
-    kernels = model.generate_speech(**batch, **kwargs, **options)
+    # The text head's kernel has no CPU path outside the interpreter.
+    generator = model.speech_generator(2, backend="cuda_graphs", plan_overrides={"overlap_text_head": False})
+    kernels = generator.generate(**batch, **kwargs)
     decode_steps = [(is_llm, counters) for is_llm, positions, counters in calls if positions == 1]
     llm_counters = [counters for is_llm, counters in decode_steps if is_llm]
     crq_counters = [counters for is_llm, counters in decode_steps if not is_llm]
     assert llm_counters and crq_counters
-    assert all(c is not None and c.dtype == torch.int32 for c in crq_counters)
-    assert all(c is not None and c.dtype == torch.int32 for c in llm_counters)
-    plain = model.generate_speech(**batch, **kwargs)
+    assert all(c is not None and c.dtype == torch.int32 for c in crq_counters + llm_counters)
+    plain = model.generate_speech(**batch, **kwargs, backend="eager")
     assert torch.equal(kernels.sequences, plain.sequences) and torch.equal(kernels.speech_ids, plain.speech_ids)
 
 
-def test_speech_head_is_padded_only_where_cublas_runs_it(monkeypatch, inputs):
-    """The compiled loop's padded copy of the speech head (`padded_output_linear`) is for the head's cuBLAS
-    multiplications: none for a one-row loop whose head takes the GEMV kernel, nor for the eager loop."""
+def test_speech_head_is_padded_only_where_cublas_runs_it(monkeypatch):
+    """The padded copy of the speech head (`padded_output_linear`) is for the head's cuBLAS multiplications: none for
+    a one-row loop whose head takes the GEMV kernel, nor for the eager loop, nor where the head is folded."""
     model = _tiny_model()
-    ids = inputs["input_ids"]
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    # Folded (the compiled default), the head is a padded product of its own: no copy of the unfolded head.
-    folded = {"compile": {"backend": "eager", "fullgraph": True}, "fuse_crq_projections": True}
-    assert not model._speech_run(ids.repeat(2, 1), None, {}, {**folded, "crq_linear": "torch"}).cfg.pad_speech_head
-    compiled = {**folded, "fold_crq_matching": False}
-    kernels = {**compiled, "crq_linear": "triton"}
-    assert not model._speech_run(ids, None, {}, kernels).cfg.pad_speech_head  # one row: the GEMV kernel
-    assert model._speech_run(ids.repeat(2, 1), None, {}, kernels).cfg.pad_speech_head  # two rows: cuBLAS
-    assert model._speech_run(ids, None, {}, {**compiled, "crq_linear": "torch"}).cfg.pad_speech_head
-    assert not model._speech_run(ids.repeat(2, 1), None, {}, {"crq_linear": "torch"}).cfg.pad_speech_head  # eager
+    _on_a_triton_gpu(monkeypatch)
+    # Folded (the default), the head is a padded product of its own: no copy of the unfolded head.
+    assert not _plan(model, batch=2, crq_linear=False).pad_speech_head
+    assert not _plan(model, fold_crq_matching=False).pad_speech_head  # one row: the GEMV kernel
+    assert _plan(model, batch=2, fold_crq_matching=False).pad_speech_head  # two rows: cuBLAS
+    assert _plan(model, fold_crq_matching=False, crq_linear=False).pad_speech_head
+    assert not _plan(model, batch=2, backend="eager").pad_speech_head
 
 
-def test_crq_linear_choice(monkeypatch, inputs):
-    """"auto" takes the kernels only for a compiled, fused loop where they can run; "triton" elsewhere is a clear
-    error; "torch" and speech-to-text never take them; unknown names are refused."""
+def test_linear_kernel_choice(monkeypatch):
+    """The fast backends take the CRQ's kernels where they can run over the fused copies; forcing them elsewhere is a
+    clear error; overrides and speech-to-text turn them off; a sharded model runs eagerly."""
     model = _tiny_model()
-    ids = inputs["input_ids"]
-    compile_options = {"compile": {"backend": "eager", "fullgraph": True}}
-    assert not model._speech_run(ids, None, {}, compile_options).cfg.crq_linear  # CPU: no Triton GPU
-    with pytest.raises(ValueError, match="crq_linear='triton'"):
-        model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton"})
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
-        model._speech_run(ids, None, {}, {"crq_linear": "cublas"})
-
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    assert model._speech_run(ids, None, {}, compile_options).cfg.crq_linear
-    assert not model._speech_run(ids, None, {}, {}).cfg.crq_linear  # eager loop
-    assert model._speech_run(ids, None, {}, {"crq_linear": "triton", "fuse_crq_projections": True}).cfg.crq_linear
-    assert not model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "torch"}).cfg.crq_linear
-    assert not model._speech_run(ids, None, {}, {**compile_options, "disable_speech": True}).cfg.crq_linear
-    with pytest.raises(ValueError, match="fused CRQ projections"):
-        model._speech_run(ids, None, {}, {**compile_options, "crq_linear": "triton", "fuse_crq_projections": False})
-    # The LLM's kernels: on by default in a compiled loop on a Triton GPU, over its own weights (no fused copies).
-    assert model._speech_run(ids, None, {}, compile_options).cfg.llm_linear
-    assert not model._speech_run(ids, None, {}, {}).cfg.llm_linear  # eager loop
-    assert model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "triton"}).cfg.llm_linear
-    assert model._speech_run(ids, None, {}, {"llm_linear": "triton"}).cfg.llm_linear
-    assert not model._speech_run(ids, None, {}, {**compile_options, "llm_linear": "torch"}).cfg.llm_linear
-    model.hf_device_map = {"language_model": 0, "audio_invert_tower": 1}  # sharded: the kernels stay off
-    assert not model._speech_run(ids, None, {}, compile_options).cfg.crq_linear
-    with pytest.raises(ValueError, match="one CUDA GPU"):
-        model._speech_run(ids, None, {}, {"llm_linear": "triton"})
+    if not torch.cuda.is_available():
+        assert not _plan(model).crq_linear and not _plan(model).llm_linear  # CPU: no Triton GPU
+        with pytest.raises(ValueError, match="crq_linear"):
+            _plan(model, crq_linear=True)
+    _on_a_triton_gpu(monkeypatch)
+    assert _plan(model).crq_linear and _plan(model, backend="cuda_graphs").crq_linear
+    assert not _plan(model, backend="eager").crq_linear  # eager loop
+    assert not _plan(model, crq_linear=False).crq_linear
+    generator = model.speech_generator(backend="compiled")
+    assert not generator.plan(None, 1, True, None).crq_linear  # disable_speech
+    with pytest.raises(ValueError, match="crq_linear"):
+        _plan(model, crq_linear=True, fuse_crq_projections=False)
+    # The LLM's kernels: on by default in the fast backends on a Triton GPU, over its own weights (no fused copies).
+    assert _plan(model).llm_linear and not _plan(model, backend="eager").llm_linear
+    assert not _plan(model, llm_linear=False).llm_linear
 
 
 def test_decode_kernels_supported_needs_plain_linears_and_silu():
@@ -797,17 +803,17 @@ def test_decode_kernels_supported_needs_plain_linears_and_silu():
 
 def test_kernel_view_is_one_object_sharing_the_fused_weights():
     """`with_decode_kernels` returns the same view every run (a compiled step guards on it) over the same tensors;
-    the cached copies themselves keep `decode_kernels` off."""
+    the kept copies themselves keep `decode_kernels` off."""
     crq = _tiny_model().audio_invert_tower.crq_transformer
     fused = fused_crq_projections(crq)
     view = with_decode_kernels(fused)
-    assert with_decode_kernels(fused) is view and with_decode_kernels(fused_crq_projections(crq)) is view
+    assert with_decode_kernels(fused) is view and with_decode_kernels(fused_crq_projections(crq, fused)) is view
     assert all(layer.decode_kernels for layer in view.layers)
     assert not any(layer.decode_kernels for layer in fused.layers)
     assert view.layers[0].qkv_weight is fused.layers[0].qkv_weight
     with torch.no_grad():
         crq.layers[0].mlp.up_proj.weight.add_(1.0)  # stale copies: rebuilt, and so is the view
-    assert with_decode_kernels(fused_crq_projections(crq)) is not view
+    assert with_decode_kernels(fused_crq_projections(crq, fused)) is not view
 
 
 @pytest.mark.gpu
@@ -890,9 +896,7 @@ def test_cuda_graph_kernel_step_matches_eager_on_gpu(inputs):
     model = _tiny_model().cuda()
     inputs = {name: value.cuda() for name, value in inputs.items()}
     golden = load_file(FUNAUDIOCHAT_GOLDEN / "e_generate_rep1.0.safetensors")
-    for _ in range(2):  # the second call replays the captured CUDA graphs
-        graphed = model.generate_speech(
-            **inputs, **GOLDEN_KWARGS, compile=True, crq_linear="triton", llm_linear="triton"
-        )
+    for backend in ("cuda_graphs", "cuda_graphs", "cuda_graphs", "compiled", "compiled", "compiled"):
+        graphed = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend=backend)  # later calls replay the graphs
         assert torch.equal(graphed.sequences.cpu(), golden["sequences"])
         assert torch.equal(graphed.speech_ids.cpu(), golden["speech_ids"])

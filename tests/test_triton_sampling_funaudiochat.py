@@ -197,21 +197,22 @@ def test_speech_sampler_choice(monkeypatch):
     import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
     from conftest import FUNAUDIOCHAT_TINY
 
+    from funaudiochat_hf import generation_plan_funaudiochat as plan_module
+
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 2, 3]])
-    compiled = {"compile": {"backend": "eager", "fullgraph": True}}
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
-        model._speech_run(ids, None, {}, {"speech_sampler": "fast"})
+    compiled = model.speech_generator(backend="compiled")
     if not torch.cuda.is_available():
-        assert not model._speech_run(ids, None, {}, compiled).cfg.speech_sampler  # CPU: no Triton GPU
-        with pytest.raises(ValueError, match="speech_sampler='triton'.*speech codebook"):
-            model._speech_run(ids, None, {}, {"speech_sampler": "triton"})
+        assert not compiled.plan(None, 1, False, None).speech_sampler  # CPU: no Triton GPU
+        with pytest.raises(ValueError, match="speech_sampler"):
+            model.speech_generator(backend="compiled", plan_overrides={"speech_sampler": True}).plan(None, 1, False, None)
 
     # A Triton GPU (also where Triton is not installed: the choice, not the kernel, is tested here).
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.sampler_kernel_supported", lambda vocab: True)
-    assert model._speech_run(ids, None, {}, compiled).cfg.speech_sampler
-    assert not model._speech_run(ids, None, {}, {}).cfg.speech_sampler  # eager loop
-    assert model._speech_run(ids, None, {}, {"speech_sampler": "triton"}).cfg.speech_sampler
-    assert not model._speech_run(ids, None, {}, {**compiled, "speech_sampler": "torch"}).cfg.speech_sampler
-    assert not model._speech_run(ids, None, {}, {**compiled, "disable_speech": True}).cfg.speech_sampler
+    monkeypatch.setattr(plan_module, "triton_available", lambda device: True)
+    monkeypatch.setattr(plan_module.DeviceFacts, "of", classmethod(lambda cls, model: cls("cuda", True)))
+    monkeypatch.setattr(plan_module, "sampler_kernel_supported", lambda vocab: True)
+    assert compiled.plan(None, 1, False, None).speech_sampler
+    assert not compiled.plan("eager", 1, False, None).speech_sampler  # eager loop
+    assert compiled.plan("cuda_graphs", 1, False, None).speech_sampler
+    off = model.speech_generator(backend="compiled", plan_overrides={"speech_sampler": False})
+    assert not off.plan(None, 1, False, None).speech_sampler
+    assert not compiled.plan(None, 1, True, None).speech_sampler  # disable_speech

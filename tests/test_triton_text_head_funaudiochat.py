@@ -122,10 +122,10 @@ def test_overlapped_head_on_cuda_matches_the_head_after_busy_work(rows):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile", [False, True])
-def test_generation_with_the_overlapped_head_matches_the_reference_on_gpu(inputs, compile):
-    """`text_head="triton"`, eager and compiled in parts (float32 tiny model): the golden tokens, the golden per-step
-    text logits within 1e-4; and a left-padded batch gives the tokens of `text_head="torch"`."""
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compiled"])
+def test_generation_with_the_overlapped_head_matches_the_reference_on_gpu(inputs, backend):
+    """The overlapped text head in the fast backends (float32 tiny model): the golden tokens, the golden per-step
+    text logits within 1e-4; and a left-padded batch gives the tokens of the plan without it."""
     pytest.importorskip("triton")
     from transformers import AutoModel
 
@@ -135,47 +135,45 @@ def test_generation_with_the_overlapped_head_matches_the_reference_on_gpu(inputs
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
     golden, text_logits, _ = _golden("1.0")
     cuda_inputs = {name: value.cuda() for name, value in inputs.items()}
-    for _ in range(2):  # compiled: the second call replays the captured graphs
-        out = model.generate_speech(
-            **cuda_inputs, **GOLDEN_KWARGS, output_logits=True, compile=compile, text_head="triton"
-        )
+    generator = model.speech_generator(max_batch_size=2, backend=backend)
+    assert generator.plan(None, 1, False, None).overlap_text_head
+    for _ in range(3):  # the later calls replay the captured graphs
+        out = generator.generate(**cuda_inputs, **GOLDEN_KWARGS, output_logits=True)
         assert torch.equal(out.sequences.cpu(), golden["sequences"])
         assert torch.equal(out.speech_ids.cpu(), golden["speech_ids"])
         torch.testing.assert_close(out.text_logits[0].cpu(), text_logits, atol=1e-4, rtol=1e-4)
     batch_ids, mask, _, audio = _left_padded_batch(inputs)
     batch = {"input_ids": batch_ids.cuda(), "attention_mask": mask.cuda(), **{k: v.cuda() for k, v in audio.items()}}
-    runs = [model.generate_speech(**batch, **GOLDEN_KWARGS, compile=compile, text_head=h) for h in ("triton", "torch")]
+    without = model.speech_generator(max_batch_size=2, backend=backend, plan_overrides={"overlap_text_head": False})
+    runs = [gen.generate(**batch, **GOLDEN_KWARGS) for gen in (generator, without)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert torch.equal(runs[0].speech_ids, runs[1].speech_ids)
 
 
-def test_text_head_choice(monkeypatch, inputs):
-    """"auto" overlaps the head in a loop compiled in parts up to 16 rows with speech on; not a loop compiled whole
-    (one CUDA graph cannot end with a forked stream), not a batch of 17, not speech-to-text, not eagerly. "triton"
-    where it cannot run is a clear error; unknown names are refused."""
+def test_text_head_choice(monkeypatch):
+    """The fast backends overlap the head up to `AUTO_MAX_ROWS` rows with speech on; not a batch of 17, not
+    speech-to-text, not the eager loop; forcing it where it cannot run is a clear error."""
     pytest.importorskip("triton")
     from transformers import AutoModel
 
     from conftest import FUNAUDIOCHAT_TINY
+    from funaudiochat_hf import generation_plan_funaudiochat as plan_module
 
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-    ids = inputs["input_ids"]
-    compiled = {"compile": {"backend": "eager", "fullgraph": True}}
-    assert not model._speech_run(ids, None, {}, compiled).cfg.overlap_text_head  # CPU: no Triton GPU
-    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
-        model._speech_run(ids, None, {}, {"text_head": "stream"})
+    compiled = model.speech_generator(backend="compiled")
+    if not torch.cuda.is_available():
+        assert not compiled.plan(None, 1, False, None).overlap_text_head  # CPU: no Triton GPU
 
-    monkeypatch.setattr("funaudiochat_hf.generation_funaudiochat.triton_available", lambda device: True)
-    assert model._speech_run(ids, None, {}, compiled).cfg.overlap_text_head
-    assert not model._speech_run(ids, None, {}, {**compiled, "text_head": "torch"}).cfg.overlap_text_head
-    assert not model._speech_run(ids, None, {}, {**compiled, "compile_scope": "step"}).cfg.overlap_text_head
-    assert model._speech_run(ids.repeat(2, 1), None, {}, compiled).cfg.overlap_text_head  # up to text_head_overlap_max_rows
-    assert not model._speech_run(ids.repeat(17, 1), None, {}, compiled).cfg.overlap_text_head
-    assert not model._speech_run(ids, None, {}, {**compiled, "disable_speech": True}).cfg.overlap_text_head
-    assert not model._speech_run(ids, None, {}, {}).cfg.overlap_text_head  # eager, "auto"
-    assert model._speech_run(ids, None, {}, {"text_head": "triton"}).cfg.overlap_text_head  # eager, asked for
-    assert model._speech_run(ids.repeat(2, 1), None, {}, {**compiled, "text_head": "triton"}).cfg.overlap_text_head
-    with pytest.raises(ValueError, match="text_head='triton'.*compile_scope='parts'"):
-        model._speech_run(ids, None, {}, {**compiled, "compile_scope": "step", "text_head": "triton"})
-    with pytest.raises(ValueError, match="text_head='triton'"):
-        model._speech_run(ids.repeat(17, 1), None, {}, {**compiled, "text_head": "triton"})
+    monkeypatch.setattr(plan_module.DeviceFacts, "of", classmethod(lambda cls, model: cls("cuda", True)))
+    assert compiled.plan(None, 1, False, None).overlap_text_head
+    assert compiled.plan("cuda_graphs", 1, False, None).overlap_text_head  # inside the step's CUDA graph too
+    assert compiled.plan(None, 2, False, None).overlap_text_head  # up to AUTO_MAX_ROWS
+    assert not compiled.plan(None, 17, False, None).overlap_text_head
+    assert not compiled.plan(None, 1, True, None).overlap_text_head  # disable_speech
+    assert not compiled.plan("eager", 1, False, None).overlap_text_head
+    off = model.speech_generator(backend="compiled", plan_overrides={"overlap_text_head": False})
+    assert not off.plan(None, 1, False, None).overlap_text_head
+    forced = model.speech_generator(backend="compiled", plan_overrides={"overlap_text_head": True})
+    with pytest.raises(ValueError, match="overlap_text_head"):
+        forced.plan(None, 17, False, None)
+

@@ -16,7 +16,12 @@ from .audio_io import load_audio
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .configuration_funaudiochat import FunAudioChatAudioEncoderConfig, FunAudioChatConfig
 from .data_collator_funaudiochat import FunAudioChatDataCollator
-from .generation_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent
+from .generation_funaudiochat import (
+    FunAudioChatGenerationConfig,
+    FunAudioChatSpeechOutput,
+    SpeechGenerator,
+    SpeechStreamEvent,
+)
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
 from .modeling_funaudiochat import FunAudioChatForConditionalGeneration, FunAudioChatPreTrainedModel
 from .pipeline_speech_to_speech import SpeechToSpeechPipeline, register_pipeline
@@ -61,7 +66,9 @@ __all__ = [
     "FunAudioChatForConditionalGeneration",
     "FunAudioChatPreTrainedModel",
     "FunAudioChatProcessor",
+    "FunAudioChatGenerationConfig",
     "FunAudioChatSpeechOutput",
+    "SpeechGenerator",
     "SpeechStreamEvent",
     "SpeechToSpeechPipeline",
     "load_audio",

@@ -3,7 +3,8 @@
 `decoder_stack_forward(stack, ...)` returns what `stack(inputs_embeds=..., attention_mask=..., position_ids=...,
 use_cache=True, cache).last_hidden_state` returns. It mirrors `Qwen3Model.forward` and `Qwen3DecoderLayer.forward`
 line by line and calls the model's own norms, rotary embedding, mask builders, cache object, attention function
-(`config._attn_implementation`) and projections. Two things are added:
+(`config._attn_implementation`, or the one passed as `attention_implementation`) and projections. Two things are
+added:
 
 - `projections`: the CRQ's concatenated q/k/v and gate/up weights ([`fused_crq_projections`]), used instead of the
   separate projections (4 GEMMs per layer instead of 7 in the latency-bound decode step); with their `decode_kernels`
@@ -217,9 +218,11 @@ def _decoder_layer(
     split_k_counters: torch.Tensor | None,
     norm_squares: torch.Tensor | None = None,
     kernel_config: DecodeKernelConfig | None = None,
+    attention_implementation: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Qwen3DecoderLayer.forward`: `(batch, n, hidden)` -> `(batch, n, hidden)`, and in a several-row kernel step
-    the output's sums of squares (else None), which the next layer's input norm takes as `norm_squares`."""
+    the output's sums of squares (else None), which the next layer's input norm takes as `norm_squares`.
+    `attention_implementation`: as in `decoder_stack_forward`."""
     attention = layer.self_attn
     cos, sin = position_embeddings
     # What the decoder layer hands the attention as **kwargs (besides the named arguments).
@@ -238,7 +241,8 @@ def _decoder_layer(
         # at batch 16 that saves two compiled kernels per layer); else, in a kernel step, as one kernel before the
         # attention function.
         attn_output = decode_attention_with_inputs(
-            attention, query, key, value, cos, sin, static_layer, attention_mask, split_k_counters, kernel_config
+            attention, query, key, value, cos, sin, static_layer, attention_mask, split_k_counters, kernel_config,
+            attention_implementation,
         )
         if attn_output is not None:
             attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1)
@@ -258,7 +262,7 @@ def _decoder_layer(
         key_states, value_states = cache.update(key_states, value_states, attention.layer_idx, **update_kwargs)
 
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attention.config._attn_implementation, eager_attention_forward
+        attention_implementation or attention.config._attn_implementation, eager_attention_forward
     )
     attn_output, _ = attention_interface(
         attention,
@@ -304,6 +308,7 @@ def decoder_stack_forward(
     split_k_counters: torch.Tensor | None = None,
     *,
     kernel_config: DecodeKernelConfig | None = None,
+    attention_implementation: str | None = None,
 ) -> torch.Tensor:
     """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
 
@@ -328,6 +333,10 @@ def decoder_stack_forward(
         kernel_config: the [`DecodeKernelConfig`] of every kernel launch (tiles, warps, grids, launch kind), part
             of the caller's compiled-graph / CUDA-graph key; None: that of the inputs' device, resolved when each
             kernel runs.
+        attention_implementation: the name of a registered transformers attention function (`ALL_ATTENTION_FUNCTIONS`)
+            the layers call instead of `config._attn_implementation` (the decode step's one-query attention); the
+            masks are still built for the config's implementation, so it must accept `sdpa` / `eager` masks. None:
+            the config's.
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
@@ -363,6 +372,7 @@ def decoder_stack_forward(
             split_k_counters,
             squares,
             kernel_config,
+            attention_implementation,
         )
     return stack.norm(hidden_states) if final_norm else hidden_states
 

@@ -1,5 +1,6 @@
-"""Fused q/k/v and gate/up projections for the CRQ speech head (`generate_speech(fuse_crq_projections=...)`, on by
-default for a compiled loop).
+"""Weight copies derived for the decode step: fused q/k/v and gate/up projections of the CRQ speech head, a padded
+speech head, and the linear maps around the CRQ stack multiplied out (used by the "cuda_graphs" and "compiled"
+backends of `generate_speech`, where the weights allow).
 
 At batch 1 a CRQ sub-step is latency-bound: each of its Qwen3 layers runs 7 small GEMMs (q, k, v, o, gate, up, down)
 of a few microseconds each on a GPU, far above the time their weights take to read. Concatenating the q/k/v weights
@@ -12,19 +13,19 @@ those of `crq_transformer(...)`. Results equal it up to float rounding of the GE
 another kernel / reduction order than three separate ones).
 
 Cost: one extra copy of the CRQ's q/k/v and gate/up weights (about 0.6 GB in bfloat16 for the full-size 28-layer,
-1024-wide CRQ), built on first use and kept while the model lives.
+1024-wide CRQ).
 
-`padded_output_linear` keeps another derived copy for the compiled loop: the speech head's weight with zero rows up to
-a multiple of 8 outputs, which cuBLAS multiplies 3.3x faster at several rows (54 MB at full size).
+`padded_output_linear` builds another derived copy: the speech head's weight with zero rows up to a multiple of 8
+outputs, which cuBLAS multiplies faster at several rows (54 MB at full size).
 
-`folded_crq_matching` multiplies out the linear maps around the CRQ stack (`generate_speech(fold_crq_matching=...)`,
-on by default for a compiled loop, [`FoldedCRQMatching`]): a decode step reads 0.11 instead of 0.55 GB of them at
-full size, in 11 fewer GEMMs (on an H200, side by side: batch 1 7.70 against 7.86 ms per step, batch 16 11.75 against
-11.91 ms; BENCHMARKS.md, 2026-12-02 17:55–18:30).
+`folded_crq_matching` multiplies out the linear maps around the CRQ stack ([`FoldedCRQMatching`]): a decode step reads
+0.11 instead of 0.55 GB of them at full size, in 11 fewer GEMMs.
+
+The builders keep nothing: the caller owns the copies (`generate_speech`'s `SpeechGenerator`) and passes the copy it
+holds as `previous`, which is returned as it is while the source weights are unchanged and rebuilt once they changed
+(in place or re-allocated: see [`FusedCRQProjections`]).
 """
 
-import threading
-import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -73,11 +74,6 @@ class FusedCRQProjections:
     layers: list[FusedLayerProjections]
     source_state: tuple[tuple[int, int], ...]
     kernel_view: "FusedCRQProjections | None" = field(default=None, repr=False, compare=False)
-
-
-# One set of fused copies per CRQ module; dies with the module (the model stays picklable: nothing is attached to it).
-_FUSED: "weakref.WeakKeyDictionary[nn.Module, FusedCRQProjections]" = weakref.WeakKeyDictionary()
-_FUSED_LOCK = threading.Lock()
 
 
 def _plain_linear(module: nn.Module, name: str, option: str = "fuse_crq_projections") -> nn.Linear:
@@ -150,40 +146,33 @@ def _build(linears: list[tuple[nn.Linear, ...]], source_state) -> FusedCRQProjec
 
 
 @torch.no_grad()
-def fused_crq_projections(crq: nn.Module) -> FusedCRQProjections:
-    """The fused q/k/v and gate/up weights of `crq` (a transformers `Qwen3Model`), built once and cached.
-
-    The cached copies are rebuilt when the source weights changed since (in place or re-allocated, see
-    [`FusedCRQProjections`]). Call this outside `torch.compile`d code (it reads `Tensor._version`) and hand the
-    result to `decoder_stack_forward`.
+def fused_crq_projections(crq: nn.Module, previous: FusedCRQProjections | None = None) -> FusedCRQProjections:
+    """The fused q/k/v and gate/up weights of `crq` (a transformers `Qwen3Model`): `previous` (copies the caller
+    holds) while the source weights are those it was built from, else new copies (see [`FusedCRQProjections`]).
+    Call this outside `torch.compile`d code (it reads `Tensor._version`) and hand the result to
+    `decoder_stack_forward`.
 
     Raises:
         ValueError: when a projection is not a plain loaded `nn.Linear` (LoRA wrapper, quantized layer, meta weight).
     """
     linears = _source_linears(crq)
     state = _source_state(linears)
-    with _FUSED_LOCK:
-        fused = _FUSED.get(crq)
-        if fused is None or fused.source_state != state:
-            _FUSED.pop(crq, None)  # free the stale copy before allocating the new one
-            fused = _build(linears, state)
-            _FUSED[crq] = fused
-    return fused
+    if previous is not None and previous.source_state == state:
+        return previous
+    return _build(linears, state)
 
 
 def with_decode_kernels(fused: FusedCRQProjections) -> FusedCRQProjections:
     """The view of `fused` (same weight tensors) whose layers run decode steps through the Triton kernels of
-    `triton_linear_funaudiochat` (`generate_speech(crq_linear="triton")`)."""
-    with _FUSED_LOCK:
-        if fused.kernel_view is None:
-            layers = [replace(layer, decode_kernels=True) for layer in fused.layers]
-            fused.kernel_view = replace(fused, layers=layers, kernel_view=None)
-        return fused.kernel_view
+    `triton_linear_funaudiochat`; built once per set of copies (a compiled step guards on the object)."""
+    if fused.kernel_view is None:
+        layers = [replace(layer, decode_kernels=True) for layer in fused.layers]
+        fused.kernel_view = replace(fused, layers=layers, kernel_view=None)
+    return fused.kernel_view
 
 
 # cuBLAS multiplies a weight whose output count is not a multiple of 8 (16 bytes in 16-bit dtypes) with slower,
-# unaligned kernels: on an H200 the 6,565-way speech head at 4 or 16 input rows took 56-58 µs, against 17 µs with the
-# weight padded to 6,568 rows (BENCHMARKS.md, 2026-12-01 18:15–18:50).
+# unaligned kernels (the 6,565-way speech head at several input rows, BENCHMARKS.md).
 OUTPUT_ALIGNMENT = 8
 
 
@@ -208,9 +197,6 @@ class PaddedLinear:
         return F.linear(x, self.weight, self.bias)[..., : self.out_features]
 
 
-_PADDED: "weakref.WeakKeyDictionary[nn.Module, PaddedLinear]" = weakref.WeakKeyDictionary()
-
-
 def _padded(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """`tensor` with zero rows appended up to `rows`, as a static-address copy (`_concat`)."""
     if tensor is None:
@@ -219,24 +205,20 @@ def _padded(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def padded_output_linear(linear: nn.Module) -> PaddedLinear | None:
-    """The [`PaddedLinear`] of `linear`, built once and cached (rebuilt when its weights changed); None when padding
-    does not apply: the output count is already a multiple of `OUTPUT_ALIGNMENT`, or `linear` is not a loaded plain
-    `nn.Linear` (a LoRA wrapper or quantized layer computes something else than its raw weight). Call it outside
-    `torch.compile`d code, as `fused_crq_projections`."""
+def padded_output_linear(linear: nn.Module, previous: PaddedLinear | None = None) -> PaddedLinear | None:
+    """The [`PaddedLinear`] of `linear` (`previous` while its weights are those it was built from, as
+    `fused_crq_projections`); None when padding does not apply: the output count is already a multiple of
+    `OUTPUT_ALIGNMENT`, or `linear` is not a loaded plain `nn.Linear` (a LoRA wrapper or quantized layer computes
+    something else than its raw weight). Call it outside `torch.compile`d code."""
     if type(linear) is not nn.Linear or linear.weight.device.type == "meta":
         return None
     rows = -(-linear.out_features // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT
     if rows == linear.out_features:
         return None
     state = _source_state([(linear,)])
-    with _FUSED_LOCK:
-        padded = _PADDED.get(linear)
-        if padded is None or padded.source_state != state:
-            _PADDED.pop(linear, None)
-            padded = PaddedLinear(_padded(linear.weight, rows), _padded(linear.bias, rows), linear.out_features, state)
-            _PADDED[linear] = padded
-    return padded
+    if previous is not None and previous.source_state == state:
+        return previous
+    return PaddedLinear(_padded(linear.weight, rows), _padded(linear.bias, rows), linear.out_features, state)
 
 
 @dataclass
@@ -272,9 +254,6 @@ class FoldedCRQMatching:
     head: PaddedLinear
     feedback: torch.Tensor
     source_state: tuple[tuple[int, int], ...]
-
-
-_FOLDED: "weakref.WeakKeyDictionary[nn.Module, FoldedCRQMatching]" = weakref.WeakKeyDictionary()
 
 
 # The sources of `FoldedCRQMatching`, in the order `_build_folded` takes them.
@@ -364,20 +343,15 @@ def _build_folded(
 
 
 @torch.no_grad()
-def folded_crq_matching(model: nn.Module) -> FoldedCRQMatching:
-    """The [`FoldedCRQMatching`] of a `FunAudioChatForConditionalGeneration`, built once and cached (rebuilt when the
-    source weights changed, see [`FusedCRQProjections`]). Call it outside `torch.compile`d code.
+def folded_crq_matching(model: nn.Module, previous: FoldedCRQMatching | None = None) -> FoldedCRQMatching:
+    """The [`FoldedCRQMatching`] of a `FunAudioChatForConditionalGeneration` (`previous` while the source weights are
+    those it was built from, as `fused_crq_projections`). Call it outside `torch.compile`d code.
 
     Raises:
         ValueError: when a source is not a loaded plain `nn.Linear` / `nn.Embedding`, or they span several devices.
     """
     linears, embedding = _fold_sources(model)
     state = tuple((t.data_ptr(), t._version) for t in _fold_tensors(linears, embedding))
-    tower = model.audio_invert_tower
-    with _FUSED_LOCK:
-        folded = _FOLDED.get(tower)
-        if folded is None or folded.source_state != state:
-            _FOLDED.pop(tower, None)  # free the stale copies before building the new ones
-            folded = _build_folded(tower.group_size, linears, embedding, state)
-            _FOLDED[tower] = folded
-    return folded
+    if previous is not None and previous.source_state == state:
+        return previous
+    return _build_folded(model.audio_invert_tower.group_size, linears, embedding, state)

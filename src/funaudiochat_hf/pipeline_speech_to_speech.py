@@ -65,7 +65,7 @@ class SpeechToSpeechPipeline(Pipeline):
 
     Call keywords: `system_prompt` (defaults to the official spoken-chat prompt), `sampling_rate` (of raw arrays),
     `batch_size`, and any `generate_speech` keyword (`max_new_tokens`, `temperature`, `top_p`, `top_k`,
-    `repetition_penalty`, `do_sample`, `speaker`, `seed`, ...), which pass through unchanged.
+    `repetition_penalty`, `do_sample`, `speaker`, `seed`, `backend`, ...), which pass through unchanged.
 
     Returns per input: `{"text": str, "audio": np.ndarray float32 (samples,), "sampling_rate": int}`.
 

@@ -1,18 +1,13 @@
-"""`generate_speech`'s decode step replayed as one CUDA graph (`generate_speech(step_graph=...)`).
+"""`generate_speech`'s decode step replayed as one CUDA graph (the "cuda_graphs" and "compiled" backends on CUDA).
 
-With `torch.compile(mode="reduce-overhead")` every compiled part of a step (the LLM part, each of the K CRQ
-sub-steps, the bookkeeping) replays a CUDA graph of its own, and before each replay torch checks in Python that every
-tensor the part reads (each weight of the LLM's 36 layers, of the CRQ's 28) is still where it was recorded. At full
-size that host work is about as long as the GPU's step, so the GPU never gets far ahead, and after each "all rows
-done?" sync of the loop it idles until the host has launched the next LLM part (an H200 profile, BENCHMARKS.md
-2026-12-02 21:50: 1.5 ms idle at batch 1 and 2.1 ms at batch 16, once every `sync_every=8` steps).
-
-Here the parts are compiled without CUDA graphs of their own, and [`CapturedStep`] records the whole step (LLM part,
-the text head on its side stream, K CRQ sub-steps, bookkeeping) as one CUDA graph per workspace and configuration:
-one launch per step. The step only reads and writes fixed-address tensors (the workspace's buffers and caches, the
-weights and the run's weight copies), so the graph stays valid as long as they stay where they are; that is checked
-once per call instead of once per replay ([`StepGraphs.check`] on [`tensor_addresses`]): if any moved (weights
-replaced, copies rebuilt), the workspace's graphs are dropped and recorded again.
+[`CapturedStep`] records the whole step (LLM part, the text head on its side stream, K CRQ sub-steps, bookkeeping;
+run eagerly, or as parts compiled without CUDA graphs of their own) as one CUDA graph per workspace and configuration:
+one launch per step, instead of a launch per kernel (eager) or a replay per compiled part, each of which checks in
+Python that every tensor it reads is where it was recorded. The step only reads and writes fixed-address tensors (the
+workspace's buffers and caches, the weights and the run's weight copies), so the graph stays valid as long as they
+stay where they are; that is checked once per call instead of once per replay ([`StepGraphs.check`] on
+[`tensor_addresses`]): if any moved (weights replaced, copies rebuilt), the workspace's graphs are dropped and recorded
+again.
 """
 
 import dataclasses

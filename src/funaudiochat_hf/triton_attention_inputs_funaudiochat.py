@@ -279,9 +279,10 @@ def decode_attention_with_inputs(
     attention_mask: torch.Tensor | None,
     counters: torch.Tensor | None = None,
     kernel_config: DecodeKernelConfig | None = None,
+    attention_implementation: str | None = None,
 ) -> torch.Tensor | None:
     """`decode_attention_inputs` and the attention call after it, for a layer whose attention function is the Triton
-    one (`compile_attention="triton"`), as two kernels (one given `counters`); None where that function would not
+    one (`attention_implementation`, else the config's, is `TRITON_DECODE_ATTENTION`), as two kernels (one given `counters`); None where that function would not
     take its kernels (then call `decode_attention_inputs` and the attention function).
 
     Args as [`decode_attention_inputs`], and attention_mask: the layer's `(batch or 1, 1, 1, max_cache_len)`
@@ -292,7 +293,7 @@ def decode_attention_with_inputs(
     """
     supported, mask = _flat_bool_mask(attention_mask, query.shape[0], cache_layer.keys.shape[2])
     usable = (
-        attention.config._attn_implementation == TRITON_DECODE_ATTENTION
+        (attention_implementation or attention.config._attn_implementation) == TRITON_DECODE_ATTENTION
         and supported
         and not attention.training
         and attention.config.num_attention_heads % attention.config.num_key_value_heads == 0

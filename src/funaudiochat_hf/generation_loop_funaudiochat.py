@@ -1,0 +1,222 @@
+"""One `generate_speech` call's decode loop: prepare the run (plan, step configuration, workspace, step functions
+from its `SpeechGenerator`), the prefill, the decode steps with a lagged "all rows done?" check, the result.
+
+The loop reproduces the reference `_sample` (spec funaudiochat.md §6.3a) bit for bit at batch 1:
+
+* the prefill runs the LLM over the prompt and the CRQ over `K * L0 - (K - 1)` sub-positions in one pass, with the
+  speech-bos embedding as "previous speech token" (its 5 tokens are discarded unless the prompt ends in speech mode);
+* the CRQ runs at *every* step, so its cache covers prompt + answer; the last sampled token's embedding is carried on;
+* the first text token is forced to `<|audio_bos|>` (`force_text_abos`), which switches speech on from the next step;
+* a group containing the speech EOS becomes K x EOS, the step's text token is overwritten by `<|audio_eos|>`, and
+  speech stops; the text EOS ends the reply (checked before that overwrite); `<|audio_eos|>` is not a stop token.
+
+Beyond the reference: per-row state for left-padded batches (each row decodes exactly as if alone).
+"""
+
+import torch
+
+from .attention_funaudiochat import register_gqa_decode_attention
+from .generation_config_funaudiochat import SpeechRequest
+from .generation_output_funaudiochat import FunAudioChatSpeechOutput
+from .generation_state_funaudiochat import SpeechGenerator
+from .generation_step_funaudiochat import finish_part, prefill_forward
+from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
+from .step_graph_funaudiochat import tensor_addresses
+from .triton_attention_funaudiochat import register_triton_decode_attention
+
+
+class SpeechRun:
+    """One call: validated request, plan, workspace and the step loop. The caller holds `generator` for the run."""
+
+    def __init__(
+        self,
+        model,
+        generator: SpeechGenerator,
+        request: SpeechRequest,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        prompt_inputs: dict,
+        backend: str | None,
+    ):
+        self.model, self.request = model, request
+        device = model.language_model.get_input_embeddings().weight.device
+        # A copy: never a view of the caller's tensor (a compiled prefill would otherwise guard on the view's base).
+        input_ids = input_ids.to(device, dtype=torch.long, copy=True)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device)
+        mask = mask.bool()
+        if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+            raise ValueError(
+                "generate_speech needs left-padded prompts (padding_side='left'): every row's tokens must end at the "
+                "last column."
+            )
+        self.input_ids, self.mask = input_ids, mask
+        batch, length = input_ids.shape
+        self.padding = length - mask.long().sum(-1)
+        if not request.disable_speech and getattr(model, "audio_invert_tower", None) is None:
+            raise ValueError("This model has no speech decoder (`audio_invert_tower`); pass `disable_speech=True`.")
+
+        plan = generator.plan(backend, batch, request.disable_speech, request.cache_implementation)
+        text_config, audio_config = model.config.text_config, model.config.audio_config
+        # The decode attention is registered with transformers' attention interface and named in the step
+        # configuration, which passes it down to the layers (the model's config is left as it is).
+        attention = None
+        if plan.attention == "gqa_matmul":
+            attention = register_gqa_decode_attention()
+        elif plan.attention == "triton":
+            attention = register_triton_decode_attention()
+        self.cfg = StepConfig(
+            text=request.text.switches,
+            speech=request.speech.switches,
+            disable_speech=request.disable_speech,
+            group_size=audio_config.group_size,
+            speech_bos_id=audio_config.bos_token_id,
+            speech_eos_id=audio_config.eos_token_id,
+            audio_bos_index=text_config.audio_bos_index,
+            audio_eos_index=text_config.audio_eos_index,
+            pad_token_id=request.pad_token_id,
+            output_logits=request.output_logits,
+            plan=plan,
+            attention_implementation=attention,
+            kernel_config=generator.kernel_config_for(device),
+        )
+        self.eos_ids = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.long, device=device)
+        self.speech_pad_id = audio_config.pad_token_id
+        self.max_new_tokens = request.max_new_tokens
+        needed = length + request.max_new_tokens
+        cache_length = generator.cache_length(batch, needed, plan.static_cache)
+        self.step_fn, self.prefill_crq_part, self.prefill_halves = generator.step_functions(
+            self.cfg, request.compile_options
+        )
+        self.ws = generator.workspace(batch, cache_length, self.cfg)
+        self.prompt_inputs = prompt_inputs
+        self.generator = _random_generator(request, device)
+        self.steps = 0
+
+    def _draw_noise(self) -> None:
+        ws = self.ws
+        streams = [(self.cfg.text, ws.text_noise)]
+        if not self.cfg.disable_speech:
+            streams.append((self.cfg.speech, ws.speech_noise))
+        generator = self.generator
+        for settings, noise in streams:
+            if not settings.do_sample:
+                continue
+            if generator.device == noise.device:
+                noise.exponential_(generator=generator)
+            else:  # a user generator on another device (e.g. CPU) than the model
+                noise.copy_(torch.empty(noise.shape, device=generator.device).exponential_(generator=generator))
+
+    def prefill(self) -> DecodeWorkspace:
+        model, cfg, ws, request = self.model, self.cfg, self.ws, self.request
+        ws.reset(self.eos_ids, self.speech_pad_id, request.text, request.speech)
+        length = self.input_ids.shape[1]
+        k = cfg.group_size
+        ws.llm_mask.fill_(True)
+        ws.llm_mask[:, :length] = self.mask
+        ws.crq_mask.fill_(True)
+        ws.crq_mask[:, : length * k] = self.mask.repeat_interleave(k, dim=1)
+        if not cfg.disable_speech:
+            ws.prev_speech_token.fill_(cfg.speech_bos_id)
+            ws.speaking.copy_(self.input_ids[:, -1] == cfg.audio_bos_index)
+        if cfg.text.uses_history:
+            # The text repetition penalty covers the prompt too (as the reference), but not the left padding.
+            vocab = ws.text_seen.shape[1]
+            prompt_ids = self.input_ids.masked_fill(~self.mask, vocab)
+            seen = torch.zeros(ws.text_seen.shape[0], vocab + 1, dtype=torch.bool, device=ws.device)
+            ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
+        inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
+        self._draw_noise()
+        prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, self.prefill_halves)
+        if cfg.plan.step_graph:  # the caches exist now (a static cache allocates its tensors on first use)
+            ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
+        if not cfg.disable_speech:
+            # The first group's other K - 1 CRQ sub-steps have a decode sub-step's shapes: they run as the decode
+            # sub-step does (compiled / recorded in the fast backends; part of the time to first audio).
+            for _ in range(cfg.group_size - 1):
+                self.prefill_crq_part(model, ws, cfg)
+        finish_part(model, ws, cfg, force_token=cfg.audio_bos_index if request.force_text_abos else None)
+        self.steps = 1
+        return ws
+
+    def decode(self) -> None:
+        self._draw_noise()
+        self.step_fn(self.model, self.ws, self.cfg)
+        self.steps += 1
+
+    def all_done(self) -> bool:
+        return bool(self.ws.done.all())
+
+    def decode_until_done(self) -> None:
+        """Decode steps until every row has finished or `max_new_tokens` is reached. Each "all rows finished" check
+        is read after the next step has been launched ([`LaggedCheck`]), so at most one step runs after the last row
+        finishes."""
+        check = LaggedCheck(self.ws.done)
+        check.issue(self.steps)  # after the prefill
+        while self.steps < self.max_new_tokens:
+            self.decode()
+            if check.due(self.steps) and check.read():
+                return
+            check.issue(self.steps)
+
+    def result(self) -> FunAudioChatSpeechOutput:
+        ws, cfg = self.ws, self.cfg
+        new_tokens = self.steps
+        if self.all_done():
+            new_tokens = int(ws.finish_step.max()) + 1
+        sequences = torch.cat([self.input_ids, ws.text_out[:, :new_tokens]], dim=1).clone()
+        groups = int(ws.groups.max())
+        speech_ids = ws.speech_out[:, : cfg.group_size * groups].clone()
+        output = FunAudioChatSpeechOutput(sequences=sequences, speech_ids=speech_ids)
+        if cfg.output_logits:
+            output.text_logits = ws.text_logits[:, :new_tokens].clone()
+            if not cfg.disable_speech:
+                output.speech_logits = ws.speech_logits[:, :new_tokens].clone()
+        return output
+
+
+def _random_generator(request: SpeechRequest, device: torch.device) -> torch.Generator:
+    if request.generator is not None:
+        return request.generator
+    generator = torch.Generator(device=device)
+    seed = request.seed
+    if seed is None:
+        # Follow the global RNG so `torch.manual_seed(...)` before the call makes it reproducible.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    generator.manual_seed(seed)
+    return generator
+
+
+class LaggedCheck:
+    """Whether every row has finished, read one step late so that the GPU never waits for the host.
+
+    A blocking check (`bool(done.all())`) drains the GPU's queue: the GPU then idles while the host launches the next
+    step. Here `issue` queues the check behind a step (a reduction and a copy to pinned memory, then an event), and
+    `read`, called once the host has launched the next step, waits for that event only: the launched step keeps the
+    GPU busy meanwhile. On a CPU the copy is synchronous and the event is not needed.
+    """
+
+    def __init__(self, done: torch.Tensor):
+        self.done = done
+        cuda = done.is_cuda
+        self.flag = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.step: int | None = None  # the step count the pending check was issued after
+
+    def issue(self, step: int) -> None:
+        self.flag.copy_(self.done.all(), non_blocking=self.event is not None)
+        if self.event is not None:  # on the stream the copy was queued on (the model's GPU may not be the current one)
+            self.event.record(torch.cuda.current_stream(self.done.device))
+        self.step = step
+
+    def due(self, step: int) -> bool:
+        """Whether a check is pending and a step was launched after it (`step` steps now)."""
+        return self.step is not None and step > self.step
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        self.step = None
+        return bool(self.flag)
+
+
+__all__ = ["LaggedCheck", "SpeechRun"]

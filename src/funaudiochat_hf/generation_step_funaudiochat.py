@@ -1,0 +1,346 @@
+"""The decode step of `generate_speech` and the prompt's forward: module-level functions of `(model, workspace,
+step config)` that only read the model and mutate the workspace in place, so that `torch.compile` can capture them
+and a CUDA graph can record them (no host syncs inside).
+
+One step = `llm_part` + K x `crq_part` + `finish_part`; `decode_step` chains them. `CompiledParts` is the step with
+the three parts compiled separately.
+"""
+
+import torch
+from torch.nn import functional as F
+
+from .compat import cache_kwargs
+from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
+from .fused_crq_funaudiochat import PaddedLinear
+from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
+from .sampling_funaudiochat import mark_seen, select_tokens
+from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
+from .triton_sampling_funaudiochat import sample_tokens, use_sampler_kernel
+
+
+def _stack_forward(
+    stack,
+    inputs_embeds,
+    attention_mask,
+    positions,
+    cache,
+    projections=None,
+    halves=None,
+    final_norm=True,
+    split_k_counters=None,
+    attention_implementation=None,
+    kernel_config=None,
+):
+    """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
+    `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections`, layer
+    `halves` (the compiled prefill) and / or another `attention_implementation` (the decode attention).
+    `final_norm=False` (with `projections` or `halves`): before the stack's final norm. `split_k_counters`,
+    `kernel_config`: see `decoder_stack_forward`."""
+    if projections is None and halves is None and attention_implementation is None:
+        if not final_norm:
+            raise ValueError("`final_norm=False` needs the stack run layer by layer (`projections` or `halves`).")
+        return stack(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(cache),
+        ).last_hidden_state
+    return decoder_stack_forward(
+        stack,
+        projections,
+        inputs_embeds,
+        attention_mask,
+        positions,
+        cache,
+        halves or EAGER_HALVES,
+        final_norm,
+        split_k_counters,
+        attention_implementation=attention_implementation,
+        kernel_config=kernel_config,
+    )
+
+
+def _matching(
+    linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None, kernel_config=None
+) -> torch.Tensor:
+    """`linear(norm(x))` for one of the CRQ's plain linears around its stack or their folded copies (`linear`: an
+    `nn.Linear` or a `PaddedLinear`; `norm`: an RMSNorm module or None), through the GEMV kernel of
+    `triton_linear_funaudiochat` when `kernels` and x is one CUDA row (a padded copy's extra outputs dropped), else
+    through `padded` (the linear's `PaddedLinear`) when given."""
+    if kernels and use_decode_kernels(x):
+        return decode_linear(x, linear.weight, linear.bias, norm, kernel_config=kernel_config)[..., : linear.out_features]
+    return (linear if padded is None else padded)(x if norm is None else norm(x))
+
+
+def _run_crq(
+    model,
+    ws: DecodeWorkspace,
+    cfg: StepConfig,
+    sub_inputs: torch.Tensor,
+    positions: torch.Tensor,
+    halves: DecoderLayerHalves | None = None,
+) -> None:
+    """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with
+    `fold_crq_matching`, `(batch, n, crq_hidden)`: the sub-positions through `input_matching` already.
+
+    The embedding of the previous speech token is added to every input sub-position (n > 1 only for sub-step 0 of the
+    prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
+    the row's speech history plus the tokens already chosen in this group. `halves`: run the CRQ layer by layer
+    with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward.
+    """
+    tower = model.audio_invert_tower
+    crq = tower.crq_transformer
+    k = ws.sub_step.view(1)
+    plan = cfg.plan
+    kernels, config = plan.crq_head_linear, cfg.kernel_config
+    folded = ws.folded if plan.fold_crq_matching else None
+    if folded is None:
+        previous = model.audio_tower.embed_tokens(ws.prev_speech_token).to(sub_inputs.device)
+        inputs_embeds = _matching(tower.input_matching, sub_inputs + previous[:, None], kernels, kernel_config=config)
+    else:  # input_matching is linear: its image of the previous token's embedding, gathered
+        table = folded.speech_inputs  # on the CRQ's device (a dispatched model: maybe not the workspace's)
+        previous = F.embedding(ws.prev_speech_token.to(table.device), table)
+        inputs_embeds = sub_inputs.to(table.device) + previous[:, None]
+    fused = ws.fused_crq if plan.fuse_crq_projections else None
+    # With the kernels, the final norm is folded into output_matching's (one row: the batch-1 decode sub-step).
+    fold_norm = kernels and use_decode_kernels(sub_inputs[:, -1])
+    # With the kernels, decode sub-steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
+    counters = ws.split_k_counters if plan.crq_linear else None
+    # The prefill's one pass (`halves`, or none) keeps the model's attention; decode sub-steps take the plan's.
+    attention = cfg.attention_implementation if positions.shape[1] == 1 else None
+    hidden = _stack_forward(
+        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters, attention,
+        config,
+    )
+    norm = crq.norm if fold_norm else None
+    if folded is None:
+        features = _matching(tower.output_matching, hidden[:, -1], kernels, norm, kernel_config=config)
+        logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head, kernel_config=config)
+    else:  # lm_head ∘ output_matching as one linear
+        logits = _matching(folded.head, hidden[:, -1], kernels, norm, kernel_config=config)
+    logits = logits.float().to(ws.device)
+    noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
+    seen = ws.group_seen if cfg.speech.uses_history else None
+    if plan.speech_sampler and use_sampler_kernel(logits):
+        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise, kernel_config=config)
+    else:
+        token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
+    if cfg.speech.uses_history:
+        ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
+    # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
+    # reference's `lm_head.weight[token]`.
+    ws.prev_speech_token.copy_(token)
+    ws.crq_position.copy_(positions[:, -1] + 1)
+    ws.group.index_copy_(1, k, token[:, None])
+    ws.group_logits.index_copy_(1, k, logits[:, None])
+    ws.sub_step.add_(1)
+
+
+def crq_part(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """Next CRQ sub-step of a decode step: one sub-position, `ws.sub_inputs[:, ws.sub_step]` (or the folded ones)."""
+    all_sub_inputs = ws.folded_sub_inputs if cfg.plan.fold_crq_matching else ws.sub_inputs
+    sub_inputs = all_sub_inputs.index_select(1, ws.sub_step.view(1))
+    _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None])
+
+
+def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tensor, input_ids: torch.Tensor):
+    """Speech-head inputs of the positions just fed: `pre_matching(h + embed(input ids))` split in K sub-positions.
+
+    Returns all `(batch, L * K, hidden)` sub-positions and keeps the last K (those of the newest position) in
+    `ws.sub_inputs`; with `fold_crq_matching`, `(batch, L * K, crq_hidden)`: through `input_matching` too, in
+    `ws.folded_sub_inputs`. The text embedding is the raw embedding of the input ids (`<|AUDIO|>` included).
+    """
+    text_embeds = model.language_model.get_input_embeddings()(input_ids).to(ws.device)
+    conditioning = hidden + text_embeds
+    if cfg.plan.fold_crq_matching:
+        batch, length, _ = conditioning.shape
+        weight = ws.folded.sub_inputs.weight
+        sub_positions = _matching(
+            ws.folded.sub_inputs, conditioning.to(weight.device), cfg.plan.crq_head_linear, kernel_config=cfg.kernel_config
+        )
+        sub_positions = sub_positions.reshape(batch, length * cfg.group_size, -1)
+        ws.folded_sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
+    else:
+        sub_positions = model.audio_invert_tower.split_positions(conditioning)
+        ws.sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
+    ws.sub_step.zero_()
+    ws.group_seen.copy_(ws.speech_seen)
+    return sub_positions
+
+
+def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """LLM forward of the fed embeddings -> text logits and the speech-head inputs of the new position."""
+    language_model = model.language_model
+    positions = ws.llm_position[:, None]
+    stack = language_model.model
+    # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
+    counters = ws.split_k_counters if cfg.plan.llm_linear else None
+    hidden = _stack_forward(
+        stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters,
+        attention_implementation=cfg.attention_implementation, kernel_config=cfg.kernel_config,
+    )  # fmt: skip
+    hidden = hidden.to(ws.device)
+    ws.llm_position.add_(1)
+    if cfg.plan.overlap_text_head:  # the head runs after this part, beside the CRQ sub-steps (`start_text_head`)
+        ws.text_head_input.copy_(hidden[:, -1])
+    else:
+        ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
+    if not cfg.disable_speech:
+        _start_group(model, ws, cfg, hidden, ws.next_ids[:, None])
+
+
+def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | None = None) -> None:
+    """Choose the text token, do the per-row speech/stop bookkeeping and build the next LLM input (all in place)."""
+    k = cfg.group_size
+    text_logits = ws.text_logits_step
+    noise = ws.text_noise if cfg.text.do_sample else None
+    seen = ws.text_seen if cfg.text.uses_history else None
+    token = select_tokens(text_logits, cfg.text, seen, noise, ws.text_sampling)
+    if force_token is not None:
+        token = torch.full_like(token, force_token)
+    done = ws.done
+    token = torch.where(done, cfg.pad_token_id, token)
+    # Stopping is decided on the chosen token, before the speech-EOS overwrite (as the reference).
+    stop = ~done & (token[:, None] == ws.eos_ids[None, :]).any(-1)
+
+    speaking = None
+    if not cfg.disable_speech:
+        speaking = ws.speaking & ~done
+        group = ws.group
+        finish = speaking & (group == cfg.speech_eos_id).any(-1)
+        group = torch.where(finish[:, None], cfg.speech_eos_id, group)
+        token = torch.where(finish, cfg.audio_eos_index, token)
+        offsets = torch.arange(k, device=ws.device)
+        trash = ws.speech_out.shape[1] - k
+        slots = torch.where(speaking[:, None], ws.groups[:, None] * k + offsets, trash + offsets)
+        ws.speech_out.scatter_(1, slots, group)
+        ws.last_group.copy_(torch.where(speaking[:, None], group, ws.last_group))
+        ws.groups.add_(speaking.long())
+        if cfg.speech.uses_history:
+            ws.speech_seen.copy_(mark_seen(ws.speech_seen, group, speaking))
+        speaking = (speaking & ~finish) | (token == cfg.audio_bos_index)
+        ws.speaking.copy_(speaking)
+
+    step = ws.step.view(1)
+    ws.text_out.index_copy_(1, step, token[:, None])
+    if cfg.output_logits:
+        ws.text_logits.index_copy_(1, step, text_logits[:, None])
+        if not cfg.disable_speech:
+            ws.speech_logits.index_copy_(1, step, ws.group_logits[:, None])
+    ws.finish_step.copy_(torch.where(stop, ws.step, ws.finish_step))
+    ws.done.copy_(done | stop)
+    if cfg.text.uses_history:
+        ws.text_seen.copy_(mark_seen(ws.text_seen, token[:, None]))
+
+    # Next LLM input: the text embedding, averaged with the last speech group's encoding while speaking.
+    embeds = model.language_model.get_input_embeddings()(token[:, None]).to(ws.device)
+    if speaking is not None:
+        if cfg.plan.fold_crq_matching:  # the mean of the group's rows of the folded table (`FoldedCRQMatching`)
+            table = ws.folded.feedback
+            feedback = F.embedding(ws.last_group.to(table.device), table).mean(dim=1, keepdim=True)
+        else:
+            feedback = model.audio_tower.encode_groups(ws.last_group)
+        feedback = feedback.to(ws.device)
+        use_feedback = speaking & (ws.groups > 0)
+        embeds = torch.where(use_feedback[:, None, None], (embeds + feedback) / 2, embeds)
+    ws.next_embeds.copy_(embeds)
+    ws.next_ids.copy_(token)
+    ws.step.add_(1)
+
+
+def start_text_head(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """With `overlap_text_head`: the text logits of the LLM part's hidden state, on the head's own stream (outside
+    any compiled part: it only enqueues)."""
+    if cfg.plan.overlap_text_head:
+        ws.text_head.start(ws.text_head_input, model.language_model.lm_head, ws.text_logits_step, cfg.kernel_config)
+
+
+def join_text_head(ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """With `overlap_text_head`: the current stream waits for the text logits (before the token is chosen)."""
+    if cfg.plan.overlap_text_head:
+        ws.text_head.join()
+
+
+def decode_step(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """One LLM step (+ K CRQ sub-steps) of every row; only mutates `ws`. Free of host syncs and of allocations that
+    outlive it: the "cuda_graphs" backend records it as one CUDA graph as it is."""
+    llm_part(model, ws, cfg)
+    start_text_head(model, ws, cfg)
+    if not cfg.disable_speech:
+        for _ in range(cfg.group_size):
+            crq_part(model, ws, cfg)
+    join_text_head(ws, cfg)
+    finish_part(model, ws, cfg)
+
+
+def prefill_forward(
+    model,
+    ws: DecodeWorkspace,
+    cfg: StepConfig,
+    input_ids,
+    inputs_embeds,
+    padding,
+    halves: DecoderLayerHalves | None = None,
+) -> None:
+    """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
+    `K * L - (K - 1)` sub-positions, each in one pass.
+
+    `halves` (`plan.compile_prefill`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
+    layer by layer through them; None runs the models' own forwards.
+    """
+    length = input_ids.shape[1]
+    k = cfg.group_size
+    language_model = model.language_model
+    positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
+    hidden = _stack_forward(language_model.model, inputs_embeds, ws.llm_mask, positions, ws.llm_cache, halves=halves)
+    hidden = hidden.to(ws.device)
+    ws.llm_position.copy_(length - padding)
+    ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
+    if not cfg.disable_speech:
+        sub_positions = _start_group(model, ws, cfg, hidden, input_ids)
+        first = length * k - (k - 1)
+        crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
+        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves)
+
+
+
+# Each distinct set of sampling switches, batch size, cache length or plan is a graph of its own (Python constants of
+# the step), and with `fullgraph=True` dynamo's default limit of 8 graphs per function is a hard error: a long-running
+# process that varies them would fail on the 9th. The compiled calls run under this higher limit (never lower than
+# the user's), scoped to them: nothing changes dynamo's settings at import.
+RECOMPILE_LIMIT = 64
+
+
+def recompile_limit():
+    """A context in which dynamo allows `RECOMPILE_LIMIT` graphs per function (for the compiled parts' calls)."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT))
+
+
+class CompiledParts:
+    """`decode_step` with its three parts compiled separately by `torch.compile` (the CRQ sub-step's graph serves
+    the K sub-steps). The compiled functions belong to the `SpeechGenerator` that made this object."""
+
+    def __init__(self, options: dict):
+        self.llm_part = torch.compile(llm_part, **options)
+        self.crq_part = torch.compile(crq_part, **options)
+        self.finish_part = torch.compile(finish_part, **options)
+
+    def __call__(self, model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+        with recompile_limit():
+            self.llm_part(model, ws, cfg)
+            start_text_head(model, ws, cfg)  # outside the compiled parts: the head overlaps the CRQ sub-steps
+            if not cfg.disable_speech:
+                for _ in range(cfg.group_size):
+                    self.crq_part(model, ws, cfg)
+            join_text_head(ws, cfg)
+            self.finish_part(model, ws, cfg)
+
+    def prefill_crq_part(self, model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+        """One decode-shaped CRQ sub-step of the prefill, through the compiled sub-step."""
+        with recompile_limit():
+            self.crq_part(model, ws, cfg)
+
+
+__all__ = ["RECOMPILE_LIMIT", "CompiledParts", "recompile_limit", "crq_part", "decode_step", "finish_part", "llm_part", "prefill_forward"]

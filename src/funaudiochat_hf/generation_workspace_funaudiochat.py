@@ -1,0 +1,194 @@
+"""The fixed-address state of one decoding run: `StepConfig` (its Python constants) and `DecodeWorkspace` (its KV
+caches, per-row state and scratch buffers)."""
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from .generation_plan_funaudiochat import DecodePlan
+from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches
+from .step_graph_funaudiochat import StepGraphs
+from .triton_linear_funaudiochat import split_k_counters_for
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors` (None entries and non-tensors skipped)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Python constants of one decoding run (hashable: `torch.compile` and the step CUDA graphs are keyed by them).
+
+    Only the sampling *switches* are here; their values live in the workspace as tensors, so a new temperature /
+    top-p / top-k / penalty reuses the compiled step.
+    """
+
+    text: SamplingSwitches
+    speech: SamplingSwitches
+    disable_speech: bool
+    group_size: int
+    speech_bos_id: int
+    speech_eos_id: int
+    audio_bos_index: int
+    audio_eos_index: int
+    pad_token_id: int
+    output_logits: bool
+    plan: DecodePlan  # which parts run (`generation_plan_funaudiochat`)
+    # The registered attention-interface name of the decode steps' one-query attention (`plan.attention`), passed
+    # down to `decoder_stack_forward`; None: the model's own.
+    attention_implementation: str | None = None
+    kernel_config: Hashable | None = None  # the Triton kernels' per-GPU tuning (`DecodeKernelConfig`), or None
+
+
+class DecodeWorkspace:
+    """KV caches and per-row decoding state of one run, as fixed-address buffers.
+
+    The decode step only mutates these tensors in place, so a compiled step sees the same addresses every call (a
+    requirement of CUDA graphs). A `SpeechGenerator` owns its workspaces and reuses one for later runs with the same
+    batch size and cache length (never two runs at once: the generator's lock). The weight copies the step reads
+    (`fused_crq`, `speech_head`, `folded`, `llm_kernels`) and the text head's stream are set by the generator, which
+    owns them too.
+    """
+
+    def __init__(self, model, batch_size: int, max_length: int, static: bool, output_logits: bool):
+        text_config = model.config.text_config
+        audio_config = model.config.audio_config
+        embedding_weight = model.language_model.get_input_embeddings().weight
+        self.device, self.dtype = embedding_weight.device, embedding_weight.dtype
+        self.batch_size, self.max_length, self.static = batch_size, max_length, static
+        k = audio_config.group_size
+        vocab = model.language_model.get_output_embeddings().weight.shape[0]
+        codebook = audio_config.codebook_size
+        hidden = text_config.hidden_size
+        b, dev = batch_size, self.device
+
+        crq_config = model.audio_invert_tower.crq_transformer.config if model.audio_invert_tower is not None else None
+        # The several-row kernel's and the attention's arrival counters (`crq_linear` / `llm_linear`): per workspace,
+        # as a run's own; one tensor for both stacks, which never run at the same time.
+        self.split_k_counters = split_k_counters_for([c for c in (text_config, crq_config) if c is not None], dev, b)
+        if static:
+            self.llm_cache = StaticCache(config=text_config, max_cache_len=max_length)
+            self.crq_cache = StaticCache(config=crq_config, max_cache_len=k * max_length) if crq_config else None
+        else:
+            self.llm_cache = DynamicCache(config=text_config)
+            self.crq_cache = DynamicCache(config=crq_config) if crq_config else None
+
+        long = dict(dtype=torch.long, device=dev)
+        self.llm_mask = torch.ones(b, max_length, dtype=torch.bool, device=dev)
+        self.crq_mask = torch.ones(b, k * max_length, dtype=torch.bool, device=dev)
+        self.step = torch.zeros((), **long)
+        self.llm_position = torch.zeros(b, **long)
+        self.crq_position = torch.zeros(b, **long)
+        self.next_embeds = torch.zeros(b, 1, hidden, dtype=self.dtype, device=dev)
+        self.next_ids = torch.zeros(b, **long)
+        self.prev_speech_token = torch.zeros(b, **long)  # the last speech token sampled (the CRQ's next input)
+        self.speaking = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.done = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.finish_step = torch.zeros(b, **long)
+        self.groups = torch.zeros(b, **long)  # speech groups appended per row
+        self.last_group = torch.zeros(b, k, **long)
+        self.speech_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
+        self.text_seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)
+        self.eos_ids = torch.zeros(1, **long)
+        self.text_out = torch.zeros(b, max_length, **long)
+        # K extra columns at the end receive the (discarded) groups of rows that are not speaking.
+        self.speech_out = torch.zeros(b, k * max_length + k, **long)
+        # Scratch of the current step: text logits, the K speech-head inputs, the group being sampled.
+        self.text_logits_step = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+        # `overlap_text_head`: the LLM's last hidden state, read by the text head on its own stream.
+        self.text_head_input = torch.zeros(b, hidden, dtype=self.dtype, device=dev)
+        self.sub_inputs = torch.zeros(b, k, hidden, dtype=self.dtype, device=dev)
+        # `fold_crq_matching`: the K sub-position inputs already in the CRQ's width.
+        crq_hidden = crq_config.hidden_size if crq_config else 1
+        self.folded_sub_inputs = torch.zeros(b, k, crq_hidden, dtype=self.dtype, device=dev)
+        self.sub_step = torch.zeros((), **long)
+        self.group = torch.zeros(b, k, **long)
+        self.group_logits = torch.zeros(b, k, codebook, dtype=torch.float32, device=dev)
+        self.group_seen = torch.zeros(b, codebook, dtype=torch.bool, device=dev)
+        self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
+        self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
+        # Sampling values of the run (0-d tensors, filled by `reset`): read by the graph, not baked into it.
+        self.text_sampling = SamplingParameters(dev)
+        self.speech_sampling = SamplingParameters(dev)
+        # The plan's weight copies and text head stream (see the class docstring), or None.
+        self.fused_crq = None  # `fuse_crq_projections`: `FusedCRQProjections` (its kernel view with `crq_linear`)
+        self.speech_head = None  # `pad_speech_head`: the speech head's `PaddedLinear`
+        self.folded = None  # `fold_crq_matching`: `FoldedCRQMatching`
+        self.llm_kernels = None  # `llm_linear`: the LLM's `OwnWeightKernels`
+        self.text_head = None  # `overlap_text_head`: an `OverlappedTextHead`
+        # `plan.step_graph`: the CUDA graphs of the decode step and CRQ sub-step recorded on this workspace.
+        self.step_graphs = StepGraphs()
+        # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
+        self.text_logits = self.speech_logits = None
+        if output_logits:
+            self.text_logits = torch.zeros(b, max_length, vocab, dtype=torch.float32, device=dev)
+            self.speech_logits = torch.zeros(b, max_length, k, codebook, dtype=torch.float32, device=dev)
+        for tensor in self._buffers():
+            torch._dynamo.mark_static_address(tensor)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        tensors = [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
+        return tensors + self.text_sampling.tensors() + self.speech_sampling.tensors()
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        return [
+            tensor
+            for cache in (self.llm_cache, self.crq_cache) if cache is not None
+            for layer in getattr(cache, "layers", ())
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)) if tensor is not None
+        ]  # fmt: skip
+
+    def graph_inputs(self) -> list:
+        """Everything of the workspace a recorded step reads or writes besides the model's own weights: its buffers,
+        its caches' tensors and the run's weight copies (for `StepGraphs.check`)."""
+        return [*self._buffers(), *self._cache_tensors(), self.fused_crq, self.folded, self.speech_head]
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the workspace's buffers and caches (each storage counted once)."""
+        return storage_bytes([*self._buffers(), *self._cache_tensors()])
+
+    def reset(
+        self,
+        eos_ids: torch.Tensor,
+        speech_pad_id: int,
+        text_settings: SamplingSettings | None = None,
+        speech_settings: SamplingSettings | None = None,
+    ) -> None:
+        if text_settings is not None:
+            self.text_sampling.fill_(text_settings)
+        if speech_settings is not None:
+            self.speech_sampling.fill_(speech_settings)
+        for cache in (self.llm_cache, self.crq_cache):
+            if cache is not None and self.static:
+                cache.reset()
+        self.step.zero_()
+        if self.split_k_counters is not None:
+            self.split_k_counters.zero_()  # after a run stopped mid-step (an error, a KeyboardInterrupt)
+        self.done.zero_()
+        self.speaking.zero_()
+        self.groups.zero_()
+        self.speech_seen.zero_()
+        self.text_seen.zero_()
+        self.finish_step.fill_(self.max_length)
+        self.speech_out.fill_(speech_pad_id)
+        if self.eos_ids.shape != eos_ids.shape:
+            # A different number of stop ids is a different graph anyway; re-allocate and re-mark.
+            self.eos_ids = eos_ids.clone()
+            torch._dynamo.mark_static_address(self.eos_ids)
+        else:
+            self.eos_ids.copy_(eos_ids)
+
+
+
+__all__ = ["DecodeWorkspace", "StepConfig", "storage_bytes"]
