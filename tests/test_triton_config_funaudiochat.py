@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from funaudiochat_hf.generation_funaudiochat import _StepConfig
+from funaudiochat_hf.generation_plan_funaudiochat import DecodePlan
+from funaudiochat_hf.generation_workspace_funaudiochat import StepConfig
 from funaudiochat_hf.sampling_funaudiochat import SamplingSwitches
 from funaudiochat_hf.triton_config_funaudiochat import (
     _SM90_GEMV_TILES,
@@ -63,11 +64,13 @@ def test_config_is_frozen_hashable_and_part_of_the_step_config():
     assert other.attention_split_warps == ((1, 4), (16, 8)) and other.attention_num_warps(16) == 8
     assert config.attention_num_warps(16) == 4 and config.attention_num_warps(1) == 8
     switches = SamplingSwitches(do_sample=False, uses_history=False, uses_top_p=False, uses_top_k=False)
+    plan = DecodePlan(backend="cuda_graphs", static_cache=True)
     steps = [
-        _StepConfig(switches, switches, False, 5, 1, 2, 3, 4, 0, False, kernels=kernels) for kernels in (config, other)
+        StepConfig(switches, switches, False, 5, 1, 2, 3, 4, 0, False, plan, kernel_config=kernels)
+        for kernels in (config, other)
     ]
     assert steps[0] != steps[1] and len({steps[0], steps[1]}) == 2
-    assert _StepConfig(switches, switches, False, 5, 1, 2, 3, 4, 0, False, kernels=config) == steps[0]
+    assert StepConfig(switches, switches, False, 5, 1, 2, 3, 4, 0, False, plan, kernel_config=config) == steps[0]
 
 
 def test_replace_names_unknown_fields():
@@ -113,17 +116,31 @@ def test_text_head_grid_follows_the_config():
     assert DecodeKernelConfig(multiprocessors=1, text_head_programs_per_multiprocessor=0.25).text_head_programs() == 1
 
 
-def test_generate_speech_carries_its_kernel_config_in_the_step_config(inputs):
-    """`generate_speech(kernel_config=...)` lands in the run's step configuration (so in every graph key); None takes
-    the device's; anything else is a clear error."""
+def test_speech_generator_carries_its_kernel_config_in_the_step_config(inputs):
+    """A generator's `kernel_config` lands in its runs' step configuration (so in every graph key); None takes the
+    device's; anything else is a clear error."""
     from transformers import AutoModel
 
     from conftest import FUNAUDIOCHAT_TINY
+    from funaudiochat_hf.generation_loop_funaudiochat import SpeechRun
 
     model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
-    ids = inputs["input_ids"]
-    assert model._speech_run(ids, None, {}, {}).cfg.kernels == DecodeKernelConfig.for_device("cpu")
+    recorded = []
+    original = SpeechRun.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        recorded.append(self.cfg.kernel_config)
+
+    kwargs = dict(max_new_tokens=2, do_sample=False, return_audio=False)
     config = DecodeKernelConfig(attention_pipeline_stages=3)
-    assert model._speech_run(ids, None, {}, {"kernel_config": config}).cfg.kernels is config
-    with pytest.raises(ValueError, match="`kernel_config` must be a DecodeKernelConfig"):
-        model._speech_run(ids, None, {}, {"kernel_config": {"attention_pipeline_stages": 3}})
+    try:
+        SpeechRun.__init__ = recording
+        model.generate_speech(**inputs, **kwargs)
+        with model.speech_generator(kernel_config=config) as generator:
+            generator.generate(**inputs, **kwargs)
+    finally:
+        SpeechRun.__init__ = original
+    assert recorded == [DecodeKernelConfig.for_device("cpu"), config]
+    with pytest.raises(TypeError, match="`kernel_config` must be a DecodeKernelConfig"):
+        model.speech_generator(kernel_config={"attention_pipeline_stages": 3})
