@@ -97,13 +97,12 @@ def measure_process(args: argparse.Namespace, caches: str) -> dict:
     load_s = loaded - start
 
     inputs = benchmark.make_chat_inputs(model, 1, args.input_seconds, device)
-    ids = benchmark.chat_token_ids(model.config)
     kwargs = {
         "speech_decoder": decoder,
         "speaker": benchmark.speaker_embedding(device)[0],
         "max_new_tokens": args.max_new_tokens,
         "seed": 0,
-        "eos_token_id": ids["vocab_size"],  # never produced: every reply runs max_new_tokens steps
+        "eos_token_id": [],  # no stop token: every reply runs max_new_tokens steps
     }
     first = timed_reply(model, inputs, kwargs, device, benchmark)
     second = timed_reply(model, inputs, kwargs, device, benchmark)

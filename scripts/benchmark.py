@@ -721,6 +721,16 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
         kwargs["speech_generator"] = speech_generator(model, backend, max_length, overrides, config)
 
 
+def variant_kwargs(model, spec: dict, args: argparse.Namespace) -> dict:
+    """A `--compare` variant's generate_speech keyword arguments: its `"kernel_config"` overrides (over
+    `--kernel-config`'s) as a `DecodeKernelConfig` object, which `generation_kwargs` hands to the variant's own
+    `SpeechGenerator` (so it records step graphs of its own)."""
+    kwargs = {name: value for name, value in spec.items() if name != "kernel_config"}
+    if "kernel_config" in spec or args.kernel_config:
+        kwargs["kernel_config"] = kernel_config(model, {**(args.kernel_config or {}), **spec.get("kernel_config", {})})
+    return kwargs
+
+
 def variant_label(variant: dict) -> str:
     """A `--compare` variant as its JSON: the generate_speech kwargs (with its "kernel_config" overrides)."""
     return json.dumps(variant["kwargs"])

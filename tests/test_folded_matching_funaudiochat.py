@@ -188,10 +188,12 @@ def test_cuda_graph_folded_loop_matches_unfolded_on_gpu(inputs, batch):
         attention_mask[1, :8] = 0
         inputs = {"input_ids": input_ids.cuda(), "attention_mask": attention_mask.cuda()}
     kwargs = dict(GOLDEN_KWARGS, repetition_penalty=1.0, output_logits=True)
-    unfolded = model.speech_generator(backend="cuda_graphs", plan_overrides={"fold_crq_matching": False}).generate(
+    unfolded = model.speech_generator(
+        max_batch_size=batch, backend="cuda_graphs", plan_overrides={"fold_crq_matching": False}
+    ).generate(
         **inputs, **kwargs
     )
-    generator = model.speech_generator(backend="cuda_graphs")
+    generator = model.speech_generator(max_batch_size=batch, backend="cuda_graphs")
     for _ in range(3):  # the later calls replay the recorded CUDA graphs, reading the folded copies in place
         folded = generator.generate(**inputs, **kwargs)
         assert torch.equal(folded.sequences, unfolded.sequences)

@@ -285,8 +285,9 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
         # pipelined loop's products may round once differently.
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3
         torch.testing.assert_close(out, out_loop, rtol=0, atol=tolerance, msg=f"{(batch, cache_len, used)}")
-        for cache, cache_loop in ((keys, keys_loop), (values, values_loop)):  # bit for bit, NaN where both are
-            torch.testing.assert_close(cache, cache_loop, rtol=0, atol=0, equal_nan=True)
+        # The new key is normed and rotated by another kernel too: in float32 its sums may round once differently.
+        for cache, cache_loop in ((keys, keys_loop), (values, values_loop)):  # NaN where both are
+            torch.testing.assert_close(cache, cache_loop, rtol=0, atol=tolerance, equal_nan=True)
         assert length == length_loop == used + 1
 
 

@@ -202,11 +202,11 @@ def _fake_output(x, weight, gated, up_weight, part_weights) -> torch.Tensor:
 
 
 # The operators' bodies (`launch_decode_linear` looked up at each call); `launch`: `LinearLaunch.to_ints()`, or empty.
-def _decode_linear(*args, launch) -> torch.Tensor:
+def _decode_linear(*args, launch=()) -> torch.Tensor:
     return launch_decode_linear(*args, config=LinearLaunch.from_ints(launch) if launch else None)
 
 
-def _decode_linear_and_squares(*args, launch) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_linear_and_squares(*args, launch=()) -> tuple[torch.Tensor, torch.Tensor]:
     return launch_decode_linear(*args, with_squares=True, config=LinearLaunch.from_ints(launch) if launch else None)
 
 
