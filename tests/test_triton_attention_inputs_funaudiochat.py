@@ -285,9 +285,11 @@ def test_cuda_pipelined_blocks_equal_the_block_loop(dtype, monkeypatch):
         # pipelined loop's products may round once differently.
         tolerance = 1e-6 if dtype == torch.float32 else 1e-3
         torch.testing.assert_close(out, out_loop, rtol=0, atol=tolerance, msg=f"{(batch, cache_len, used)}")
-        # The new key is normed and rotated by another kernel too: in float32 its sums may round once differently.
+        # The new key is normed and rotated by another kernel too: its float32 sums may round once differently
+        # (relative to the rotated key's size, which the random cos / sin here make up to ~10).
+        cache_rtol = 1e-5 if dtype == torch.float32 else 0.0
         for cache, cache_loop in ((keys, keys_loop), (values, values_loop)):  # NaN where both are
-            torch.testing.assert_close(cache, cache_loop, rtol=0, atol=tolerance, equal_nan=True)
+            torch.testing.assert_close(cache, cache_loop, rtol=cache_rtol, atol=tolerance, equal_nan=True)
         assert length == length_loop == used + 1
 
 
