@@ -260,7 +260,7 @@ def test_max_new_tokens_is_bounded_by_the_context(model, inputs):
         model.generate_speech(**inputs, max_new_tokens=10**9)
     with model.speech_generator(backend="eager") as generator:
         out = generator.generate(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=20), cache_implementation="static")
-        ((batch, cache_length, _),) = generator._workspaces
+        ((batch, cache_length, *_),) = generator._workspaces
     assert cache_length == -(-(length + 20) // 128) * 128 and out.sequences.shape[1] <= length + 20
 
 

@@ -164,3 +164,33 @@ def test_first_argmax_equals_argmax_on_long_rows(vocab):
     assert torch.equal(first_argmax(scores), expected)
     compiled = torch.compile(first_argmax, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(scores), expected)
+
+
+def test_per_row_parameters_equal_each_row_sampled_alone():
+    """`SamplingParameters(rows=...)`: every row of a batch reads its own temperature / top-k / top-p / penalty (a
+    continuous batch of requests) and gets the token it gets alone with those values as 0-d parameters."""
+    from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings, select_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 50, generator=generator) * 3
+    seen = torch.rand(3, 50, generator=generator) < 0.2
+    noise = torch.empty(3, 50).exponential_(generator=generator)
+    rows = [
+        SamplingSettings(temperature=0.5, top_p=0.6, top_k=5, repetition_penalty=1.5),
+        SamplingSettings(temperature=1.3, top_p=1.0, top_k=50, repetition_penalty=1.0),
+        SamplingSettings(temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2),
+    ]
+    per_row = SamplingParameters(rows=3)
+    for row, settings in enumerate(rows):
+        per_row.fill_row_(row, settings)
+    switches = SamplingSettings(temperature=1.0, top_p=0.5, top_k=3, repetition_penalty=1.5).switches  # all on
+    together = select_tokens(scores, switches, seen, noise, per_row)
+    alone = [
+        select_tokens(scores[r : r + 1], switches, seen[r : r + 1], noise[r : r + 1], SamplingParameters(settings=s))
+        for r, s in enumerate(rows)
+    ]
+    assert together.tolist() == torch.cat(alone).tolist()
+    # Rows differ in their values: the same scores with one row's values everywhere would pick other tokens.
+    assert per_row.temperature.shape == (3, 1) and len(set(per_row.top_p.flatten().tolist())) == 3
+    with pytest.raises(ValueError, match="per-row"):
+        SamplingParameters().fill_row_(0, rows[0])

@@ -216,3 +216,32 @@ def test_speech_sampler_choice(monkeypatch):
     off = model.speech_generator(backend="compiled", plan_overrides={"speech_sampler": False})
     assert not off.plan(None, 1, False, None).speech_sampler
     assert not compiled.plan(None, 1, True, None).speech_sampler  # disable_speech
+
+
+_PER_ROW_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import case_inputs
+from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, SamplingSettings
+from funaudiochat_hf.triton_sampling_funaudiochat import launch_sample_tokens
+# Three rows, each with its own temperature / top-p / penalty (a continuous batch of three requests).
+_, scores, seen, noise = case_inputs(300, 3, True, 0, 0.9, 1.2)
+rows = [SamplingSettings(temperature=0.5, top_p=0.6, repetition_penalty=1.5),
+        SamplingSettings(temperature=1.3, top_p=1.0, repetition_penalty=1.0),
+        SamplingSettings(temperature=0.8, top_p=0.9, repetition_penalty=1.2)]
+per_row = SamplingParameters(rows=3)
+for row, settings in enumerate(rows):
+    per_row.fill_row_(row, settings)
+def launch(values, s, h, n):
+    return launch_sample_tokens(s, h, n, values.temperature, values.top_p, values.repetition_penalty,
+                                True, True, True, [])
+got = launch(per_row, scores, seen, noise).tolist()
+alone = [launch(SamplingParameters(settings=settings), scores[r:r + 1], seen[r:r + 1], noise[r:r + 1]).item()
+         for r, settings in enumerate(rows)]
+print(json.dumps({"expected": alone, "got": got}))
+"""
+
+
+def test_kernel_reads_per_row_values_in_the_triton_interpreter():
+    """Per-row sampling values (`SamplingParameters(rows=...)`) give each row the token of its own values alone."""
+    result = json.loads(run_in_triton_interpreter(_PER_ROW_SCRIPT))
+    assert result["got"] == result["expected"]

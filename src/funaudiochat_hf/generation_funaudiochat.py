@@ -23,7 +23,12 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig
 
-from .generation_config_funaudiochat import FunAudioChatGenerationConfig, check_input_ids, resolve_request
+from .generation_config_funaudiochat import (
+    FunAudioChatGenerationConfig,
+    SpeechRequest,
+    check_input_ids,
+    resolve_request,
+)
 from .generation_loop_funaudiochat import SpeechRun
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent
 from .generation_state_funaudiochat import SpeechGenerator
@@ -109,10 +114,11 @@ class FunAudioChatSpeechGenerationMixin:
             )
         return None if return_audio is False else decoder
 
-    @contextmanager
-    def _speech_run(self, input_ids, attention_mask, prompt_inputs, generation_config, backend, generator, kwargs):
-        """A validated [`SpeechRun`] on a generator held for the run (`generator`, else the default one, else, when
-        that one is busy in another thread, a temporary one closed afterwards)."""
+    def resolve_speech_request(
+        self, input_ids, attention_mask=None, generation_config: GenerationConfig | None = None, kwargs=None
+    ) -> SpeechRequest:
+        """Check a call's prompt ids and settings as `generate_speech` does (same errors) and return them resolved:
+        `generation_config` (default: the model's) updated with `kwargs`. Touches no tensor of the model."""
         embeddings = self.language_model.get_input_embeddings().weight.shape[0]
         vocab_size = min(embeddings, self.language_model.get_output_embeddings().weight.shape[0])
         check_input_ids(input_ids, attention_mask, embeddings)
@@ -120,14 +126,20 @@ class FunAudioChatSpeechGenerationMixin:
             raise TypeError(
                 f"`generation_config` must be a GenerationConfig, got {type(generation_config).__name__}."
             )
-        request = resolve_request(
+        return resolve_request(
             self.speech_generation_config(),
             generation_config,
-            kwargs,
+            kwargs or {},
             vocab_size=vocab_size,
             context_length=self.config.text_config.max_position_embeddings,
             prompt_length=input_ids.shape[1],
         )
+
+    @contextmanager
+    def _speech_run(self, input_ids, attention_mask, prompt_inputs, generation_config, backend, generator, kwargs):
+        """A validated [`SpeechRun`] on a generator held for the run (`generator`, else the default one, else, when
+        that one is busy in another thread, a temporary one closed afterwards)."""
+        request = self.resolve_speech_request(input_ids, attention_mask, generation_config, kwargs)
         if generator is not None and not isinstance(generator, SpeechGenerator):
             raise TypeError(f"`speech_generator` must be a SpeechGenerator, got {type(generator).__name__}.")
         if generator is not None and generator.model is not self:

@@ -18,11 +18,41 @@ import torch
 from .attention_funaudiochat import register_gqa_decode_attention
 from .generation_config_funaudiochat import SpeechRequest
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput
+from .generation_plan_funaudiochat import DecodePlan
 from .generation_state_funaudiochat import SpeechGenerator
 from .generation_step_funaudiochat import finish_part, prefill_forward
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
 from .step_graph_funaudiochat import tensor_addresses
 from .triton_attention_funaudiochat import register_triton_decode_attention
+
+
+def step_config(model, generator: SpeechGenerator, request: SpeechRequest, plan: DecodePlan) -> StepConfig:
+    """The [`StepConfig`] of a run of `request` under `plan` on `generator`'s model: the sampling switches, the model's
+    special ids, the plan, the registered decode attention and the kernel config."""
+    text_config, audio_config = model.config.text_config, model.config.audio_config
+    device = model.language_model.get_input_embeddings().weight.device
+    # The decode attention is registered with transformers' attention interface and named in the step configuration,
+    # which passes it down to the layers (the model's config is left as it is).
+    attention = None
+    if plan.attention == "gqa_matmul":
+        attention = register_gqa_decode_attention()
+    elif plan.attention == "triton":
+        attention = register_triton_decode_attention()
+    return StepConfig(
+        text=request.text.switches,
+        speech=request.speech.switches,
+        disable_speech=request.disable_speech,
+        group_size=audio_config.group_size,
+        speech_bos_id=audio_config.bos_token_id,
+        speech_eos_id=audio_config.eos_token_id,
+        audio_bos_index=text_config.audio_bos_index,
+        audio_eos_index=text_config.audio_eos_index,
+        pad_token_id=request.pad_token_id,
+        output_logits=request.output_logits,
+        plan=plan,
+        attention_implementation=attention,
+        kernel_config=generator.kernel_config_for(device),
+    )
 
 
 class SpeechRun:
@@ -37,6 +67,7 @@ class SpeechRun:
         attention_mask: torch.Tensor | None,
         prompt_inputs: dict,
         backend: str | None,
+        per_row_sampling: bool = False,
     ):
         self.model, self.request = model, request
         device = model.language_model.get_input_embeddings().weight.device
@@ -56,38 +87,17 @@ class SpeechRun:
             raise ValueError("This model has no speech decoder (`audio_invert_tower`); pass `disable_speech=True`.")
 
         plan = generator.plan(backend, batch, request.disable_speech, request.cache_implementation)
-        text_config, audio_config = model.config.text_config, model.config.audio_config
-        # The decode attention is registered with transformers' attention interface and named in the step
-        # configuration, which passes it down to the layers (the model's config is left as it is).
-        attention = None
-        if plan.attention == "gqa_matmul":
-            attention = register_gqa_decode_attention()
-        elif plan.attention == "triton":
-            attention = register_triton_decode_attention()
-        self.cfg = StepConfig(
-            text=request.text.switches,
-            speech=request.speech.switches,
-            disable_speech=request.disable_speech,
-            group_size=audio_config.group_size,
-            speech_bos_id=audio_config.bos_token_id,
-            speech_eos_id=audio_config.eos_token_id,
-            audio_bos_index=text_config.audio_bos_index,
-            audio_eos_index=text_config.audio_eos_index,
-            pad_token_id=request.pad_token_id,
-            output_logits=request.output_logits,
-            plan=plan,
-            attention_implementation=attention,
-            kernel_config=generator.kernel_config_for(device),
-        )
+        self.cfg = step_config(model, generator, request, plan)
         self.eos_ids = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.long, device=device)
-        self.speech_pad_id = audio_config.pad_token_id
+        self.speech_pad_id = model.config.audio_config.pad_token_id
         self.max_new_tokens = request.max_new_tokens
         needed = length + request.max_new_tokens
         cache_length = generator.cache_length(batch, needed, plan.static_cache)
         self.step_fn, self.prefill_crq_part, self.prefill_halves = generator.step_functions(
             self.cfg, request.compile_options
         )
-        self.ws = generator.workspace(batch, cache_length, self.cfg)
+        # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_engine_funaudiochat`).
+        self.ws = generator.workspace(batch, cache_length, self.cfg, per_row_sampling)
         self.prompt_inputs = prompt_inputs
         self.generator = _random_generator(request, device)
         self.steps = 0
@@ -219,4 +229,4 @@ class LaggedCheck:
         return bool(self.flag)
 
 
-__all__ = ["LaggedCheck", "SpeechRun"]
+__all__ = ["LaggedCheck", "SpeechRun", "step_config"]

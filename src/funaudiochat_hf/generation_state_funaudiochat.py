@@ -228,20 +228,23 @@ class SpeechGenerator:
             return self.max_length
         rounded = -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
         if static:  # a kept workspace at least as long serves (its graphs too)
-            lengths = [length for (batch, length, _) in self._workspaces if batch == batch_size and length >= needed]
+            lengths = [length for (batch, length, *_) in self._workspaces if batch == batch_size and length >= needed]
             return min(lengths, default=rounded)
         return needed
 
-    def workspace(self, batch_size: int, cache_length: int, cfg: StepConfig) -> DecodeWorkspace:
-        """A workspace for the call, with the plan's weight copies and text head attached (static: kept for reuse)."""
+    def workspace(
+        self, batch_size: int, cache_length: int, cfg: StepConfig, per_row_sampling: bool = False
+    ) -> DecodeWorkspace:
+        """A workspace for the call, with the plan's weight copies and text head attached (static: kept for reuse).
+        `per_row_sampling`: its sampling values are per row (`DecodeWorkspace`)."""
         plan = cfg.plan
         if not plan.static_cache:
-            ws = DecodeWorkspace(self.model, batch_size, cache_length, False, cfg.output_logits)
+            ws = DecodeWorkspace(self.model, batch_size, cache_length, False, cfg.output_logits, per_row_sampling)
         else:
-            key = (batch_size, cache_length, cfg.output_logits)
+            key = (batch_size, cache_length, cfg.output_logits, per_row_sampling)
             ws = self._workspaces.pop(key, None)
             if ws is None:
-                ws = DecodeWorkspace(self.model, batch_size, cache_length, True, cfg.output_logits)
+                ws = DecodeWorkspace(self.model, batch_size, cache_length, True, cfg.output_logits, per_row_sampling)
             self._workspaces[key] = ws
             while len(self._workspaces) > MAX_CACHED_WORKSPACES:
                 self._workspaces.popitem(last=False)

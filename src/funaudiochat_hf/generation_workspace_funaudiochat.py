@@ -61,7 +61,9 @@ class DecodeWorkspace:
     owns them too.
     """
 
-    def __init__(self, model, batch_size: int, max_length: int, static: bool, output_logits: bool):
+    def __init__(
+        self, model, batch_size: int, max_length: int, static: bool, output_logits: bool, per_row_sampling: bool = False
+    ):
         text_config = model.config.text_config
         audio_config = model.config.audio_config
         embedding_weight = model.language_model.get_input_embeddings().weight
@@ -119,8 +121,10 @@ class DecodeWorkspace:
         self.text_noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
         self.speech_noise = torch.ones(b, k, codebook, dtype=torch.float32, device=dev)
         # Sampling values of the run (0-d tensors, filled by `reset`): read by the graph, not baked into it.
-        self.text_sampling = SamplingParameters(dev)
-        self.speech_sampling = SamplingParameters(dev)
+        # `per_row_sampling`: `(batch, 1)` tensors, one value per row (a continuous batch of different requests).
+        rows = b if per_row_sampling else None
+        self.text_sampling = SamplingParameters(dev, rows=rows)
+        self.speech_sampling = SamplingParameters(dev, rows=rows)
         # The plan's weight copies and text head stream (see the class docstring), or None.
         self.fused_crq = None  # `fuse_crq_projections`: `FusedCRQProjections` (its kernel view with `crq_linear`)
         self.speech_head = None  # `pad_speech_head`: the speech head's `PaddedLinear`

@@ -67,17 +67,25 @@ class SamplingSettings:
 
 
 class SamplingParameters:
-    """The values of one stream's settings as fixed-address 0-d tensors, refilled per run with `fill_`.
+    """The values of one stream's settings as fixed-address tensors, refilled per run with `fill_`.
 
     `temperature`, `top_p` and `repetition_penalty` are float64 (exactly the Python values; each use casts them to
-    the scores' dtype, as a Python scalar operand is cast), `top_k` is int64.
+    the scores' dtype, as a Python scalar operand is cast), `top_k` is int64. 0-d (one value for every row), or with
+    `rows`, `(rows, 1)`: one value per row of the scores (a continuous batch whose rows are different requests,
+    `fill_row_`), broadcast against `(rows, vocab)` scores.
     """
 
-    def __init__(self, device: torch.device | str | None = None, settings: SamplingSettings | None = None):
-        self.temperature = torch.ones((), dtype=torch.float64, device=device)
-        self.top_p = torch.ones((), dtype=torch.float64, device=device)
-        self.top_k = torch.zeros((), dtype=torch.long, device=device)
-        self.repetition_penalty = torch.ones((), dtype=torch.float64, device=device)
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        settings: SamplingSettings | None = None,
+        rows: int | None = None,
+    ):
+        shape = () if rows is None else (rows, 1)
+        self.temperature = torch.ones(shape, dtype=torch.float64, device=device)
+        self.top_p = torch.ones(shape, dtype=torch.float64, device=device)
+        self.top_k = torch.zeros(shape, dtype=torch.long, device=device)
+        self.repetition_penalty = torch.ones(shape, dtype=torch.float64, device=device)
         if settings is not None:
             self.fill_(settings)
 
@@ -90,6 +98,16 @@ class SamplingParameters:
         self.top_p.fill_(settings.top_p)
         self.top_k.fill_(settings.top_k)
         self.repetition_penalty.fill_(settings.repetition_penalty)
+        return self
+
+    def fill_row_(self, row: int, settings: SamplingSettings) -> "SamplingParameters":
+        """Copy the values of `settings` into one row of per-row parameters (`rows` given), in place."""
+        if self.temperature.ndim == 0:
+            raise ValueError("`fill_row_` needs per-row parameters (`SamplingParameters(rows=...)`).")
+        self.temperature[row] = settings.temperature
+        self.top_p[row] = settings.top_p
+        self.top_k[row] = settings.top_k
+        self.repetition_penalty[row] = settings.repetition_penalty
         return self
 
 
@@ -118,7 +136,7 @@ def apply_top_k(scores: torch.Tensor, top_k: int | torch.Tensor) -> torch.Tensor
     """
     vocab = scores.shape[-1]
     if isinstance(top_k, torch.Tensor):
-        kth_index = (top_k.clamp(min=1, max=vocab) - 1).view(1, 1).expand(*scores.shape[:-1], 1)
+        kth_index = (top_k.clamp(min=1, max=vocab) - 1).reshape(-1, 1).expand(*scores.shape[:-1], 1)
         kth_best = scores.sort(dim=-1, descending=True).values.gather(-1, kth_index)
     else:
         kth_best = torch.topk(scores, min(top_k, vocab), dim=-1).values[..., -1:]

@@ -81,13 +81,13 @@ if triton is not None:
     @triton.jit
     def _sample_kernel(
         scores_ptr, seen_ptr, noise_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
-        stride_scores, stride_seen, stride_noise,
+        stride_scores, stride_seen, stride_noise, stride_parameters,
         VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, DO_SAMPLE: tl.constexpr,
         USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """The token of row `program_id(0)`: scores `(rows, VOCAB)` float, seen `(rows, VOCAB)` bool, noise `(rows,
-        VOCAB)` float32 Exp(1); 0-d temperature, top-p and penalty (float64); out `(rows,)` int64. Positions past the
-        vocabulary hold -inf scores and no probability."""
+        VOCAB)` float32 Exp(1); temperature, top-p and penalty (float64), 0-d (`stride_parameters` 0) or one per row;
+        out `(rows,)` int64. Positions past the vocabulary hold -inf scores and no probability."""
         if PDL:  # the scores are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
@@ -97,17 +97,19 @@ if triton is not None:
         scores = scores.to(tl.float32)
         if USES_HISTORY:
             seen = tl.load(seen_ptr + row * stride_seen + index, mask=in_vocab, other=0) != 0
-            penalty = tl.load(penalty_ptr).to(tl.float32)
+            penalty = tl.load(penalty_ptr + row * stride_parameters).to(tl.float32)
             scores = tl.where(seen, tl.where(scores < 0, scores * penalty, scores / penalty), scores)
         if DO_SAMPLE:
-            scores = scores / tl.load(temperature_ptr).to(tl.float32)
+            scores = scores / tl.load(temperature_ptr + row * stride_parameters).to(tl.float32)
             top = tl.max(scores, 0)
             exps = tl.exp(scores - top)
             probs = exps / tl.sum(exps, 0)
             noise = tl.load(noise_ptr + row * stride_noise + index, mask=in_vocab, other=1.0)
             race = tl.where(in_vocab, probs / noise, -1.0)  # the exponential race of `select_tokens`
             if USES_TOP_P:
-                token = _nucleus_race_winner(scores, top, probs, race, index, in_vocab, top_p_ptr, VOCAB)
+                token = _nucleus_race_winner(
+                    scores, top, probs, race, index, in_vocab, top_p_ptr + row * stride_parameters, VOCAB
+                )
             else:
                 token = tl.argmax(race, 0)
         else:
@@ -148,7 +150,7 @@ def launch_sample_tokens(
     """`(rows, vocab)` scores -> `(rows,)` int64 token ids; the body of the `funaudiochat::sample_tokens` operator.
 
     seen: `(rows, vocab)` bool history (read with `uses_history`); noise: `(rows, vocab)` float32 Exp(1) samples (read
-    with `do_sample`); the settings as the 0-d tensors of a `SamplingParameters`; launch: `sampler_launch(config)`,
+    with `do_sample`); the settings as the tensors of a `SamplingParameters` (0-d, or `(rows, 1)`: one per row); launch: `sampler_launch(config)`,
     or empty (the config of the scores' device).
     """
     rows, vocab = scores.shape
@@ -161,6 +163,7 @@ def launch_sample_tokens(
         scores, scores if seen is None else seen, scores if noise is None else noise,
         temperature, top_p, repetition_penalty, out,
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
+        temperature.stride(0) if temperature.ndim else 0,
         VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample,
         USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip

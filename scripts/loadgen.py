@@ -1,0 +1,196 @@
+"""Load generator for `funaudiochat-serve`: N streamed conversations with Poisson arrivals.
+
+    python scripts/loadgen.py --url http://127.0.0.1:8000 --conversations 64 --rate 4 --max-tokens 100
+    python scripts/loadgen.py --url http://lb:8080 --api-key $KEY --audio question.wav --json result.json
+
+Each conversation sends one spoken question (`--audio`, default a synthetic 3-s clip) to `/v1/chat/completions` with
+`stream=true` and reads the server-sent events. Arrivals are a Poisson process of `--rate` conversations per second
+(exponential gaps, seeded by `--seed`). Reported:
+
+- time to first audio (TTFA): request sent -> first non-empty audio chunk, p50 / p95;
+- per-stream real-time factor (RTF): the stream's wall time (sent -> last chunk) / its seconds of audio, p50 / p95
+  (below 1: faster than real time);
+- aggregate x real time: all the audio generated / the run's wall time;
+- errors (HTTP errors, error events, streams without audio).
+
+Needs `httpx` (the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import sys
+import time
+import wave
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    error: str | None = None
+    ttfa: float | None = None  # seconds
+    wall: float = 0.0  # seconds, request sent -> last event
+    audio_seconds: float = 0.0
+
+
+def _question_wav(path: str | None) -> bytes:
+    if path is not None:
+        return Path(path).read_bytes()
+    import numpy as np
+
+    from funaudiochat_hf.tiny_model import synthetic_question
+
+    samples = (np.clip(synthetic_question(3.0), -1, 1) * 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(16000)
+        writer.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def _one(client, url: str, body: dict, headers: dict, sampling_rate: int) -> StreamResult:
+    sent = time.perf_counter()
+    result = StreamResult(ok=False)
+    samples = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return StreamResult(ok=False, error=f"HTTP {response.status_code}: {text[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    return StreamResult(ok=False, error=str(event["error"].get("message")))
+                for choice in event.get("choices", []):
+                    audio = (choice.get("delta") or {}).get("audio") or {}
+                    if audio.get("data"):
+                        count = len(base64.b64decode(audio["data"])) // 2
+                        if count and result.ttfa is None:
+                            result.ttfa = time.perf_counter() - sent
+                        samples += count
+    except Exception as error:  # a load test reports failures, it does not stop at the first
+        return StreamResult(ok=False, error=f"{type(error).__name__}: {error}")
+    result.wall = time.perf_counter() - sent
+    result.audio_seconds = samples / sampling_rate
+    result.ok = samples > 0
+    if not result.ok:
+        result.error = "no audio"
+    return result
+
+
+async def run(args) -> dict:
+    import httpx
+
+    question = base64.b64encode(_question_wav(args.audio)).decode()
+    body = {
+        "model": args.model,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": args.voice, "format": "pcm16"},
+        "stream": True,
+        "max_completion_tokens": args.max_tokens,
+        "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": question, "format": "wav"}}]}],
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/v1/chat/completions"
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=args.conversations)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        started = time.perf_counter()
+        tasks = []
+        for i in range(args.conversations):
+            if i:
+                await asyncio.sleep(rng.expovariate(args.rate))
+            tasks.append(asyncio.create_task(_one(client, url, {**body, "seed": i}, headers, args.sampling_rate)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+    good = [r for r in results if r.ok]
+    ttfa = [r.ttfa for r in good if r.ttfa is not None]
+    rtf = [r.wall / r.audio_seconds for r in good if r.audio_seconds > 0]
+    audio = sum(r.audio_seconds for r in good)
+    return {
+        "conversations": args.conversations,
+        "rate_per_second": args.rate,
+        "wall_seconds": wall,
+        "errors": len(results) - len(good),
+        "error_examples": sorted({r.error for r in results if r.error})[:5],
+        "ttfa_p50_ms": None if not ttfa else 1000 * _percentile(ttfa, 50),
+        "ttfa_p95_ms": None if not ttfa else 1000 * _percentile(ttfa, 95),
+        "rtf_p50": _percentile(rtf, 50),
+        "rtf_p95": _percentile(rtf, 95),
+        "audio_seconds": audio,
+        "aggregate_x_real_time": audio / wall if wall > 0 else None,
+        "streams": [asdict(r) for r in results] if args.per_stream else None,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--url", default="http://127.0.0.1:8000", help="server (or load balancer) base URL")
+    add("--conversations", type=int, default=16, help="how many conversations (default: %(default)s)")
+    add("--rate", type=float, default=4.0, help="Poisson arrival rate, conversations per second (default: "
+        "%(default)s)")  # fmt: skip
+    add("--max-tokens", type=int, default=100, help="max_completion_tokens per reply (LLM steps of 0.2 s)")
+    add("--audio", help="the spoken question (an audio file; default: a synthetic 3-s clip)")
+    add("--voice", default="default")
+    add("--model", default="funaudiochat")
+    add("--api-key")
+    add("--seed", type=int, default=0, help="seed of the arrival times (request i is sent with seed i)")
+    add("--sampling-rate", type=int, default=24000, help="rate of the server's pcm16 audio")
+    add("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    add("--per-stream", action="store_true", help="include every stream's figures in the JSON")
+    add("--json", help="also write the report to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.conversations < 1 or args.rate <= 0:
+        print("error: --conversations must be >= 1 and --rate > 0", file=sys.stderr)
+        return 2
+    report = asyncio.run(run(args))
+
+    def ms(value):
+        return "n/a" if value is None else f"{value:.0f} ms"
+
+    def ratio(value):
+        return "n/a" if value is None else f"{value:.3f}"
+
+    print(
+        f"{report['conversations']} conversations at {report['rate_per_second']}/s in {report['wall_seconds']:.1f} s: "
+        f"errors {report['errors']}; TTFA p50 {ms(report['ttfa_p50_ms'])}, p95 {ms(report['ttfa_p95_ms'])}; "
+        f"per-stream RTF p50 {ratio(report['rtf_p50'])}, p95 {ratio(report['rtf_p95'])}; "
+        f"aggregate {ratio(report['aggregate_x_real_time'])}x real time ({report['audio_seconds']:.1f} s of audio)"
+    )
+    if report["error_examples"]:
+        print("errors: " + " | ".join(report["error_examples"]), file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if report["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

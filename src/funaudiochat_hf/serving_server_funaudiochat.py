@@ -1,0 +1,296 @@
+"""`funaudiochat-serve`: an OpenAI-compatible speech-to-speech server over one continuous-batching `SpeechEngine`.
+
+    funaudiochat-serve                                   # tiny offline model (noise!), no download
+    funaudiochat-serve --model FunAudioLLM/Fun-Audio-Chat-8B --decoder path/to/Fun-CosyVoice3-0.5B-2512 \\
+        --host 0.0.0.0 --port 8000 --max-batch-size 16 --api-key $KEY
+
+Endpoints: `POST /v1/chat/completions` (OpenAI's audio-output format, streamed or not: see
+`serving_openai_funaudiochat`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). One process serves
+one GPU; scale out with one process per GPU behind any HTTP load balancer (docs/serving.md).
+
+FastAPI and uvicorn (the `serve` extra) are imported when the app is built, so the package itself does not need them.
+(No `from __future__ import annotations` here: FastAPI reads the handlers' `Request` annotations at run time.)
+"""
+
+import argparse
+import asyncio
+import hmac
+import json
+import sys
+import time
+
+import numpy as np
+
+from .generation_plan_funaudiochat import BACKENDS
+from .serving_engine_funaudiochat import EngineClosed, QueueFull, SpeechEngine
+from .serving_openai_funaudiochat import (
+    DEFAULT_VOICE,
+    RequestError,
+    TranscriptMemory,
+    audio_delta,
+    completion_response,
+    error_body,
+    new_ids,
+    parse_chat_request,
+    stream_chunk,
+    usage,
+)
+
+
+TINY_MODEL_MAX_NEW_TOKENS = 48  # as the CLI: the random tiny model rarely stops by itself
+# How often a non-streamed request checks whether its client went away.
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def _missing_serve_extra(error: ImportError):
+    return ImportError(
+        f"The server needs FastAPI and uvicorn ({error.name} is missing): pip install 'funaudiochat_hf[serve]'."
+    )
+
+
+def create_app(engine: SpeechEngine, processor, model_name: str, api_key: str | None = None):
+    """The FastAPI app serving `engine` (whose lifetime the caller owns)."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    except ImportError as error:
+        raise _missing_serve_extra(error) from error
+
+    app = FastAPI(title="Fun-Audio-Chat speech-to-speech", version="1")
+    transcripts = TranscriptMemory()
+    model_dtype = getattr(engine.model, "dtype", None)
+    created = int(time.time())
+
+    def error(status: int, message: str, error_type: str, param=None, code=None, headers=None) -> JSONResponse:
+        return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return error(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                             "invalid_request_error", code="invalid_api_key")  # fmt: skip
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "funaudiochat_hf"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine.snapshot()), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "The request body is not valid JSON.", "invalid_request_error")
+        try:
+            # The processor (audio decoding, features) runs off the event loop.
+            chat = await asyncio.to_thread(
+                parse_chat_request, body, processor, transcripts, engine.voices, model_name, model_dtype
+            )
+            events: asyncio.Queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            handle = engine.submit(chat.speech, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except RequestError as bad:
+            return JSONResponse(bad.body(), status_code=bad.status)
+        except QueueFull as full:
+            return error(429, str(full), "rate_limit_exceeded", code="server_busy",
+                         headers={"Retry-After": str(max(1, round(full.retry_after)))})  # fmt: skip
+        except EngineClosed as closed:
+            return error(503, str(closed), "server_error", headers={"Retry-After": "5"})
+        except ValueError as bad:  # the engine's own checks (prompt length, sampling values)
+            return error(400, str(bad), "invalid_request_error")
+        completion_id, audio_id = new_ids()
+        if chat.stream:
+            return StreamingResponse(
+                _stream(chat, handle, events, completion_id, audio_id), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )  # fmt: skip
+        try:
+            pieces, finish = [], None
+            while finish is None:
+                try:
+                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        handle.cancel()
+                        return error(499, "The client closed the request.", "invalid_request_error")
+                    continue
+                pieces.append(event.audio)
+                if event.finished:
+                    finish = event
+        finally:
+            if not handle.finished.is_set():
+                handle.cancel()
+        if finish.finish_reason == "error":
+            return error(500, finish.error or "generation failed", "server_error")
+        transcript = processor.decode_reply(handle.text_ids)
+        transcripts.remember(audio_id, transcript)
+        audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+        body = completion_response(
+            chat, completion_id, audio_id, transcript, audio, engine.sampling_rate, _finish_reason(finish),
+            usage(handle.prompt_tokens, len(handle.text_ids), len(handle.speech_ids)),
+        )  # fmt: skip
+        return JSONResponse(body)
+
+    async def _stream(chat, handle, events, completion_id, audio_id):
+        """Server-sent events of one request; a client that goes away cancels it (its slot frees at the next
+        step)."""
+        first, transcript = True, []
+        try:
+            while True:
+                event = await events.get()
+                if event.finish_reason == "error":
+                    yield _sse(error_body(event.error or "generation failed", "server_error"))
+                    break
+                if len(event.audio) or event.text or first:
+                    transcript.append(event.text)
+                    delta = audio_delta(chat, audio_id, first, event.audio, event.text)
+                    first = False
+                    yield _sse(stream_chunk(chat, completion_id, delta))
+                if event.finished:
+                    yield _sse(stream_chunk(chat, completion_id, {}, _finish_reason(event)))
+                    if chat.include_usage:
+                        counts = usage(handle.prompt_tokens, len(handle.text_ids), len(handle.speech_ids))
+                        yield _sse(stream_chunk(chat, completion_id, {}, usage_=counts, choices=False))
+                    transcripts.remember(audio_id, "".join(transcript))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not handle.finished.is_set():
+                handle.cancel()
+
+    return app
+
+
+def _finish_reason(event) -> str:
+    return "length" if event.finish_reason == "length" else "stop"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def prometheus_text(snapshot: dict) -> str:
+    """The engine's metrics in Prometheus' text format."""
+    lines = []
+
+    def metric(name, kind, help_, samples):
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(samples)
+
+    def histogram(name, help_, data):
+        buckets, counts, total, count = data
+        samples = [f'{name}_bucket{{le="{bound:g}"}} {n}' for bound, n in zip(buckets, counts)]
+        samples += [f'{name}_bucket{{le="+Inf"}} {count}', f"{name}_sum {total:.6f}", f"{name}_count {count}"]
+        metric(name, "histogram", help_, samples)
+
+    requests = [f'funaudiochat_requests_total{{outcome="{k}"}} {v}' for k, v in snapshot["requests"].items()]
+    metric("funaudiochat_requests_total", "counter", "Requests by outcome (stop, length, cancelled, error, rejected).",
+           requests)  # fmt: skip
+    metric("funaudiochat_requests_running", "gauge", "Requests in a decode slot.", [
+        f"funaudiochat_requests_running {snapshot['running']}"])  # fmt: skip
+    metric("funaudiochat_requests_queued", "gauge", "Requests waiting for a slot.", [
+        f"funaudiochat_requests_queued {snapshot['queued']}"])  # fmt: skip
+    metric("funaudiochat_slots", "gauge", "Rows of the static decode batch.", [
+        f"funaudiochat_slots {snapshot['slots']}"])  # fmt: skip
+    metric("funaudiochat_decode_steps_total", "counter", "Decode steps run.", [
+        f"funaudiochat_decode_steps_total {snapshot['steps']}"])  # fmt: skip
+    metric("funaudiochat_cache_rebases_total", "counter", "Cache column shifts made to admit a request.", [
+        f"funaudiochat_cache_rebases_total {snapshot['rebases']}"])  # fmt: skip
+    histogram("funaudiochat_decode_step_rows", "Requests decoded per decode step.", snapshot["step_rows"])
+    histogram("funaudiochat_time_to_first_audio_seconds", "Submission to first audio chunk.",
+              snapshot["time_to_first_audio"])  # fmt: skip
+    metric("funaudiochat_generated_audio_seconds_total", "counter", "Seconds of audio generated.", [
+        f"funaudiochat_generated_audio_seconds_total {snapshot['audio_seconds']:.3f}"])  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The console script
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="funaudiochat-serve",
+        description="OpenAI-compatible Fun-Audio-Chat speech-to-speech server with continuous batching (one GPU).",
+    )
+    add = parser.add_argument
+    add("--model", help="chat model folder or Hub id (default: the tiny random-weight offline model: noise)")
+    add("--decoder", help="CosyVoice3 speech decoder folder or Hub id (when the chat model has none)")
+    add("--speakers", help="speaker embeddings file (spk2info.pt) for an official decoder folder")
+    add("--served-model-name", help="the model id clients send and /v1/models lists (default: --model)")
+    add("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s; 0.0.0.0: every one)")
+    add("--port", type=int, default=8000, help="port (default: %(default)s)")
+    add("--max-batch-size", type=int, default=16, help="conversations decoded together (default: %(default)s)")
+    add("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429 (default: "
+        "%(default)s)")  # fmt: skip
+    add("--max-new-tokens", type=int, help="longest reply in LLM steps of 0.2 s (default: 512; tiny model: 48)")
+    add("--max-prompt-tokens", type=int, default=1024, help="longest prompt in tokens (default: %(default)s)")
+    add("--api-key", help="require `Authorization: Bearer <key>` on /v1/ endpoints")
+    add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
+    add("--backend", default="auto", choices=list(BACKENDS), help="decode backend, as generate_speech's (default: "
+        "%(default)s: eager on a CPU, the fast CUDA backend on a GPU; 'compiled': minutes of warm-up)")  # fmt: skip
+    add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
+    return parser
+
+
+def build_engine(args) -> tuple[SpeechEngine, object, str]:
+    """Load the model (as the CLI does) and start its engine; returns (engine, processor, served model name)."""
+    from .cli import _load_pipeline
+
+    pipe = _load_pipeline(args)
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = TINY_MODEL_MAX_NEW_TOKENS if args.model is None else 512
+    options = {"eos_token_id": pipe._reply_stop_ids()}
+    engine = SpeechEngine(
+        pipe.model,
+        tokenizer=pipe.processor.tokenizer,
+        speech_decoder=pipe.decoder,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        generation_options=options,
+        backend=args.backend,
+    )
+    name = args.served_model_name or args.model or "funaudiochat-tiny"
+    return engine, pipe.processor, name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError as error:
+        print(f"error: {_missing_serve_extra(error)}", file=sys.stderr)
+        return 1
+    engine, processor, name = build_engine(args)
+    try:
+        app = create_app(engine, processor, name, api_key=args.api_key)
+        print(f"serving {name} on http://{args.host}:{args.port} ({args.max_batch_size} slots); voices: "
+              f"{', '.join([DEFAULT_VOICE, *engine.voices])}", file=sys.stderr, flush=True)  # fmt: skip
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

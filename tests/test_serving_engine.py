@@ -1,0 +1,173 @@
+"""The continuous-batching engine on the tiny model (CPU): requests that join and leave mid-flight get exactly their
+single-run tokens, cancelling frees the slot, full queues and bad requests are refused."""
+
+import pytest
+import torch
+
+from funaudiochat_hf.serving_engine_funaudiochat import QueueFull, SpeechEngine, SpeechRequest
+
+
+AUDIO_TOKEN = 346
+TIMEOUT = 60  # seconds per event: a hang fails the test instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def prompts(inputs):
+    """Three conversations: the golden spoken prompt (331 tokens) and two text prompts cut from it."""
+    long_ids = inputs["input_ids"]
+    text_ids = long_ids[0][long_ids[0] != AUDIO_TOKEN]
+    audio = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    return {
+        "spoken": {"input_ids": long_ids, **audio},
+        "text40": {"input_ids": text_ids[-40:][None]},
+        "text25": {"input_ids": text_ids[-25:][None]},
+    }
+
+
+def _single_run(model, inputs, max_new_tokens, **kwargs):
+    out = model.generate_speech(**inputs, max_new_tokens=max_new_tokens, return_audio=False, **kwargs)
+    return out.sequences[0, inputs["input_ids"].shape[1] :].tolist(), out.speech_ids[0].tolist()
+
+
+def _take(handle, count):
+    events = handle.events(timeout=TIMEOUT)
+    return [next(events) for _ in range(count)]
+
+
+def _drain(handle):
+    return list(handle.events(timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, prompts, mode):
+    max_new = 16
+    if mode == "greedy":
+        engine_options, per_request = {"do_sample": False}, [{}, {}, {}, {}]
+    else:  # each request its own seed and sampling values (a top-p and a penalty of 1 ride along exactly)
+        engine_options = {}
+        per_request = [
+            {"seed": 1, "temperature": 0.7},
+            {"seed": 2, "top_p": 1.0},
+            {"seed": 3, "repetition_penalty": 1.0},
+            {"seed": 4},
+        ]
+    order = ["spoken", "text40", "text25", "text40"]
+    # 3 slots and just enough cache columns for the spoken prompt and a reply: the batch has to shift its columns
+    # right (the first prompt is longer than the column) and left (no room left at the end) to take them all.
+    engine = SpeechEngine(
+        model, max_batch_size=3, max_prompt_tokens=340, max_new_tokens=max_new, cache_length=360,
+        generation_options=engine_options,
+    )  # fmt: skip
+    try:
+        handles = [engine.submit(SpeechRequest(prompts[order[0]], max_new_tokens=max_new, **per_request[0]))]
+        events = {0: _take(handles[0], 3)}  # the first runs alone for 3 steps
+        handles.append(engine.submit(SpeechRequest(prompts[order[1]], max_new_tokens=12, **per_request[1])))
+        events[1] = _take(handles[1], 2)
+        handles.append(engine.submit(SpeechRequest(prompts[order[2]], max_new_tokens=max_new, **per_request[2])))
+        events[0] += _drain(handles[0])  # the first leaves while the others run
+        handles.append(engine.submit(SpeechRequest(prompts[order[3]], max_new_tokens=max_new, **per_request[3])))
+        for i in (1, 2, 3):
+            events[i] = events.get(i, []) + _drain(handles[i])
+        snapshot = engine.snapshot()
+    finally:
+        engine.close()
+    assert snapshot["rebases"] >= 2, snapshot  # a right shift (first request) and a left one (room at the end)
+    assert snapshot["step_rows"][2] > snapshot["step_rows"][3]  # some steps ran several rows
+    for i, handle in enumerate(handles):
+        new_tokens = 12 if i == 1 else max_new
+        expected_text, expected_speech = _single_run(model, prompts[order[i]], new_tokens, **engine_options,
+                                                     **per_request[i])  # fmt: skip
+        assert [t for e in events[i] for t in e.text_ids] == expected_text, i
+        assert [t for e in events[i] for t in e.speech_ids] == expected_speech, i
+        assert events[i][-1].finished and events[i][-1].finish_reason in ("stop", "length")
+        assert sum(e.finished for e in events[i]) == 1
+
+
+def test_cancel_frees_the_slot_for_the_next_request(model, prompts):
+    engine = SpeechEngine(model, max_batch_size=1, max_queue=1, max_prompt_tokens=48, max_new_tokens=64)
+    try:
+        first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=64, seed=0))
+        _take(first, 2)  # running in the only slot
+        waiting = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=4, seed=0))
+        with pytest.raises(QueueFull) as full:
+            engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=4))
+        assert full.value.retry_after > 0
+        first.cancel()
+        rest = _drain(first)
+        assert rest[-1].finish_reason == "cancelled" and len(rest) < 62
+        done = _drain(waiting)  # took the freed slot
+        assert done[-1].finish_reason in ("stop", "length")
+        snapshot = engine.snapshot()
+        assert snapshot["running"] == 0 and snapshot["queued"] == 0
+        assert snapshot["requests"]["cancelled"] == 1 and snapshot["requests"]["rejected"] == 1
+    finally:
+        engine.close()
+
+
+def test_bad_requests_are_refused_before_queueing(model, prompts):
+    engine = SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
+    try:
+        with pytest.raises(ValueError, match="at most 48"):
+            engine.submit(SpeechRequest(prompts["spoken"]))
+        with pytest.raises(ValueError, match="temperature"):
+            engine.submit(SpeechRequest(prompts["text25"], temperature=-1.0))
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=9))
+        with pytest.raises(ValueError, match="top_p"):
+            engine.submit(SpeechRequest(prompts["text25"], top_p=1.5))
+        # the engine keeps serving
+        assert _drain(engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=3)))[-1].finished
+    finally:
+        engine.close()
+    assert not engine.healthy
+
+
+def test_idle_slots_never_attend_to_nothing(model, prompts):
+    """A freed row's masks are opened, so an idle row never softmaxes an all-masked row into NaN that a later request
+    of that slot would read."""
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
+    try:
+        _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8, seed=0)))
+        ws = engine.adapter.ws
+        assert bool(ws.llm_mask.all()) and bool(ws.crq_mask.all()) and bool(ws.done.all())
+        for cache in (ws.llm_cache, ws.crq_cache):
+            assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
+    finally:
+        engine.close()
+
+
+def test_more_steps_than_cache_columns(model, prompts):
+    """The batch runs on for many more steps than its caches have columns (the step's own text-token column is
+    wrapped, the shared cache column shifted back)."""
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=40, max_new_tokens=12, cache_length=64)
+    try:
+        for seed in range(7):
+            events = _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12, seed=seed)))
+            assert events[-1].finish_reason in ("stop", "length"), events[-1].error
+        assert engine.snapshot()["steps"] > 64 and engine.healthy
+    finally:
+        engine.close()
+
+
+def test_backend_and_settings_are_checked_as_generate_speech_checks_them(model, prompts):
+    """The engine's backend and its settings go through the same plan and request checks as `generate_speech`: the
+    same errors, before any request runs."""
+    sizes = dict(max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
+    with pytest.raises(ValueError, match="backend"):
+        SpeechEngine(model, backend="fast", **sizes)
+    with pytest.raises(ValueError, match="cuda_graphs"):  # a CPU model: no CUDA graphs
+        SpeechEngine(model, backend="cuda_graphs", **sizes)
+    with pytest.raises(ValueError, match="num_beams"):
+        SpeechEngine(model, generation_options={"num_beams": 2}, **sizes)
+    with pytest.raises(ValueError, match="static caches"):
+        SpeechEngine(model, generation_options={"cache_implementation": "dynamic"}, **sizes)
+    engine = SpeechEngine(model, **sizes)
+    try:
+        assert engine.adapter.cfg.plan.backend == "eager"  # "auto" on a CPU
+        with pytest.raises(ValueError) as from_engine:
+            engine.submit(SpeechRequest(prompts["text25"], temperature=float("nan")))
+        with pytest.raises(ValueError) as from_generate:
+            model.generate_speech(**prompts["text25"], temperature=float("nan"), max_new_tokens=2, return_audio=False)
+        assert str(from_engine.value) == str(from_generate.value)
+    finally:
+        engine.close()

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible server on the tiny model (CPU, loopback only) through the official `openai` client."""
+
+import base64
+import io
+import json
+import socket
+import sys
+import threading
+import time
+import wave
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from funaudiochat_hf.serving_openai_funaudiochat import wav_bytes  # noqa: E402
+from funaudiochat_hf.serving_server_funaudiochat import _parser, build_engine, create_app  # noqa: E402
+from funaudiochat_hf.tiny_model import TINY_MODEL_VERSION, build_tiny_model, synthetic_question  # noqa: E402
+
+
+MAX_NEW_TOKENS = 12
+KEY = "secret-key"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "cache" / f"tiny-{TINY_MODEL_VERSION}")
+
+
+class _Server:
+    """uvicorn serving an engine on a free loopback port, in a thread."""
+
+    def __init__(self, path, *extra, api_key=None):
+        args = _parser().parse_args(
+            ["--model", str(path), "--device", "cpu", "--max-new-tokens", str(MAX_NEW_TOKENS),
+             "--max-prompt-tokens", "640", *extra]
+        )  # fmt: skip
+        self.engine, processor, name = build_engine(args)
+        self.name = name
+        app = create_app(self.engine, processor, name, api_key=api_key)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="unused"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path):
+    running = _Server(tiny_path, "--max-batch-size", "8")
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_path):
+    """One slot, no queue, an API key."""
+    running = _Server(tiny_path, "--max-batch-size", "1", "--max-queue", "0", "--max-new-tokens", "400", api_key=KEY)
+    yield running
+    running.close()
+
+
+def _question(seconds=1.0) -> str:
+    return base64.b64encode(wav_bytes(synthetic_question(seconds), 16000)).decode()
+
+
+def _messages(seconds=1.0):
+    part = {"type": "input_audio", "input_audio": {"data": _question(seconds), "format": "wav"}}
+    return [{"role": "user", "content": [part]}]
+
+
+def _request(**extra):
+    base = dict(modalities=["text", "audio"], audio={"voice": "default", "format": "wav"}, messages=_messages(),
+                max_completion_tokens=MAX_NEW_TOKENS)  # fmt: skip
+    return {**base, **extra}
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list()] == [server.name]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_non_streamed_reply_has_audio_transcript_and_usage(server):
+    reply = server.client().chat.completions.create(model=server.name, seed=3, **_request())
+    audio = reply.choices[0].message.audio
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
+        assert wav.getframerate() == 24000 and wav.getnchannels() == 1 and wav.getsampwidth() == 2
+        assert wav.getnframes() > 0
+    assert isinstance(audio.transcript, str) and audio.id.startswith("audio_")
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= reply.usage.completion_tokens <= MAX_NEW_TOKENS and reply.usage.prompt_tokens > 0
+
+    # The same seed gives the same reply; the earlier reply can be referred to by its audio id in a second turn.
+    again = server.client().chat.completions.create(model=server.name, seed=3, **_request())
+    assert again.choices[0].message.audio.data == audio.data
+    history = _messages() + [{"role": "assistant", "audio": {"id": audio.id}}] + _messages(0.5)
+    second = server.client().chat.completions.create(
+        model=server.name, **{**_request(), "messages": history, "audio": {"voice": "default", "format": "pcm16"}}
+    )
+    assert len(base64.b64decode(second.choices[0].message.audio.data)) % 2 == 0
+
+
+def test_streamed_reply_sends_pcm16_chunks_and_transcript_deltas(server):
+    stream = server.client().chat.completions.create(
+        model=server.name, stream=True, stream_options={"include_usage": True},
+        **{**_request(), "audio": {"voice": "default", "format": "pcm16"}},
+    )  # fmt: skip
+    pcm, transcript, finish, usage = b"", "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")  # typed in newer clients
+        if audio:
+            audio = audio if isinstance(audio, dict) else audio.model_dump()
+            pcm += base64.b64decode(audio["data"])
+            transcript += audio["transcript"]
+        finish = chunk.choices[0].finish_reason or finish
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+    assert finish in ("stop", "length") and usage is not None and usage.completion_tokens >= 1
+    assert np.abs(np.frombuffer(pcm, "<i2")).max() > 0
+
+
+def test_concurrent_requests_share_decode_steps(server):
+    before = server.metrics()
+    client = server.client()
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda seed: client.chat.completions.create(model=server.name, seed=seed,
+                                                                           **_request()), range(8)))  # fmt: skip
+    assert all(r.choices[0].message.audio.data for r in replies)
+    after = server.metrics()
+    rows = after["funaudiochat_decode_step_rows_sum"] - before["funaudiochat_decode_step_rows_sum"]
+    steps = after["funaudiochat_decode_step_rows_count"] - before["funaudiochat_decode_step_rows_count"]
+    assert steps > 0 and rows / steps > 1  # more than one row per decode step on average
+    assert after["funaudiochat_generated_audio_seconds_total"] > before["funaudiochat_generated_audio_seconds_total"]
+    assert after["funaudiochat_time_to_first_audio_seconds_count"] >= before[
+        "funaudiochat_time_to_first_audio_seconds_count"] + 8  # fmt: skip
+
+
+def test_client_that_disconnects_mid_stream_frees_its_slot(server):
+    before = server.metrics()['funaudiochat_requests_total{outcome="cancelled"}']
+    body = {**_request(), "stream": True, "model": server.name, "max_completion_tokens": MAX_NEW_TOKENS}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # Closed after the first chunk: the request is cancelled and its slot freed.
+    deadline = time.time() + 30
+    while True:
+        values = server.metrics()
+        if values['funaudiochat_requests_total{outcome="cancelled"}'] > before:
+            break
+        assert time.time() < deadline, values
+        time.sleep(0.1)
+    while server.metrics()["funaudiochat_requests_running"] != 0:
+        assert time.time() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                     "input_audio": {"data": "%%%", "format": "wav"}}]}]},
+         "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(b"not audio at all" * 10).decode(), "format": "wav"}}]}]},
+         "messages[0].content[0]"),
+        ({"audio": {"voice": "no-such-voice", "format": "wav"}}, "audio.voice"),
+        ({"audio": {"voice": "default", "format": "opus"}}, "audio.format"),
+        ({"temperature": 5}, "temperature"),
+        ({"max_completion_tokens": MAX_NEW_TOKENS + 1}, None),
+        ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
+        ({"messages": [{"role": "system", "content": "s" * 5000}, {"role": "user", "content": "hi"}]}, "messages[0]"),
+    ],
+)  # fmt: skip
+def test_bad_input_gets_a_4xx_error_and_the_server_keeps_serving(server, change, param):
+    with pytest.raises(openai.BadRequestError) as bad:
+        server.client().chat.completions.create(model=server.name, **{**_request(), **change})
+    error = bad.value.body
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+    reply = server.client().chat.completions.create(model=server.name, **_request(max_completion_tokens=2))
+    assert reply.choices[0].message.audio is not None
+
+
+def test_not_json_and_missing_key(server, small_server):
+    response = httpx.post(server.url + "/v1/chat/completions", content=b"{", timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        small_server.client("wrong").models.list()
+    response = httpx.post(small_server.url + "/v1/chat/completions", json=_request(), timeout=30)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(small_server.url + "/health").status_code == 200  # open: load balancers probe it
+
+
+def test_full_queue_gets_429_with_retry_after(small_server):
+    client = small_server.client(KEY)
+    # Holds the only slot: a seed whose reply runs to the length limit.
+    body = {**_request(max_completion_tokens=400, seed=1), "stream": True, "model": small_server.name}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", small_server.url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=60) as running:  # fmt: skip
+        assert running.status_code == 200
+        lines = running.iter_lines()  # kept: a collected iterator would close the connection (a disconnect)
+        assert next(lines).startswith("data:")
+        values = small_server.metrics()
+        assert values["funaudiochat_requests_running"] == 1, values
+        with pytest.raises(openai.RateLimitError) as limited:
+            client.chat.completions.create(model=small_server.name, **_request())
+        assert int(limited.value.response.headers["Retry-After"]) >= 1
+        assert json.loads(limited.value.response.text)["error"]["type"] == "rate_limit_exceeded"
+    deadline = time.time() + 30
+    while small_server.metrics()["funaudiochat_requests_running"] != 0:  # the closed stream leaves its slot
+        assert time.time() < deadline
+        time.sleep(0.1)
+    reply = client.chat.completions.create(model=small_server.name, **_request(max_completion_tokens=2))
+    assert reply.choices[0].message.audio is not None
+
+
+def test_load_generator_smoke(server, tmp_path):
+    """scripts/loadgen.py against the running server: 3 Poisson-spaced streamed conversations, all with audio."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "loadgen.py"
+    spec = importlib.util.spec_from_file_location("loadgen", path)
+    loadgen = importlib.util.module_from_spec(spec)
+    sys.modules["loadgen"] = loadgen  # its dataclasses look their module up
+    spec.loader.exec_module(loadgen)
+    report_path = tmp_path / "report.json"
+    code = loadgen.main(["--url", server.url, "--conversations", "3", "--rate", "20", "--max-tokens",
+                         str(MAX_NEW_TOKENS), "--json", str(report_path)])  # fmt: skip
+    report = json.loads(report_path.read_text())
+    assert code == 0 and report["errors"] == 0, report
+    assert report["ttfa_p50_ms"] > 0 and report["ttfa_p95_ms"] >= report["ttfa_p50_ms"]
+    assert report["rtf_p95"] > 0 and report["aggregate_x_real_time"] > 0 and report["audio_seconds"] > 0
