@@ -709,18 +709,6 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     return {"mode": mode, "batch": batch, "rounds": args.compare_rounds, "variants": variants}
 
 
-    compile_config = compile_argument(mode, args)
-    if compile_config is not None and backend == "compiled":
-        kwargs["compile_config"] = compile_config
-    max_length = extra.pop("cache_max_length", None)
-    overrides = extra.pop("plan_overrides", None) or plan_overrides(args)  # a --compare variant's, else the run's
-    config = extra.pop("kernel_config", None)  # a --compare variant's DecodeKernelConfig, else --kernel-config's
-    if config is None and args.kernel_config:
-        config = kernel_config(model, args.kernel_config)
-    if max_length is not None:
-        kwargs["speech_generator"] = speech_generator(model, backend, max_length, overrides, config)
-
-
 def variant_kwargs(model, spec: dict, args: argparse.Namespace) -> dict:
     """A `--compare` variant's generate_speech keyword arguments: its `"kernel_config"` overrides (over
     `--kernel-config`'s) as a `DecodeKernelConfig` object, which `generation_kwargs` hands to the variant's own
