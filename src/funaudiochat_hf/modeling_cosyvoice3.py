@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -53,7 +52,7 @@ from .modeling_cosyvoice3_offline_graphs import (  # noqa: F401  (re-exported)
 )
 from .modeling_cosyvoice3_performance import CosyVoice3PerformanceMixin
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder
-from .weights_files_funaudiochat import unreadable_weights_error
+from .weights_files_funaudiochat import naming_unreadable_weights
 
 
 @dataclass
@@ -441,12 +440,8 @@ class CosyVoice3Token2Wav(CosyVoice3PerformanceMixin, CosyVoice3OfflineGraphsMix
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "CosyVoice3Token2Wav":
         """`PreTrainedModel.from_pretrained`; an unreadable `.safetensors` file raises an `OSError` naming it."""
-        try:
+        with naming_unreadable_weights(pretrained_model_name_or_path, kwargs):
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as error:  # its message does not say which file is broken
-            raise unreadable_weights_error(
-                pretrained_model_name_or_path, error, kwargs.get("subfolder") or "", kwargs.get("revision")
-            ) from error
 
     # -- loading the official files -------------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, GenerationMixin
@@ -36,7 +35,7 @@ from .modeling_funaudiochat_audio import (  # noqa: F401  (re-exported: importab
 )
 from .modeling_funaudiochat_crq import FunAudioChatCRQDecoder
 from .modeling_funaudiochat_pretrained import FunAudioChatPreTrainedModel
-from .weights_files_funaudiochat import unreadable_weights_error
+from .weights_files_funaudiochat import naming_unreadable_weights
 
 
 @dataclass
@@ -148,12 +147,8 @@ class FunAudioChatForConditionalGeneration(
         # `~/models/...` means the expanded local path (transformers alone would read it as an invalid Hub id).
         if isinstance(pretrained_model_name_or_path, str) and pretrained_model_name_or_path.startswith("~"):
             pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
-        try:
+        with naming_unreadable_weights(pretrained_model_name_or_path, kwargs):
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as error:  # its message does not say which file is broken
-            raise unreadable_weights_error(
-                pretrained_model_name_or_path, error, kwargs.get("subfolder") or "", kwargs.get("revision")
-            ) from error
 
     # ----------------------------------------------------------------------------------------------------------
     # Embedding accessors (the LLM's)

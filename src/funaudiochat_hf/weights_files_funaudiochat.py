@@ -7,9 +7,13 @@ of the CosyVoice3 decoder catch it and raise `unreadable_weights_error(...)` ins
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 
 def _local_candidates(folder: Path) -> list[Path]:
@@ -70,4 +74,15 @@ def unreadable_weights_error(
     return OSError(f"Could not read the safetensors weights of {os.fspath(source)}: {error}")
 
 
-__all__ = ["unreadable_weights_error"]
+@contextlib.contextmanager
+def naming_unreadable_weights(source: str | os.PathLike, load_kwargs: dict) -> Iterator[None]:
+    """Around a `from_pretrained(source, **load_kwargs)`: safetensors' own error (which does not say which file is
+    broken) becomes [`unreadable_weights_error`]."""
+    try:
+        yield
+    except SafetensorError as error:
+        subfolder, revision = load_kwargs.get("subfolder") or "", load_kwargs.get("revision")
+        raise unreadable_weights_error(source, error, subfolder, revision) from error
+
+
+__all__ = ["naming_unreadable_weights", "unreadable_weights_error"]
