@@ -6,12 +6,21 @@ Environment variables:
     FUNAUDIOCHAT_SPEAKERS   speaker file for an official CosyVoice3 folder (optional)
     FUNAUDIOCHAT_DEVICE     "cpu", "cuda", ... (default: CUDA if available)
     FUNAUDIOCHAT_MAX_INPUT_SECONDS   longest accepted question (default 30)
-    FUNAUDIOCHAT_CONCURRENCY         replies generated at the same time (default 1: one GPU, one stream)
+    FUNAUDIOCHAT_BATCH_SIZE          conversations the serving engine decodes together, sharing each decode step
+                                     (default 4)
+    FUNAUDIOCHAT_CONCURRENCY         replies Gradio runs at the same time (default: FUNAUDIOCHAT_BATCH_SIZE)
+    FUNAUDIOCHAT_MAX_PROMPT_TOKENS   longest prompt (question + kept history) in tokens; older turns are dropped
+                                     to fit (default 2048)
+    FUNAUDIOCHAT_WARMUP              "0" to skip the start-up warm-up reply (default: warm up before serving)
     FUNAUDIOCHAT_TRUST_REMOTE_CODE   "1" to load one-folder Hub repos without the package installed
     FUNAUDIOCHAT_STREAM_AUDIO        "0" to send the reply audio in one piece at the end (default: stream when
                                      ffmpeg is installed, which Gradio needs to stream audio; see packages.txt)
     FUNAUDIOCHAT_FAST                "1" (on a GPU) to compile the chat loop and the decoder and run the decoder's
-                                     DiT in bfloat16: the first reply waits a few minutes for the compile
+                                     DiT in bfloat16: start-up waits a few minutes for the compile
+
+Every reply runs on one continuous-batching `SpeechEngine` (started once per process, closed at exit): concurrent
+visitors share its decode steps. Before the app says it is ready, one short synthetic reply warms the engine and the
+speech decoder up (allocation, compilation), so the first visitor does not wait for it.
 
 Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SERVER_NAME / GRADIO_SERVER_PORT).
 """
@@ -22,6 +31,8 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -86,7 +97,7 @@ def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
     with its estimator and vocoder compiled, and the chat loop's "compiled" backend. Returns the `generate_speech`
     keyword arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
     compile_kwargs = {} if backend is None else {"backend": backend}
-    note = "note: FUNAUDIOCHAT_FAST=1: the first reply compiles the chat loop and the decoder (a few minutes)."
+    note = "note: FUNAUDIOCHAT_FAST=1: start-up compiles the chat loop and the decoder (a few minutes)."
     print(note, file=sys.stderr)
     decoder = pipe.decoder
     if decoder is not None:
@@ -144,8 +155,134 @@ def _to_int16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16)
 
 
-def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool | None = None) -> gr.Blocks:
-    """The Blocks app around a `SpeechToSpeechPipeline` (call `.queue(...).launch()` on it)."""
+MAX_NEW_TOKENS = 1024  # the reply length slider's maximum (LLM steps): the engine's per-request limit
+WARMUP_QUESTION_SECONDS = 1.0
+WARMUP_STEPS = 24  # enough for the first streamed audio chunk: the decoder runs too
+
+
+def start_engine(pipe, batch_size: int | None = None, max_prompt_tokens: int | None = None):
+    """The process's `SpeechEngine` over the pipeline's model and decoder (the caller closes it). `batch_size` rows
+    share every decode step; FUNAUDIOCHAT_FAST's settings (`pipe.fast_generate_kwargs`) pick its backend."""
+    from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
+
+    batch_size = batch_size or _env_int("FUNAUDIOCHAT_BATCH_SIZE", 4)
+    max_prompt_tokens = max_prompt_tokens or _env_int("FUNAUDIOCHAT_MAX_PROMPT_TOKENS", 2048)
+    fast = dict(getattr(pipe, "fast_generate_kwargs", {}))
+    options = {"eos_token_id": pipe._reply_stop_ids()}
+    if "compile_config" in fast:
+        options["compile_config"] = fast["compile_config"]
+    print(f"note: starting the speech engine ({batch_size} conversations per decode step) ...", file=sys.stderr)
+    return SpeechEngine(
+        pipe.model,
+        tokenizer=pipe.processor.tokenizer,
+        speech_decoder=pipe.decoder,
+        max_batch_size=batch_size,
+        max_queue=32,
+        max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=MAX_NEW_TOKENS,
+        generation_options=options,
+        backend=fast.get("backend", "auto"),
+    )
+
+
+def prepare_inputs(pipe, engine, history: list, turn: dict, system_prompt: str | None) -> tuple[dict, list]:
+    """The processor's inputs for the conversation `history + [turn]` on the engine's device, and the chat they
+    render. The oldest turns (a question and its reply at a time) are dropped until the prompt fits the engine's
+    `max_prompt_tokens`; a question that does not fit alone is refused (`gr.Error`)."""
+    chat = list(history[-2 * (MAX_TURNS - 1) :]) + [turn]
+    while True:
+        inputs = pipe.preprocess([chat], system_prompt=system_prompt, sampling_rate=INPUT_SAMPLING_RATE)
+        if inputs["input_ids"].shape[1] <= engine.max_prompt_tokens:
+            return pipe._ensure_tensor_on_device(inputs, device=pipe.device), chat
+        if len(chat) == 1:
+            raise gr.Error(
+                f"That question needs {inputs['input_ids'].shape[1]} prompt tokens; this demo takes at most "
+                f"{engine.max_prompt_tokens}. Please ask a shorter question."
+            )
+        chat = chat[2:]
+
+
+def stream_reply(engine, inputs: dict, **request) -> Iterator:
+    """The engine's events for one reply (`SpeechRequest` keywords in `request`); the request is cancelled when the
+    caller stops early (a visitor who leaves frees the slot at the next decode step)."""
+    from funaudiochat_hf.serving_engine_funaudiochat import QueueFull, SpeechRequest
+
+    try:
+        handle = engine.submit(SpeechRequest(inputs=inputs, **request))
+    except QueueFull:
+        raise gr.Error("The demo is busy; please try again in a moment.") from None
+    except ValueError as error:
+        raise gr.Error(str(error)) from None
+    try:
+        for event in handle.events():
+            if event.finish_reason == "error":
+                raise gr.Error(f"The reply failed: {event.error}")
+            yield event
+    finally:
+        handle.cancel()  # no-op once finished
+
+
+def warm_up(pipe, engine) -> float:
+    """One short synthetic reply through the engine and the speech decoder (allocation, compiled code, CUDA graphs),
+    so that the first visitor does not pay for it. Returns its seconds."""
+    from funaudiochat_hf.tiny_model import synthetic_question
+
+    print("note: warming up (one short synthetic reply) before serving ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    clip = synthetic_question(WARMUP_QUESTION_SECONDS, INPUT_SAMPLING_RATE)
+    turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
+    inputs, _ = prepare_inputs(pipe, engine, [], turn, None)
+    for _ in stream_reply(engine, inputs, max_new_tokens=WARMUP_STEPS, seed=0):
+        pass
+    seconds = time.perf_counter() - start
+    print(f"note: warm-up done in {seconds:.1f} s.", file=sys.stderr, flush=True)
+    return seconds
+
+
+def make_responder(pipe, engine, max_input_seconds: float, stream_audio: bool):
+    """The Send button's handler: stream one reply through the engine, yielding (audio chunk, transcript, chat
+    messages, history) updates."""
+
+    def respond(audio_path, history, messages, voice, temperature, top_p, max_new_tokens, system_prompt):
+        if not audio_path:
+            raise gr.Error("Record or upload a question first.")
+        system_prompt = check_system_prompt(system_prompt)
+        clip = read_question(audio_path, max_input_seconds)
+        seconds = len(clip) / INPUT_SAMPLING_RATE
+        turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
+        inputs, chat = prepare_inputs(pipe, engine, history, turn, system_prompt)
+        messages = list(messages) + [
+            {"role": "user", "content": f"🎤 ({seconds:.1f} s)"},
+            {"role": "assistant", "content": ""},
+        ]
+        text, chunks, sampling_rate = "", [], pipe.sampling_rate
+        request = dict(
+            voice=voice or pipe.default_speaker,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=int(max_new_tokens),
+        )
+        for event in stream_reply(engine, inputs, **request):
+            text += event.text
+            messages[-1] = {"role": "assistant", "content": text}
+            sampling_rate = event.sampling_rate
+            if event.audio.size:
+                chunks.append(_to_int16(event.audio))
+            streamed = stream_audio and event.audio.size
+            yield ((sampling_rate, chunks[-1]) if streamed else gr.skip()), text, messages, history
+        history = chat + [{"role": "assistant", "content": text}]
+        whole = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
+        yield (gr.skip() if stream_audio else (sampling_rate, whole)), text, messages, history
+
+    return respond
+
+
+def create_app(
+    pipe, engine, max_input_seconds: float | None = None, stream_audio: bool | None = None, warmup: bool | None = None
+) -> gr.Blocks:
+    """The Blocks app around a `SpeechToSpeechPipeline` (its processor, voices) and the `SpeechEngine` that generates
+    every reply (call `.queue(...).launch()` on it). Unless `warmup` is False (default: FUNAUDIOCHAT_WARMUP != "0"),
+    one short reply warms the engine up before this returns."""
     from funaudiochat_hf.limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS
 
     max_input_seconds = max_input_seconds or _env_int("FUNAUDIOCHAT_MAX_INPUT_SECONDS", 30)
@@ -153,40 +290,11 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
     max_input_seconds = min(max_input_seconds, getattr(pipe.processor, "max_audio_seconds", max_input_seconds))
     stream_audio = stream_audio_enabled() if stream_audio is None else stream_audio
     voices = pipe.speakers
-
-    def respond(audio_path, history, messages, voice, temperature, top_p, max_new_tokens, system_prompt):
-        """Stream one reply: yields (audio chunk, transcript, chat messages, history) updates."""
-        if not audio_path:
-            raise gr.Error("Record or upload a question first.")
-        system_prompt = check_system_prompt(system_prompt)
-        clip = read_question(audio_path, max_input_seconds)
-        seconds = len(clip) / INPUT_SAMPLING_RATE
-        turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
-        chat = list(history[-2 * (MAX_TURNS - 1) :]) + [turn]
-        messages = list(messages) + [
-            {"role": "user", "content": f"🎤 ({seconds:.1f} s)"},
-            {"role": "assistant", "content": ""},
-        ]
-        text, chunks, sampling_rate = "", [], pipe.sampling_rate
-        kwargs = dict(
-            speaker=voice or None,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            max_new_tokens=int(max_new_tokens),
-            system_prompt=system_prompt,
-            **getattr(pipe, "fast_generate_kwargs", {}),
-        )
-        for event in pipe.stream(chat, **kwargs):
-            text += event["text"]
-            messages[-1] = {"role": "assistant", "content": text}
-            sampling_rate = event["sampling_rate"]
-            if event["audio"].size:
-                chunks.append(_to_int16(event["audio"]))
-            streamed = stream_audio and event["audio"].size
-            yield ((sampling_rate, chunks[-1]) if streamed else gr.skip()), text, messages, history
-        history = chat + [{"role": "assistant", "content": text}]
-        whole = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
-        yield (gr.skip() if stream_audio else (sampling_rate, whole)), text, messages, history
+    respond = make_responder(pipe, engine, max_input_seconds, stream_audio)
+    if warmup is None:
+        warmup = os.environ.get("FUNAUDIOCHAT_WARMUP") != "0"
+    if warmup:
+        warm_up(pipe, engine)
 
     def reset():
         return None, "", [], [], None
@@ -219,7 +327,7 @@ def create_app(pipe, max_input_seconds: float | None = None, stream_audio: bool 
                     temperature = gr.Slider(0.1, 1.5, value=0.8, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.1, 1.0, value=0.9, step=0.05, label="Top-p")
                     max_new_tokens = gr.Slider(
-                        8, 1024, value=64 if getattr(pipe, "is_tiny_model", False) else 512, step=8,
+                        8, MAX_NEW_TOKENS, value=64 if getattr(pipe, "is_tiny_model", False) else 512, step=8,
                         label="Max reply length (LLM steps, 0.2 s of speech each)",
                     )
                     system_prompt = gr.Textbox(
@@ -254,9 +362,14 @@ def main() -> None:
         print("note: FUNAUDIOCHAT_MODEL is not set: serving the tiny offline model (noise).", file=sys.stderr)
     if not stream_audio_enabled():
         print("note: ffmpeg not found: reply audio is sent when complete (text still streams).", file=sys.stderr)
-    app = create_app(pipe)
-    app.queue(default_concurrency_limit=_env_int("FUNAUDIOCHAT_CONCURRENCY", 1), max_size=32)
-    app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    engine = start_engine(pipe)
+    try:
+        app = create_app(pipe, engine)
+        concurrency = _env_int("FUNAUDIOCHAT_CONCURRENCY", engine.max_batch_size)  # one visitor per engine row
+        app.queue(default_concurrency_limit=concurrency, max_size=32)
+        app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""The demo's settings (`demo/app.py`) without a browser: `FUNAUDIOCHAT_FAST` and the tiny offline pipeline."""
+"""The demo's settings (`demo/app.py`) without a browser: `FUNAUDIOCHAT_FAST`, the tiny offline pipeline, its
+serving engine (concurrent visitors share decode steps) and the start-up warm-up."""
 
 import importlib.util
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +45,7 @@ def test_enable_fast_decoding_compiles_both_models_and_replies(app, monkeypatch,
     torch._dynamo.reset()
     try:
         kwargs = app.enable_fast_decoding(pipe, backend="eager")
-        assert "the first reply compiles the chat loop and the decoder" in capsys.readouterr().err
+        assert "start-up compiles the chat loop and the decoder" in capsys.readouterr().err
         assert kwargs == {"backend": "compiled", "compile_config": {"backend": "eager"}}
         assert decoder.config.estimator_autocast_dtype == "bfloat16" and decoder.flow_is_compiled
         assert decoder.qkv_projections_fused
@@ -78,3 +80,102 @@ def test_system_prompt_box_is_bounded(app):
     assert app.check_system_prompt("Be brief.") == "Be brief."
     with pytest.raises(gr.Error, match=f"{MAX_SYSTEM_PROMPT_CHARS + 1} characters"):
         app.check_system_prompt("x" * (MAX_SYSTEM_PROMPT_CHARS + 1))
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(app):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _tiny_pipe(app, monkeypatch)
+
+
+def _question(tmp_path, name, seconds=1.0):
+    import soundfile
+
+    path = tmp_path / name
+    soundfile.write(path, synthetic_question(seconds), 16000)
+    return str(path)
+
+
+def test_building_the_app_warms_up_before_returning(app, tiny_pipe, monkeypatch, capsys):
+    """The Space warmed up on the first visitor's request: now one synthetic reply runs through the engine (and the
+    decoder) while the app is built, before it says it is ready."""
+    monkeypatch.delenv("FUNAUDIOCHAT_WARMUP", raising=False)
+    engine = app.start_engine(tiny_pipe, batch_size=1, max_prompt_tokens=512)
+    try:
+        assert engine.snapshot()["requests"]["stop"] + engine.snapshot()["requests"]["length"] == 0
+        app.create_app(tiny_pipe, engine, stream_audio=False)
+        snapshot = engine.snapshot()
+    finally:
+        engine.close()
+    assert snapshot["requests"]["stop"] + snapshot["requests"]["length"] == 1
+    assert snapshot["steps"] >= 1 and snapshot["audio_seconds"] > 0  # the decoder ran too
+    err = capsys.readouterr().err
+    assert "warming up" in err and "warm-up done" in err
+    assert err.index("warming up") < err.index("warm-up done")
+
+    engine = app.start_engine(tiny_pipe, batch_size=1, max_prompt_tokens=512)
+    try:
+        monkeypatch.setenv("FUNAUDIOCHAT_WARMUP", "0")
+        app.create_app(tiny_pipe, engine, stream_audio=False)
+        assert engine.snapshot()["steps"] == 0
+    finally:
+        engine.close()
+
+
+def test_concurrent_replies_share_the_engine_decode_steps(app, tiny_pipe, tmp_path, monkeypatch):
+    """The Space ran one reply at a time (`pipe.stream` per visitor): two visitors' replies now run in the same decode
+    steps of one engine, each streaming its own text and audio."""
+    engine = app.start_engine(tiny_pipe, batch_size=2, max_prompt_tokens=512)
+    both_submitted = threading.Barrier(2, timeout=60)
+    submit = engine.submit
+
+    def submit_together(*args, **kwargs):  # the two visitors' requests reach the engine at the same time
+        both_submitted.wait()
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", submit_together)
+    respond = app.make_responder(tiny_pipe, engine, max_input_seconds=30, stream_audio=False)
+    results, errors = {}, []
+
+    def visitor(name):
+        try:
+            updates = list(respond(_question(tmp_path, f"{name}.wav"), [], [], None, 0.8, 0.9, 32, ""))
+            results[name] = updates[-1]
+        except Exception as error:  # reported by the assertion below
+            errors.append(error)
+
+    try:
+        threads = [threading.Thread(target=visitor, args=(name,)) for name in ("a", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        snapshot = engine.snapshot()
+    finally:
+        engine.close()
+    assert not errors, errors
+    assert sorted(results) == ["a", "b"]
+    buckets, counts, _, steps = snapshot["step_rows"]
+    assert buckets[0] == 1 and steps - counts[0] > 0, snapshot  # some steps ran both rows
+    assert snapshot["requests"]["stop"] + snapshot["requests"]["length"] == 2
+    for (sampling_rate, audio), text, messages, history in results.values():
+        assert sampling_rate == tiny_pipe.sampling_rate and audio.dtype == np.int16 and audio.size > 0
+        assert messages[-1] == {"role": "assistant", "content": text}
+        assert [turn["role"] for turn in history] == ["user", "assistant"]
+
+
+def test_old_turns_are_dropped_to_fit_the_prompt_limit(app, tiny_pipe):
+    import gradio as gr
+
+    engine = app.start_engine(tiny_pipe, batch_size=1, max_prompt_tokens=360)
+    try:
+        clip = synthetic_question(2.0)
+        turn = {"role": "user", "content": [{"type": "audio", "audio": clip}]}
+        history = [turn, {"role": "assistant", "content": "hello there"}] * 3
+        inputs, chat = app.prepare_inputs(tiny_pipe, engine, history, turn, None)
+        assert inputs["input_ids"].shape[1] <= 360 and chat[-1] is turn and 1 <= len(chat) < 7
+        long_turn = {"role": "user", "content": [{"type": "audio", "audio": synthetic_question(20.0)}]}
+        with pytest.raises(gr.Error, match="at most 360"):
+            app.prepare_inputs(tiny_pipe, engine, [], long_turn, None)
+    finally:
+        engine.close()
