@@ -298,7 +298,7 @@ def test_kernel_config_overrides_build_config_objects(tmp_path):
     assert benchmark.kernel_config(model, args.kernel_config) == expected
     args = benchmark.parse_args(
         ["--kernel-config", '{"attention_pipeline_stages": 3}', "--compare", "{}",
-         '{"plan_overrides": {"overlap_text_head": False}, "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
+         '{"plan_overrides": {"overlap_text_head": false}, "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
     )  # fmt: skip
     first, second = (benchmark.variant_kwargs(model, spec, args) for spec in args.compare)
     assert first == {"kernel_config": DecodeKernelConfig(attention_pipeline_stages=3)}

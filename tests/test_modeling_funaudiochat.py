@@ -234,7 +234,7 @@ def test_token_ids_out_of_range_raise_clear_errors(model, prompt_inputs):
     negative[0, 0] = -1
     with pytest.raises(ValueError, match="speech_ids must lie in"):
         model(**dict(inputs, speech_ids=negative))
-    with pytest.raises(ValueError, match="input_ids must lie in"):
+    with pytest.raises(ValueError, match=r"`input_ids` has ids outside the text vocabulary \[0, \d+\)"):
         model.generate_speech(too_big[:, :20], max_new_tokens=2)
 
 
