@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [None if text == "default" else json.loads(text) for text in args.configs]
 
     bench_args = benchmark.parse_args(
-        ["--no-write", "--device", args.device, "--repeats", str(args.repeats), "--steps", str(args.steps)]
+        ["--device", args.device, "--repeats", str(args.repeats), "--steps", str(args.steps)]
         + (["--tiny"] if args.tiny else [])
     )
     benchmark.raise_recompile_limits()
