@@ -578,8 +578,9 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
 
 def kernel_config(model, overrides: dict):
     """`DecodeKernelConfig.for_device(model's device)` with `overrides` (field name -> value, e.g. `{"split_num_warps":
-    8}` of `--kernel-config` or a `--compare` variant's "kernel_config"), for `generate_speech(kernel_config=...)`. A
-    different config is a different step configuration: it compiles and records graphs of its own."""
+    8}` of `--kernel-config` or a `--compare` variant's "kernel_config"), for
+    `model.speech_generator(kernel_config=...)`. A different config is a different step configuration: it compiles and
+    records graphs of its own."""
     from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
     device = next(model.parameters()).device
@@ -692,8 +693,8 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     """ms per LLM step of each `--compare` variant (generate_speech keyword arguments over the run's own), measured
     side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
     what such a run reports; a lone step time drifts between runs). A variant's `"kernel_config"` (field overrides of
-    `DecodeKernelConfig`, over `--kernel-config`'s) is passed as `generate_speech(kernel_config=...)`: part of the
-    step configuration, so each config compiles and records its own step graphs."""
+    `DecodeKernelConfig`, over `--kernel-config`'s) is passed as `model.speech_generator(kernel_config=...)`: part of
+    the step configuration, so each config compiles and records its own step graphs."""
     inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
     short, long = step_counts(mode, args)
     variants = [{"kwargs": dict(spec), "ms_per_step": [], "notes": []} for spec in args.compare]
@@ -1462,7 +1463,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--kernel-config", default=None, metavar="JSON",
         help="DecodeKernelConfig field overrides for every chat call, e.g. '{\"attention_pipeline_stages\": 3}'\n"
-             "(generate_speech(kernel_config=DecodeKernelConfig.for_device(device).replace(**JSON)))",
+             "(model.speech_generator(kernel_config=DecodeKernelConfig.for_device(device).replace(**JSON)))",
     )
     p.add_argument(
         "--plain-launches", action="store_true",
