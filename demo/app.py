@@ -93,7 +93,7 @@ def load_pipeline():
 
 
 def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
-    """The measured fast settings (BENCHMARKS.md): the decoder's DiT in bfloat16 (mel SNR ~49 dB against float32)
+    """The measured fast settings (docs/performance.md): the decoder's DiT in bfloat16 (mel SNR ~49 dB against float32)
     with its estimator and vocoder compiled, and the chat loop's "compiled" backend. Returns the `generate_speech`
     keyword arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
     compile_kwargs = {} if backend is None else {"backend": backend}

@@ -84,7 +84,7 @@ def measure_process(args: argparse.Namespace, caches: str) -> dict:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     import_s = time.perf_counter() - import_start
-    bench_args = benchmark.parse_args(["--no-write", "--device", device] + (["--tiny"] if args.tiny else []))
+    bench_args = benchmark.parse_args(["--device", device] + (["--tiny"] if args.tiny else []))
     cuda = benchmark.is_cuda(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

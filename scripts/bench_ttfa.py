@@ -8,7 +8,7 @@ Builds the full-size chat model and decoder once (as `scripts/benchmark.py`, who
 `--backends` (`generate_speech(backend=...)`), in the order given, and prints one row each with the arrival time of every stream event.
 
 The prefill (the first event) is host-bound, and its time depends on what the process compiled before: compare
-settings in the same process, and compare the orders too (BENCHMARKS.md, 2026-11-30 09:01–09:58).
+settings in the same process, and compare the orders too.
 """
 
 from __future__ import annotations

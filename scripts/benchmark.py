@@ -18,12 +18,13 @@ decoder part (`CosyVoice3Token2Wav`, float32): offline RTF for 10 s and 30 s of 
 15 (RTF, first chunk latency after its tokens arrive, max per-chunk time), peak memory; eager and compiled.
 
 Every measurement is isolated: a failure is recorded in the table as "failed: <reason>" and the run goes on. Work is
-ordered by importance and stops when `--time-budget` seconds are spent. Results are printed as markdown tables, appended
-to BENCHMARKS.md (unless --no-write), and written as JSON + markdown to $OUT/benchmark.{json,md} when OUT is set.
-`--from-json FILE` appends the section rendered from a JSON written on another machine to BENCHMARKS.md.
+ordered by importance and stops when `--time-budget` seconds are spent. Results are printed as markdown tables, written
+to `--markdown PATH` when given, and written as JSON + markdown to $OUT/benchmark.{json,md} when OUT is set.
+`--from-json FILE` renders the tables of a JSON written on another machine (printed, and to `--markdown PATH`). How to
+read the numbers and the recorded results: docs/performance.md.
 
-    python scripts/benchmark.py                                  # full size, on cuda
-    python scripts/benchmark.py --tiny --device cpu --steps 4 --no-write   # smoke test of the script itself
+    python scripts/benchmark.py --markdown results.md            # full size, on cuda
+    python scripts/benchmark.py --tiny --device cpu --steps 4    # smoke test of the script itself
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ import transformers  # noqa: E402
 
 FUNAUDIOCHAT_TINY = REPO / "tests" / "fixtures" / "funaudiochat_tiny"
 COSYVOICE3_TINY = REPO / "tests" / "fixtures" / "cosyvoice3_tiny"
-BENCHMARKS_MD = REPO / "BENCHMARKS.md"
 
 STEP_SECONDS = 0.2  # one LLM step = 5 speech tokens at 25 Hz
 TOKENS_PER_SECOND = 25  # CosyVoice3 speech tokens
@@ -578,8 +578,9 @@ def generation_kwargs(model, mode: str, args: argparse.Namespace, max_new_tokens
 
 def kernel_config(model, overrides: dict):
     """`DecodeKernelConfig.for_device(model's device)` with `overrides` (field name -> value, e.g. `{"split_num_warps":
-    8}` of `--kernel-config` or a `--compare` variant's "kernel_config"), for `generate_speech(kernel_config=...)`. A
-    different config is a different step configuration: it compiles and records graphs of its own."""
+    8}` of `--kernel-config` or a `--compare` variant's "kernel_config"), for
+    `model.speech_generator(kernel_config=...)`. A different config is a different step configuration: it compiles and
+    records graphs of its own."""
     from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
     device = next(model.parameters()).device
@@ -692,8 +693,8 @@ def compare_row(model, mode: str, batch: int, args: argparse.Namespace) -> dict:
     """ms per LLM step of each `--compare` variant (generate_speech keyword arguments over the run's own), measured
     side by side: every round measures each variant once, in turn, in one process (the ratio between variants is
     what such a run reports; a lone step time drifts between runs). A variant's `"kernel_config"` (field overrides of
-    `DecodeKernelConfig`, over `--kernel-config`'s) is passed as `generate_speech(kernel_config=...)`: part of the
-    step configuration, so each config compiles and records its own step graphs."""
+    `DecodeKernelConfig`, over `--kernel-config`'s) is passed as `model.speech_generator(kernel_config=...)`: part of
+    the step configuration, so each config compiles and records its own step graphs."""
     inputs = make_chat_inputs(model, batch, args.input_seconds, args.device)
     short, long = step_counts(mode, args)
     variants = [{"kwargs": dict(spec), "ms_per_step": [], "notes": []} for spec in args.compare]
@@ -1404,43 +1405,10 @@ def render_markdown(data: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-BENCHMARKS_HEADER = """# Benchmarks
-
-Speed of `funaudiochat_hf` on real hardware: the speech-to-speech chat loop (`generate_speech`: Qwen3-8B LLM + 28-layer
-CRQ speech head, 5 speech tokens per LLM step) and the CosyVoice3 token-to-wav decoder. Models are the full-size
-architectures with random weights (weight values do not change the cost of a step); inputs are processor-shaped random
-tensors for a 10 s spoken question.
-
-How to read the numbers:
-- **ms / LLM step**: slope between two `generate_speech` runs with different `max_new_tokens` (prefill, compile and
-  per-call overhead cancel), text EOS disabled so both do every step. One LLM step = 1 text token + 5 speech tokens =
-  0.2 s of audio: RTF = ms / 200, aggregate × real time = batch × 200 / ms.
-- **floor**: bytes a step must read (LLM weights without the input embedding + 5 × (CRQ body + matching layers + speech
-  head) + pre_matching + KV cache at the mean context) / the device copy bandwidth measured in the same run.
-  **weights GB/s** = weight bytes / step time (gpt-fast's KPI).
-- **CRQ share**: 1 − (step with `disable_speech=True`) / (normal step).
-- Decoder: offline = one call on 10 s / 30 s of tokens (25 tokens/s); streaming = `streaming_decoder(token_hop_len=15)`
-  fed 5 tokens per push, the chunk time being the push that returned it.
-- **peak GB**: `torch.cuda.max_memory_allocated` during the measurement minus the other model's weights (both models
-  stay resident in one run); the time-to-first-audio peak counts both.
-
-Reproduce (one GPU, ~10 min): `python3 scripts/benchmark.py` (defaults: `--batch-sizes 1,4,16 --modes eager,compiled
---parts chat,decoder --steps 128 --input-seconds 10 --time-budget 540`). It appends a section below; with `OUT` set it
-also writes `$OUT/benchmark.json` and `$OUT/benchmark.md`; `python scripts/benchmark.py --from-json benchmark.json`
-appends the section of a run made elsewhere. Smoke test of the script on CPU:
-`python scripts/benchmark.py --tiny --device cpu --steps 4 --no-write`.
-
-The official implementation's numbers on the same GPU are in `spec/performance.md` (390 ms per LLM step, decoder
-streaming RTF 0.82–0.94) and are quoted in each section for the ratios.
-"""
-
-
-def append_to_benchmarks_md(markdown: str) -> None:
-    if not BENCHMARKS_MD.exists():
-        BENCHMARKS_MD.write_text(BENCHMARKS_HEADER)
-    with BENCHMARKS_MD.open("a") as f:
-        f.write("\n" + markdown)
-    log(f"appended results to {BENCHMARKS_MD}")
+def write_markdown(path: str | Path, markdown: str) -> None:
+    """Write the rendered tables to `path` (`--markdown`), replacing what was there."""
+    Path(path).write_text(markdown)
+    log(f"wrote the markdown tables to {path}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1483,7 +1451,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--kernel-config", default=None, metavar="JSON",
         help="DecodeKernelConfig field overrides for every chat call, e.g. '{\"attention_pipeline_stages\": 3}'\n"
-             "(generate_speech(kernel_config=DecodeKernelConfig.for_device(device).replace(**JSON)))",
+             "(model.speech_generator(kernel_config=DecodeKernelConfig.for_device(device).replace(**JSON)))",
     )
     p.add_argument(
         "--plain-launches", action="store_true",
@@ -1526,9 +1494,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
              "own step graphs",
     )
     p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (medians reported)")
-    p.add_argument("--no-write", action="store_true", help="do not append to BENCHMARKS.md")
-    p.add_argument("--from-json", default=None, help="render a results JSON and append it to BENCHMARKS.md, then exit")
+    p.add_argument(
+        "--markdown", default=None, metavar="PATH",
+        help="also write the markdown tables to PATH (replaced if it exists); default: print them only",
+    )
+    p.add_argument(
+        "--from-json", default=None, metavar="FILE",
+        help="render the tables of a results JSON (printed, and to --markdown PATH), then exit",
+    )
     args = p.parse_args(argv)
+    if args.markdown is not None and not Path(args.markdown).resolve().parent.is_dir():
+        p.error(f"--markdown {args.markdown}: its folder does not exist")
     try:
         args.kernel_config = parse_kernel_config(args.kernel_config, args.plain_launches)
     except ValueError as error:
@@ -1652,8 +1628,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        append_to_benchmarks_md(render_markdown(data))
+        markdown = render_markdown(json.loads(Path(args.from_json).read_text()))
+        log("\n" + markdown)
+        if args.markdown:
+            write_markdown(args.markdown, markdown)
         return 0
     if is_cuda(args.device) and not torch.cuda.is_available():
         log("CUDA is not available; use --device cpu")
@@ -1718,8 +1696,8 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(results.data)
     log("\n" + markdown)
     results.save()
-    if not args.no_write:
-        append_to_benchmarks_md(markdown)
+    if args.markdown:
+        write_markdown(args.markdown, markdown)
     return 0
 
 

@@ -4,12 +4,14 @@
         '{"fullgraph": true, "dynamic": false, "mode": "max-autotune"}' \
         '{"fullgraph": true, "dynamic": false, "options": {"triton.cudagraphs": true, "coordinate_descent_tuning": true}}'
 
-Each argument is one `compile=` value as JSON, or `default` (what `scripts/benchmark.py` passes: `compile=True` on
-CUDA, dynamo's eager backend on CPU). A dict replaces the defaults (`fullgraph=True, dynamic=False,
-mode="reduce-overhead"` on CUDA), so name them again. The step time is `scripts/benchmark.py`'s slope between runs of
+Each argument is one `compile_config` value (the GenerationConfig field: torch.compile options) as JSON, or `default`
+(what `scripts/benchmark.py` passes: none on CUDA, dynamo's eager backend on CPU). A dict updates the step parts'
+defaults (`generation_plan_funaudiochat.STEP_COMPILE_DEFAULTS`: `fullgraph=True, dynamic=False`; on CUDA the whole step
+is one CUDA graph, so the mode "reduce-overhead" is dropped and "max-autotune" runs as "max-autotune-no-cudagraphs");
+the prefill's layer halves take only its `backend`. The step time is `scripts/benchmark.py`'s slope between runs of
 `steps // 4` and `steps` LLM steps (median of `--repeats`), on one random-weight full-size model, so the
-configurations are measured side by side. Prints one line per configuration; record results in BENCHMARKS.md by hand
-(this script does not write it). Smoke test on CPU:
+configurations are measured side by side. Prints one line per configuration; record results in docs/performance.md by
+hand (this script does not write it). Smoke test on CPU:
 `python scripts/compile_sweep.py --tiny --device cpu --steps 4 '{"backend": "eager", "fullgraph": true}'`.
 """
 
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [None if text == "default" else json.loads(text) for text in args.configs]
 
     bench_args = benchmark.parse_args(
-        ["--no-write", "--device", args.device, "--repeats", str(args.repeats), "--steps", str(args.steps)]
+        ["--device", args.device, "--repeats", str(args.repeats), "--steps", str(args.steps)]
         + (["--tiny"] if args.tiny else [])
     )
     benchmark.raise_recompile_limits()

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for precision in precisions:
         if precision not in ("bfloat16", "float16"):
             parser.error(f"--precisions takes bfloat16 / float16, got {precision!r}")
-    args = benchmark.parse_args(["--no-write", "--device", options.device] + (["--tiny"] if options.tiny else []))
+    args = benchmark.parse_args(["--device", options.device] + (["--tiny"] if options.tiny else []))
     decoder, source = load_decoder(options.path, args)
     if options.tiny and options.path is None:
         tokens, speaker = fixture_inputs()

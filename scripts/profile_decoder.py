@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     bench_args = benchmark.parse_args(
-        ["--no-write", "--device", args.device, "--decoder-precision", args.precision]
+        ["--device", args.device, "--decoder-precision", args.precision]
         + (["--tiny"] if args.tiny else [])
     )
     decoder, info = benchmark.build_decoder(bench_args)

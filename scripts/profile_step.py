@@ -63,7 +63,7 @@ def main() -> None:
     torch._logging.set_logs(cudagraphs=True, perf_hints=True, recompiles=True, graph_breaks=True)
 
     bench_args = benchmark.parse_args(
-        ["--no-write", "--chat-backend", args.backend]
+        ["--chat-backend", args.backend]
         + (["--compile-config", args.compile_config] if args.compile_config else [])
     )
     model, info = benchmark.build_chat_model(bench_args)

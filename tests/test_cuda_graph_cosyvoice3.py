@@ -64,9 +64,9 @@ def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():
 
 def test_flow_graph_records_the_whole_window_from_token_ids_to_mel():
     """The flow graph starts at the token ids: its function embeds them and runs the look-ahead conv before the
-    solver (eagerly those ~20 small launches made the GPU wait before each chunk's solver graph: 27.04 against
-    27.68 ms per chunk on an H200, BENCHMARKS.md), and its signature follows those layers' weights. Run here on CPU
-    tensors (what the graph records), it gives `tokens_to_mel`'s mel, also for a right-padded, key-masked window."""
+    solver (eagerly those ~20 small launches made the GPU wait before each chunk's solver graph: measured slower),
+    and its signature follows those layers' weights. Run here on CPU tensors (what the graph records), it gives
+    `tokens_to_mel`'s mel, also for a right-padded, key-masked window."""
     model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
     runner = _graph_runners(model)["flow"]
     flow, ratio = model.flow, model.config.token_mel_ratio
@@ -89,8 +89,8 @@ def test_flow_graph_records_the_whole_window_from_token_ids_to_mel():
 def test_steady_chunks_pass_the_flow_graph_the_same_constant_tensors():
     """Once the flow windows are full, every chunk hands the flow graph the very same token-count, key-mask, speaker
     and time-conditioning tensors (built once per window shape and per reply), so the runner copies only the token
-    ids and the start noise before each replay: the GPU waits for the host's launches at the start of every chunk
-    (1.29 ms of a 12.1 ms chunk on an H200 before this, BENCHMARKS.md). Run on CPU with a runner stand-in that
+    ids and the start noise before each replay: otherwise the GPU waits for the host's launches at the start of every
+    chunk (bound by the host's work, measured slower). Run on CPU with a runner stand-in that
     records what it gets and computes it eagerly; the audio is the eager stream's."""
     model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
     tokens = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(5))

@@ -1,5 +1,5 @@
 """Tests of `decoder_stack_forward` (a transformers Qwen3 stack run layer by layer in two halves per layer), eager and
-with the halves compiled (`generate_speech(compile_prefill=True)`)."""
+with the halves compiled (the prefill of `generate_speech(backend="compiled")`, plan field `compile_prefill`)."""
 
 import json
 

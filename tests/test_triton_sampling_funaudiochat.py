@@ -1,4 +1,4 @@
-"""Tests of the speech sampler kernel (`triton_sampling_funaudiochat`, `generate_speech(speech_sampler=...)`).
+"""Tests of the speech sampler kernel (`triton_sampling_funaudiochat`, the plan part `speech_sampler`).
 
 The kernel is checked against `select_tokens` (the PyTorch sampler, itself checked against transformers' processors in
 test_sampling_funaudiochat.py) on CPU through Triton's interpreter (a subprocess, skipped without Triton) and on a GPU

@@ -1,4 +1,4 @@
-"""Tests of the text head on a side stream (`triton_text_head_funaudiochat`, `generate_speech(text_head=...)`).
+"""Tests of the text head on a side stream (`triton_text_head_funaudiochat`, the plan part `overlap_text_head`).
 
 The persistent kernel is checked against `lm_head(x).float()` on CPU through Triton's interpreter (a subprocess) and on
 a GPU for real (marked `gpu`), where the side stream's ordering is checked too. The whole tiny model decoding with the

@@ -81,11 +81,11 @@ def _plain_linear(module: nn.Module, name: str, option: str = "fuse_crq_projecti
     # `weight` would silently drop that, so refuse them.
     if type(module) is not nn.Linear:
         raise ValueError(
-            f"`{option}=True` needs plain `nn.Linear` CRQ projections, but `{name}` is a "
-            f"{type(module).__name__} (merge adapters / dequantize first, or leave the option off)."
+            f"The plan part {option!r} needs plain `nn.Linear` CRQ projections, but `{name}` is a "
+            f"{type(module).__name__} (merge adapters / dequantize first, or turn the part off)."
         )
     if module.weight.device.type == "meta":
-        raise ValueError(f"`{option}=True`: the weight of `{name}` is not loaded (meta device).")
+        raise ValueError(f"The plan part {option!r}: the weight of `{name}` is not loaded (meta device).")
     return module
 
 
@@ -122,7 +122,9 @@ def _concat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     if all(t is None for t in tensors):
         return None
     if any(t is None for t in tensors):
-        raise ValueError("`fuse_crq_projections=True`: some of the projections to fuse have a bias and some do not.")
+        raise ValueError(
+            "The plan part 'fuse_crq_projections': some of the projections to fuse have a bias and some do not."
+        )
     fused = torch.cat([t.detach() for t in tensors], dim=0)
     # Static address: a CUDA-graphed step reads the copy in place, like a parameter, instead of copying it per call.
     torch._dynamo.mark_static_address(fused)
@@ -172,7 +174,7 @@ def with_decode_kernels(fused: FusedCRQProjections) -> FusedCRQProjections:
 
 
 # cuBLAS multiplies a weight whose output count is not a multiple of 8 (16 bytes in 16-bit dtypes) with slower,
-# unaligned kernels (the 6,565-way speech head at several input rows, BENCHMARKS.md).
+# unaligned kernels (measured slower for the 6,565-way speech head at several input rows).
 OUTPUT_ALIGNMENT = 8
 
 
@@ -269,16 +271,18 @@ _FOLD_SOURCES = (
 def _fold_sources(model: nn.Module) -> tuple[tuple[nn.Linear, ...], nn.Embedding]:
     """The linears of `_FOLD_SOURCES` and the speech embedding, validated for folding."""
     if getattr(model, "audio_invert_tower", None) is None:
-        raise ValueError("`fold_crq_matching=True` needs the CRQ speech decoder (`audio_invert_tower`).")
+        raise ValueError("The plan part 'fold_crq_matching' needs the CRQ speech decoder (`audio_invert_tower`).")
     linears = tuple(_plain_linear(model.get_submodule(name), name, "fold_crq_matching") for name in _FOLD_SOURCES)
     embedding = model.audio_tower.embed_tokens
     if type(embedding) is not nn.Embedding or embedding.weight.device.type == "meta":
-        raise ValueError("`fold_crq_matching=True` needs a loaded plain `nn.Embedding` as `audio_tower.embed_tokens`.")
+        raise ValueError(
+            "The plan part 'fold_crq_matching' needs a loaded plain `nn.Embedding` as `audio_tower.embed_tokens`."
+        )
     devices = {t.device for t in _fold_tensors(linears, embedding)}
     if len(devices) > 1:
         raise ValueError(
-            f"`fold_crq_matching=True` needs the CRQ's matching layers, speech head and speech embedding on one "
-            f"device, found {sorted(map(str, devices))}."
+            f"The plan part 'fold_crq_matching' needs the CRQ's matching layers, speech head and speech embedding on "
+            f"one device, found {sorted(map(str, devices))}."
         )
     return linears, embedding
 

@@ -239,10 +239,10 @@ def first_argmax(scores: torch.Tensor) -> torch.Tensor:
     """`scores.argmax(dim=-1)` of `(batch, vocab)` scores (the first index of the maximum; NaN counts as the maximum),
     computed in two stages for long rows.
 
-    A compiled step turns a one-row argmax into one GPU program walking the whole row: 40 µs for the 151,936 text
-    logits on an H200 (BENCHMARKS.md, 2026-12-01). Here the row is cut in chunks of `ARGMAX_CHUNK` (padded with -inf),
-    each chunk reduced by its own program, then the first chunk holding the maximum gives the index: the same
-    result, exactly.
+    A compiled step turns a one-row argmax into one GPU program walking the whole row: slow for the 151,936 text
+    logits, as one program reads them all while the rest of the GPU idles. Here the row is cut in chunks of
+    `ARGMAX_CHUNK` (padded with -inf), each chunk reduced by its own program, then the first chunk holding the maximum
+    gives the index: the same result, exactly.
     """
     batch, vocab = scores.shape
     if vocab <= 2 * ARGMAX_CHUNK:

@@ -1,8 +1,8 @@
 """One-query GQA attention over a static KV cache as two Triton kernels (split-KV "flash decoding").
 
-`generate_speech(compile_attention="triton")` (the compiled default on CUDA when Triton is installed). Each decode
-step attends one query position per row to the whole static cache of every LLM and CRQ layer. The matmul version
-(`attention_funaudiochat.gqa_decode_attention`) costs three kernels per call (scores GEMM, masked softmax,
+The plan part `triton_attention` of the fast backends ("cuda_graphs", "compiled") on CUDA when Triton is installed.
+Each decode step attends one query position per row to the whole static cache of every LLM and CRQ layer. The matmul
+version (`attention_funaudiochat.gqa_decode_attention`) costs three kernels per call (scores GEMM, masked softmax,
 probabilities GEMM) and reads every cache position, used or not. Here:
 
 - `_split_kernel`, grid `(batch * kv_heads, splits)`: each program takes the `groups` query heads of one KV head as

@@ -12,9 +12,9 @@ Float32 results equal the eager ones up to the order of the norms' sums.
 
 `generate_speech` takes this path wherever it runs the projections through `triton_linear_funaudiochat` (one-row
 decode steps on CUDA) over a static cache with an attention other than the Triton one. With the Triton attention
-(`compile_attention="triton"`, the compiled default on CUDA), the same work runs inside the attention's kernels
-instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel fewer per layer, also in
-decode steps whose projections stay on cuBLAS.
+(plan part `triton_attention`, on by default in the fast backends on CUDA), the same work runs inside the attention's
+kernels instead (`decode_attention_with_inputs`; see `triton_attention_funaudiochat`): one kernel fewer per layer, also
+in decode steps whose projections stay on cuBLAS.
 """
 
 import torch

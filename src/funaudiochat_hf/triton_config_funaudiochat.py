@@ -10,7 +10,7 @@ CUDA-graph key, and two configs never share recorded work.
 launches from sm_90; tile tables tuned for a capability, the generic defaults elsewhere), its multiprocessor count
 (grids sized in programs per multiprocessor) and the shared memory a program may use (a tuned several-row tile that
 does not fit gives way to a smaller one, `rows_tile_candidates`). Comparisons of variants build configs with
-`dataclasses.replace(config, field=value)` and pass them, e.g. `generate_speech(kernel_config=...)`.
+`dataclasses.replace(config, field=value)` and pass them, e.g. `model.speech_generator(kernel_config=...)`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TileTable = tuple[tuple[tuple[int, int, bool], tuple], ...]
 # The several-row kernel's narrowest column tile (`tl.dot` takes at least 16 along each dimension).
 MIN_ROWS_BLOCK_N = 16
 
-# Fun-Audio-Chat-8B's projections on sm_90 GPUs (H100 / H200), from sweeps of the tiles per shape in compiled decode
+# Fun-Audio-Chat-8B's projections on sm_90 GPUs, from sweeps of the tiles per shape in compiled decode
 # steps (`scripts/bench_decode_linear.py --sweep-tiles` and `--sweep-rows-tiles`); other shapes and GPUs take the
 # defaults of `DecodeKernelConfig`.
 _SM90_GEMV_TILES: TileTable = (
@@ -107,7 +107,8 @@ class DecodeKernelConfig:
         sampler_num_warps: warps of the speech sampler's program per row.
         text_head_programs_per_multiprocessor: the persistent text head's programs per multiprocessor: a fraction
             of the GPU, so the CRQ's kernels beside it keep room on every multiprocessor.
-        text_head_overlap_max_rows: batch rows up to which `text_head="auto"` overlaps the text head.
+        text_head_overlap_max_rows: batch rows up to which the fast backends overlap the text head (plan part
+            `overlap_text_head`).
     """
 
     capability: tuple[int, int] | None = None

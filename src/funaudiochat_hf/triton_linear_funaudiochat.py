@@ -1,9 +1,9 @@
 """The decode-step projections of a Qwen3 stack through Triton kernels, with the layer's norms and activation folded in.
 
-`generate_speech(crq_linear="triton")` runs the CRQ's layers on them, `llm_linear="triton"` the LLM's, over its own
-unfused weights (4 kernels per layer: its q, k and v weights are read by one kernel, `part_weights`, with no
-concatenated copy); both are the compiled default on CUDA when Triton is installed. Each projection with what
-surrounds it in the layer is one kernel:
+The plan part `crq_linear` runs the CRQ's layers on them, `llm_linear` the LLM's, over its own unfused weights (4
+kernels per layer: its q, k and v weights are read by one kernel, `part_weights`, with no concatenated copy); both are
+on by default in the fast backends on CUDA when Triton is installed. Each projection with what surrounds it in the
+layer is one kernel:
 
 - `qkv = linear(RMSNorm(x))`, `h = x + linear(attention)`, `a = SiLU(gate(RMSNorm(h))) * up(RMSNorm(h))`,
   `y = h + linear(a)`;

@@ -1,4 +1,4 @@
-"""The speech token sampler of a decode step as one Triton kernel (`generate_speech(speech_sampler="triton")`).
+"""The speech token sampler of a decode step as one Triton kernel (plan part `speech_sampler`).
 
 Every CRQ sub-step picks one speech token from `(batch, 6565)` logits with the official S2S settings: repetition
 penalty over the speech history, temperature, top-p, then a draw. As PyTorch ops (`sampling_funaudiochat.select_tokens`)

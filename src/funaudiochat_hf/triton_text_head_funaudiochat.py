@@ -1,25 +1,26 @@
-"""The LLM's text head of a decode step on a second CUDA stream, while the CRQ sub-steps run (`text_head="triton"`).
+"""The LLM's text head of a decode step on a second CUDA stream, while the CRQ sub-steps run.
 
-A decode step is the LLM (bandwidth-bound: its weights at ~3.5 TB/s), then 5 CRQ sub-steps (latency-bound: a chain of
-~170 small kernels each, reading their 0.9 GB of weights at about a third of the copy bandwidth), then the text token
-and the bookkeeping. The text head (151,936 x 4,096 in bfloat16: 1.2 GB, ~0.3 ms at full bandwidth) needs only the
-LLM's last hidden state, and the CRQ only needs that hidden state too (spec funaudiochat.md §6.3a: it is conditioned on
-the embedding of the token fed, not of the token chosen). So the head can stream its weights during the CRQ's
-sub-steps, in the bandwidth they leave unused, and only the token choice waits for it.
+The plan part `overlap_text_head` of the fast backends ("cuda_graphs", "compiled"). A decode step is the LLM
+(bandwidth-bound: it reads all its weights), then 5 CRQ sub-steps (latency-bound: a chain of ~170 small kernels each,
+reading their 0.9 GB of weights well below the copy bandwidth), then the text token and the bookkeeping. The text head
+(151,936 x 4,096 in bfloat16: 1.2 GB to read) needs only the LLM's last hidden state, and the CRQ only needs that
+hidden state too (spec funaudiochat.md §6.3a: it is conditioned on the embedding of the token fed, not of the token
+chosen). So the head can stream its weights during the CRQ's sub-steps, in the bandwidth they leave unused, and only the
+token choice waits for it.
 
 `_text_head_kernel` is a persistent kernel of few programs (`DecodeKernelConfig.text_head_programs`): each walks its
 share of the vocabulary's column tiles on tensor cores (rows past the batch masked), so it holds a bounded part of the
 GPU and the CRQ's kernels, launched on the main stream meanwhile, keep room on every multiprocessor (a grid of one
 program per tile would queue ahead of them). Its logits are rounded as `lm_head(hidden).float()` rounds them: the
 GEMM's float32 sum, rounded to the model dtype, then float32. Overlapped, a step was measured faster than with the head
-inline, so `text_head="auto"` takes it up to `DecodeKernelConfig.text_head_overlap_max_rows` rows.
+inline, so the fast backends take it up to `DecodeKernelConfig.text_head_overlap_max_rows` rows.
 
 [`OverlappedTextHead`] orders the streams: `start` makes the side stream wait for the work queued so far on the
 current stream (the LLM part that wrote the hidden state), then launches the kernel there; `join` makes the current
-stream wait for it before the token is chosen. Both only enqueue (no host sync). They run between the compiled parts of
-a step (`compile_scope="parts"`: the LLM part, the K CRQ sub-steps and the bookkeeping are separate CUDA graphs), or in
-an eager loop; a step compiled as one graph keeps the head inline (a CUDA graph capture cannot end with a forked stream,
-and Inductor does not schedule streams).
+stream wait for it before the token is chosen. Both only enqueue (no host sync). They run between the parts of a step
+(the LLM part, the K CRQ sub-steps and the bookkeeping; in the "compiled" backend each part is compiled on its own, as
+Inductor does not schedule streams), and the whole step, fork and join included, is recorded as one CUDA graph
+(`step_graph_funaudiochat`).
 """
 
 import torch
