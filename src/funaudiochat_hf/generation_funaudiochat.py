@@ -30,7 +30,7 @@ from .generation_config_funaudiochat import (
     resolve_request,
 )
 from .generation_loop_funaudiochat import SpeechRun
-from .generation_output_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent
+from .generation_output_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent, TextDeltas
 from .generation_state_funaudiochat import SpeechGenerator
 from .generation_vocoding_funaudiochat import (
     decode_speech_offline,
@@ -309,20 +309,8 @@ class FunAudioChatSpeechGenerationMixin:
 def _stream_events(run: SpeechRun, stream, tokenizer, sampling_rate: int) -> Iterator[SpeechStreamEvent]:
     """The events of a streaming run: one per LLM step (the prefill's included), the last with the stream's tail."""
     k = run.cfg.group_size
-    text_ids_so_far: list[int] = []
-    emitted_text = ""
+    text = TextDeltas(tokenizer)
     empty_audio = torch.zeros(0)
-
-    def text_delta(final: bool) -> str:
-        nonlocal emitted_text
-        if tokenizer is None:
-            return ""
-        text = tokenizer.decode(text_ids_so_far, skip_special_tokens=True)
-        if not final and text.endswith("\ufffd"):
-            return ""  # an incomplete multi-byte character: wait for the next token
-        delta = text[len(emitted_text) :] if text.startswith(emitted_text) else text
-        emitted_text = text
-        return delta
 
     ws = run.prefill()
     groups_seen = 0
@@ -332,7 +320,6 @@ def _stream_events(run: SpeechRun, stream, tokenizer, sampling_rate: int) -> Ite
         new_text = ws.text_out[0, step : step + 1].cpu()
         if done_before:
             new_text = new_text[:0]
-        text_ids_so_far.extend(new_text.tolist())
         groups = int(ws.groups[0])
         new_speech = ws.speech_out[0, groups_seen * k : groups * k].cpu()
         groups_seen = groups
@@ -343,12 +330,13 @@ def _stream_events(run: SpeechRun, stream, tokenizer, sampling_rate: int) -> Ite
                 audio = stream.push(valid).reshape(-1).float().cpu()  # CPU ids: checked without a sync
         finished = run.all_done() or run.steps >= run.max_new_tokens
         if not finished:
-            yield SpeechStreamEvent(text_delta(False), new_text, new_speech, audio, sampling_rate, False)
+            yield SpeechStreamEvent(text.push(new_text.tolist()), new_text, new_speech, audio, sampling_rate, False)
             run.decode()
             continue
         tail = stream.finalize().reshape(-1).float().cpu() if stream is not None else empty_audio
         audio = torch.cat([audio, tail])
-        yield SpeechStreamEvent(text_delta(True), new_text, new_speech, audio, sampling_rate, True)
+        delta = text.push(new_text.tolist(), final=True)
+        yield SpeechStreamEvent(delta, new_text, new_speech, audio, sampling_rate, True)
         break
 
 

@@ -54,5 +54,25 @@ class SpeechStreamEvent:
     sampling_rate: int
     finished: bool
 
+class TextDeltas:
+    """The text of a reply's ids, handed out as it grows: `push(ids, final)` returns what the new ids add to the text
+    decoded so far ("" without a tokenizer, and while the text ends in an incomplete multi-byte character)."""
 
-__all__ = ["FunAudioChatSpeechOutput", "SpeechStreamEvent"]
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, ids, final: bool = False) -> str:
+        self.ids.extend(ids)
+        if self.tokenizer is None or not self.ids:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return ""  # wait for the character's next token
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return delta
+
+
+__all__ = ["TextDeltas", "FunAudioChatSpeechOutput", "SpeechStreamEvent"]

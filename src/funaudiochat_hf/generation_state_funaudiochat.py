@@ -41,7 +41,7 @@ from .generation_step_funaudiochat import CompiledParts, crq_part, decode_step, 
 from .triton_config_funaudiochat import DecodeKernelConfig
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig, storage_bytes
 from .step_graph_funaudiochat import CapturedStep
-from .triton_linear_funaudiochat import OwnWeightKernels, OwnWeightLayer
+from .triton_linear_funaudiochat import own_weight_kernels
 from .triton_text_head_funaudiochat import OverlappedTextHead
 
 
@@ -79,8 +79,7 @@ class DecodeWeights:
             ws.folded = self.folded
         if plan.llm_linear:
             if self.llm_kernels is None:
-                layers = model.language_model.model.config.num_hidden_layers
-                self.llm_kernels = OwnWeightKernels(layers=(OwnWeightLayer(),) * layers)
+                self.llm_kernels = own_weight_kernels(model.language_model.model)
             ws.llm_kernels = self.llm_kernels
 
     def tensors(self) -> list[torch.Tensor]:

@@ -47,6 +47,7 @@ from transformers.utils import logging
 
 from .generation_config_funaudiochat import SpeechRequest as ResolvedRequest
 from .generation_loop_funaudiochat import SpeechRun
+from .generation_output_funaudiochat import TextDeltas
 from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate, decoder_speaker_kwargs, valid_speech_tokens
@@ -501,7 +502,7 @@ class SpeechEngine:
         self._failure: str | None = None
         self._output: queue.Queue = queue.Queue()
         self._streams: dict[int, object] = {}  # request id -> its streaming decoder (output thread only)
-        self._text: dict[int, tuple[list[int], str]] = {}  # request id -> (text ids, text emitted) (output thread)
+        self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
         self._decode_thread.start()
@@ -767,18 +768,10 @@ class SpeechEngine:
         )
 
     def _text_delta(self, request_id: int, text_ids: list[int], final: bool) -> str:
-        ids, emitted = self._text.get(request_id, ([], ""))
-        ids = ids + list(text_ids)
-        delta = ""
-        if self.tokenizer is not None and ids:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            if final or not text.endswith("\ufffd"):  # else an incomplete multi-byte character: wait
-                delta = text[len(emitted) :] if text.startswith(emitted) else text
-                emitted = text
+        deltas = self._text.setdefault(request_id, TextDeltas(self.tokenizer))
+        delta = deltas.push(text_ids, final)
         if final:
             self._text.pop(request_id, None)
-        else:
-            self._text[request_id] = (ids, emitted)
         return delta
 
     def _record(self, handle: RequestHandle, event: SpeechEvent) -> None:
