@@ -1054,7 +1054,7 @@ def stream_once(
         "finalize_ms": seconds * 1e3,
         "samples": samples,
         "cuda_graphs": bool(getattr(stream, "cuda_graphs", False)),
-        "flow_bucket": getattr(stream, "flow_bucket", None),
+        "flow_window_sizes": getattr(stream, "flow_window_sizes", None),
     }
 
 
@@ -1078,8 +1078,8 @@ def decoder_stream_row(decoder, mode: str, seconds: float, args: argparse.Namesp
         notes.append(f"{run['samples']} samples, expected {expected}")
     if run["cuda_graphs"]:
         notes.append("flow solver + HiFT replayed as CUDA graphs")
-    if run["flow_bucket"]:
-        notes.append(f"flow window padded to {run['flow_bucket']} tokens")
+    if run["flow_window_sizes"]:
+        notes.append(f"flow windows padded to {'/'.join(map(str, run['flow_window_sizes']))} tokens")
     if warm["chunk_ms"]:
         notes.append(f"after a warm-up reply (its first chunk {warm['chunk_ms'][0]:.0f} ms)")
     if run["idle_ms"]:  # the rest of the wall time besides the chunks: pushes that return no audio, the final flush

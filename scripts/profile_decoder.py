@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         for start in range(0, 4 * args.hop, args.hop):
             warm_up.push(tokens[start : start + args.hop])
     stream = new_stream()
-    print(f"cuda_graphs={stream.cuda_graphs}, flow window bucket={stream.flow_bucket}", flush=True)
+    print(f"cuda_graphs={stream.cuda_graphs}, flow window sizes={stream.flow_window_sizes}", flush=True)
 
     # Time the flow and vocoder calls of every chunk (synchronised wrappers around the decoder's two stages).
     seconds = {"flow": [], "vocode": []}

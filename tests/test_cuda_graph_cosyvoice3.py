@@ -55,7 +55,7 @@ def test_recording_copies_an_input_only_when_it_is_another_tensor_or_was_modifie
 def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():
     model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     decoder = model.streaming_decoder(speaker="中文女")
-    assert decoder.cuda_graphs is False and decoder.flow_bucket is None  # eager CPU: exact shapes
+    assert decoder.cuda_graphs is False and decoder.flow_window_sizes is None  # eager CPU: exact shapes
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         model.streaming_decoder(speaker="中文女", cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs must be"):
@@ -183,6 +183,30 @@ def test_runner_records_per_signature_and_returns_fresh_tensors():
 
 
 @pytest.mark.gpu
+def test_runner_recordings_share_one_memory_pool():
+    """A runner's recordings share one memory pool (replays are serialised and outputs cloned): recording a second,
+    smaller shape reserves no memory for its intermediates beyond the first's, and both still replay correctly."""
+
+    def function(x):  # ~4 intermediates of x's size, freed inside the graph
+        return ((x * 2).sin() + (x * 3).cos()).exp().sum(-1)
+
+    def graph_pool_bytes() -> int:  # memory of the private (graph) pools
+        segments = torch.cuda.memory._snapshot()["segments"]
+        return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+    runner = CUDAGraphRunner(function)
+    big, small = torch.randn(64, 1 << 18, device="cuda"), torch.randn(32, 1 << 18, device="cuda")
+    before = graph_pool_bytes()
+    runner(big)
+    first = graph_pool_bytes() - before
+    runner(small)
+    second = graph_pool_bytes() - before - first
+    assert first >= big.nbytes and second == 0, (first, second)
+    torch.testing.assert_close(runner(big), function(big))
+    torch.testing.assert_close(runner(small), function(small))
+
+
+@pytest.mark.gpu
 def test_cuda_graph_streaming_matches_eager_streaming():
     """Issue 3: on CUDA the streaming decoder replays the flow solver and the HiFT filter as CUDA graphs (default),
     with the audio of the eager calls on the same fixed window shape; later streams reuse the recordings."""
@@ -191,18 +215,19 @@ def test_cuda_graph_streaming_matches_eager_streaming():
     model.cuda()
     tokens = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(3)).cuda()
     graphed, decoder = _stream(model, tokens)
-    assert decoder.cuda_graphs and decoder.flow_bucket == 30 + 15 + model.config.pre_lookahead_len
-    eager, _ = _stream(model, tokens, cuda_graphs=False, flow_window_bucket_tokens=decoder.flow_bucket)
+    # "auto" sizes: a short first window (32 tokens) and the longest one (48)
+    assert decoder.cuda_graphs and decoder.flow_window_sizes == (32, 30 + 15 + model.config.pre_lookahead_len)
+    eager, _ = _stream(model, tokens, cuda_graphs=False, flow_window_bucket_tokens=decoder.flow_window_sizes)
     assert graphed.shape == eager.shape == (150 * 960,)
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
     runners = _graph_runners(model)
-    assert len(runners["flow"]) == 1 and 1 <= len(runners["hift"]) <= 4
+    assert len(runners["flow"]) == 2 and 1 <= len(runners["hift"]) <= 4
     recorded = len(runners["hift"])
     again, _ = _stream(model, tokens)
-    assert torch.equal(again, graphed) and len(runners["flow"]) == 1 and len(runners["hift"]) == recorded
+    assert torch.equal(again, graphed) and len(runners["flow"]) == 2 and len(runners["hift"]) == recorded
     model.config.estimator_autocast_dtype = "bfloat16"  # a precision switch is part of the signature
     try:
         low, _ = _stream(model, tokens)
     finally:
         model.config.estimator_autocast_dtype = None
-    assert len(runners["flow"]) == 2 and torch.isfinite(low).all()
+    assert len(runners["flow"]) == 4 and torch.isfinite(low).all()

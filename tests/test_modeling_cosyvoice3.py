@@ -938,9 +938,49 @@ def test_streaming_flow_window_buckets_fix_the_shapes(original_model):
     for length, finalize in ((20, False), (40, False), (33, True)):
         window = tokens[:length]
         _close(padded._flow(window, finalize, noise_offset=6), exact._flow(window, finalize, noise_offset=6), atol=1e-5)
-    for bad in (0, "fixed"):
+    for bad in (0, "fixed", (), (16, 0), True):
         with pytest.raises(ValueError, match="flow_window_bucket_tokens"):
             model.streaming_decoder(flow_window_bucket_tokens=bad)
+
+
+def test_streaming_flow_window_sizes():
+    """The padded flow window sizes: an int gives its multiples, a tuple its own sizes; the longest window is always
+    the last size. "auto" under CUDA graphs: 32, 128, ... below the longest window, so the first chunk (the time to
+    first audio) replays a short graph; one size once compiled; exact shapes for an eager flow."""
+    from funaudiochat_hf.streaming_cosyvoice3 import _flow_window_sizes
+
+    assert _flow_window_sizes("auto", 218, compiled=False, graphed=True) == (32, 128, 218)
+    assert _flow_window_sizes("auto", 68, compiled=False, graphed=True) == (32, 68)
+    assert _flow_window_sizes("auto", 23, compiled=False, graphed=True) == (23,)
+    assert _flow_window_sizes("auto", 218, compiled=True, graphed=True) == (218,)
+    assert _flow_window_sizes("auto", 218, compiled=False, graphed=False) is None
+    assert _flow_window_sizes(None, 218, compiled=False, graphed=True) is None
+    assert _flow_window_sizes(64, 218, compiled=False, graphed=False) == (64, 128, 192, 218)
+    assert _flow_window_sizes((300, 16, 64, 16), 218, compiled=False, graphed=False) == (16, 64, 218)
+
+
+def test_streaming_flow_window_tuple_pads_to_the_smallest_size(original_model):
+    """A tuple of sizes: every window is padded to the smallest size that holds it (18 -> 24, 33 and 48 -> 48), with
+    the mel of the exact windows."""
+    model = original_model
+    shapes = []
+    restore = _record_solver_shapes(model, shapes)
+    tokens = torch.randint(0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(1))
+    try:
+        decoder = model.streaming_decoder(
+            speaker="中文女", token_hop_len=15, flow_left_context_tokens=30, flow_window_bucket_tokens=(24,)
+        )
+        assert decoder.flow_window_sizes == (24, 48)
+        padded = torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, 120, 5)] + [decoder.finalize()])
+    finally:
+        restore()
+    frames = sorted({shape[-1] for shape in shapes})
+    assert frames == [24 * model.config.token_mel_ratio, 48 * model.config.token_mel_ratio], shapes
+    assert padded.shape == (120 * 960,) and torch.isfinite(padded).all()
+    exact = model.streaming_decoder(speaker="中文女", token_hop_len=15, flow_left_context_tokens=30)
+    for length, finalize in ((18, False), (33, False), (20, True)):
+        window = tokens[:length]
+        _close(decoder._flow(window, finalize, noise_offset=4), exact._flow(window, finalize, noise_offset=4), atol=1e-5)
 
 
 def test_streaming_flow_gets_one_fixed_shape_once_compiled():
@@ -952,11 +992,11 @@ def test_streaming_flow_gets_one_fixed_shape_once_compiled():
     model.flow.decoder.init_noise()
     model.hift.init_source_tables()
     embedding = torch.randn(model.config.spk_embed_dim, generator=torch.Generator().manual_seed(0))
-    assert model.streaming_decoder(speaker_embedding=embedding).flow_bucket is None
+    assert model.streaming_decoder(speaker_embedding=embedding).flow_window_sizes is None
     model.compile_estimator(backend="eager")
     assert model.flow_is_compiled
     stream = model.streaming_decoder(speaker_embedding=embedding, token_hop_len=5, flow_left_context_tokens=10)
-    assert stream.flow_bucket == stream.max_flow_window == 10 + 5 + model.config.pre_lookahead_len
+    assert stream.flow_window_sizes == (stream.max_flow_window,) and stream.max_flow_window == 10 + 5 + 3
     shapes = []
     restore = _record_solver_shapes(model, shapes)
     try:
@@ -966,7 +1006,7 @@ def test_streaming_flow_gets_one_fixed_shape_once_compiled():
         restore()
     assert audio.shape == (60 * model.hift.upsample_scale * model.config.token_mel_ratio,)
     assert len(shapes) > 3 and len(set(shapes)) == 1, shapes
-    assert model.streaming_decoder(speaker_embedding=embedding, flow_window_bucket_tokens=None).flow_bucket is None
+    assert model.streaming_decoder(speaker_embedding=embedding, flow_window_bucket_tokens=None).flow_window_sizes is None
 
 
 def _largest_allocation(snapshot: dict) -> str:

@@ -60,6 +60,10 @@ class CUDAGraphRunner:
         self.max_graphs = max_graphs
         self._recordings: "OrderedDict[Hashable, _Recording]" = OrderedDict()
         self._lock = threading.Lock()
+        # One memory pool for all of this runner's recordings (created with the first): replays are serialised by
+        # the lock and each output is cloned before it is released, so a recording's intermediates may overlap
+        # another's. The runner then holds the memory of its largest recording, not the sum of all of them.
+        self._pool = None
 
     def __len__(self) -> int:
         return len(self._recordings)
@@ -95,9 +99,10 @@ class CUDAGraphRunner:
             self.function(*inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # Own memory pool per graph (replays of different graphs never overwrite each other's buffers);
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         # thread_local: CUDA work of other threads (the chat model) during the capture is not an error.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = self.function(*inputs)
         return _Recording(graph, inputs, output)
 

@@ -55,14 +55,17 @@ class CosyVoice3StreamingDecoder:
     about 12x the flow compute of the 18-token first chunk; `flow_left_context_tokens` trades that cost against
     how much past the flow sees.
 
-    `flow_window_bucket_tokens`: right-pad every flow window to a multiple of this many tokens (capped at the
-    longest window), hiding the padding from attention with a key mask. The flow then sees at most
-    ceil(longest window / bucket) shapes (one when bucket >= longest window) instead of a new shape for each of the
-    first flow_left_context_tokens / hop chunks, so kernel plans (cuDNN, cuFFT), compiled graphs and CUDA graphs are
-    reused across chunks; short windows pay for the padding. The mel is unchanged up to float rounding (~1e-6).
-    None = exact shapes; "auto" (default) = one shape (the longest window) when the flow runs as CUDA graphs or has
-    been compiled with `model.compile_estimator(...)` (every chunk then replays the same graph), else None (eager on
-    CPU: the short first windows are cheaper unpadded).
+    `flow_window_bucket_tokens`: right-pad every flow window to one of a few sizes, hiding the padding from attention
+    with a key mask, so that kernel plans (cuDNN, cuFFT), compiled graphs and CUDA graphs are reused across chunks
+    instead of meeting a new shape for each of the first flow_left_context_tokens / hop chunks; short windows pay for
+    the padding. The mel is unchanged up to float rounding (~1e-6). An int pads to a multiple of it (capped at the
+    longest window); a tuple of ints pads to the smallest of those sizes that holds the window (the longest window
+    is always a size); None = exact shapes; "auto" (default): when the flow runs as CUDA graphs, sizes 32, 128, ...
+    (x4) below the longest window plus the longest window: a graph replay costs about the same for any short window,
+    so the first chunks (the time to first audio) get a short graph of their own while only a few graphs are
+    recorded; when the estimator has been compiled (`compile_estimator`), one size (the longest window: every call
+    then runs the same compiled graph); otherwise None (eager on CPU: the short first windows are cheaper unpadded).
+    `flow_window_sizes` holds the resulting sizes (None: exact shapes).
 
     `cuda_graphs` ("auto" = on when the model is on a CUDA device, unless its flow was compiled with its own CUDA
     graphs, `mode="reduce-overhead"`): replay the flow (token embedding, look-ahead conv and Euler solver) and the
@@ -86,7 +89,7 @@ class CosyVoice3StreamingDecoder:
         pre_lookahead_len: int = 3,
         flow_left_context_tokens: int = 200,
         hift_left_context_frames: int = 64,
-        flow_window_bucket_tokens: Union[int, str, None] = "auto",
+        flow_window_bucket_tokens: Union[int, tuple[int, ...], str, None] = "auto",
         cuda_graphs: Union[bool, str] = "auto",
         first_token_hop_len: Optional[int] = None,
     ):
@@ -114,15 +117,9 @@ class CosyVoice3StreamingDecoder:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}")
         # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
         self.max_flow_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
-        if flow_window_bucket_tokens == "auto":
-            fixed_shape = model.flow_is_compiled or cuda_graphs
-            flow_window_bucket_tokens = self.max_flow_window if fixed_shape else None
-        if flow_window_bucket_tokens is not None and (
-            not isinstance(flow_window_bucket_tokens, int) or flow_window_bucket_tokens < 1
-        ):
-            raise ValueError(
-                f"flow_window_bucket_tokens must be None, 'auto' or an int >= 1, got {flow_window_bucket_tokens!r}"
-            )
+        self.flow_window_sizes = _flow_window_sizes(
+            flow_window_bucket_tokens, self.max_flow_window, compiled=model.flow_is_compiled, graphed=cuda_graphs
+        )
         self.model = model
         self.speaker_embedding = speaker_embedding
         self._speaker_condition = None  # flow.speaker_condition of it, on first use
@@ -133,7 +130,6 @@ class CosyVoice3StreamingDecoder:
         self.lookahead = pre_lookahead_len
         self.flow_left_context = flow_left_context_tokens
         self.hift_left_context = hift_left_context_frames
-        self.flow_bucket = flow_window_bucket_tokens
         self.cuda_graphs = bool(cuda_graphs)
         self._graphs = _graph_runners(model) if self.cuda_graphs else None
         self.ratio = model.config.token_mel_ratio
@@ -250,18 +246,18 @@ class CosyVoice3StreamingDecoder:
     def _flow(self, window: torch.Tensor, finalize: bool, noise_offset: int) -> torch.Tensor:
         """Mel (1, mel_bins, ratio * tokens') of the token window (tokens,), as `tokens_to_mel` computes it.
 
-        With `flow_window_bucket_tokens`, the window is right-padded to a bucket boundary (at most
-        `max_flow_window` tokens) and the padding is hidden from attention; the flow's convs look left only
+        With `flow_window_sizes`, the window is right-padded to the smallest size that holds it and the padding is
+        hidden from attention; the flow's convs look left only
         (apart from the pre-lookahead conv, which then sees zeros exactly where a final call pads), so the real
         frames are unchanged up to float rounding while every call has one of a few fixed shapes.
         """
         model = self.model
-        if self.flow_bucket is None:
+        if self.flow_window_sizes is None:
             return model.tokens_to_mel(
                 window.unsqueeze(0), self.speaker_embedding, finalize=finalize, noise_offset=noise_offset
             )
         num_tokens = window.shape[0]
-        padded = max(num_tokens, min(-(-num_tokens // self.flow_bucket) * self.flow_bucket, self.max_flow_window))
+        padded = next((size for size in self.flow_window_sizes if size >= num_tokens), num_tokens)
         flow = model.flow
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
@@ -369,6 +365,39 @@ class CosyVoice3StreamingDecoder:
             index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
             noise = table.index_select(1, index)
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
+
+
+# "auto" flow window sizes under CUDA graphs: the first, then x4 up to the longest window.
+_AUTO_FIRST_WINDOW, _AUTO_WINDOW_GROWTH = 32, 4
+
+
+def _flow_window_sizes(bucket, longest: int, compiled: bool, graphed: bool) -> Optional[tuple[int, ...]]:
+    """The padded flow window sizes of `flow_window_bucket_tokens` (see `CosyVoice3StreamingDecoder`), ascending,
+    the last one `longest`; None = exact shapes."""
+    if bucket == "auto":
+        if compiled:
+            return (longest,)
+        if not graphed:
+            return None
+        sizes, size = [], _AUTO_FIRST_WINDOW
+        while size < longest:
+            sizes.append(size)
+            size *= _AUTO_WINDOW_GROWTH
+        return (*sizes, longest)
+    if bucket is None:
+        return None
+    if isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 1:
+        return (*range(bucket, longest, bucket), longest)
+    if (
+        isinstance(bucket, (tuple, list))
+        and bucket
+        and all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in bucket)
+    ):
+        return (*sorted({size for size in bucket if size < longest}), longest)
+    raise ValueError(
+        "flow_window_bucket_tokens must be None, 'auto', an int >= 1 or a tuple of ints >= 1, got "
+        f"{bucket!r}"
+    )
 
 
 def _checked_when_pushed(tokens: torch.Tensor) -> bool:
