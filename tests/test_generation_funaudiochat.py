@@ -831,3 +831,32 @@ def test_speech_generator_owns_and_frees_its_state(model, inputs):
     assert model.default_speech_generator.memory_bytes() > 0
     model.clear_speech_caches()
     assert model.__dict__["_speech_generator_slot"].generator is None
+
+
+@pytest.mark.parametrize("rep", ["1.0", "1.2"])
+def test_bucket_padded_prompt_pass_matches_reference(model, inputs, rep, monkeypatch):
+    """The recorded prompt pass of the CUDA backends (`plan.prefill_graph`): the prompt left-padded to a multiple of
+    `PROMPT_BUCKET` columns and run over fixed buffers with prepared masks. Run here without the recording (CPU): the
+    tokens are the reference's, the logits within float rounding, the output sequences without the padding."""
+    import dataclasses
+
+    from funaudiochat_hf import generation_loop_funaudiochat as loop
+    from funaudiochat_hf.generation_plan_funaudiochat import PROMPT_BUCKET
+    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
+
+    plan = SpeechGenerator.plan
+    monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), prefill_graph=True))
+    lengths = []
+    bucketed = loop.bucketed_prefill_forward
+    monkeypatch.setattr(loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length))
+    golden, text_logits, crq_logits = _golden(rep)
+    out = model.generate_speech(
+        **inputs, **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)), output_logits=True,
+        cache_implementation="static", speech_generator=model.speech_generator(max_batch_size=1, max_length=512),
+    )  # fmt: skip
+    prompt = inputs["input_ids"].shape[1]
+    assert lengths == [-(-prompt // PROMPT_BUCKET) * PROMPT_BUCKET] and lengths[0] > prompt
+    assert torch.equal(out.sequences, golden["sequences"])
+    assert torch.equal(out.speech_ids, golden["speech_ids"])
+    torch.testing.assert_close(out.text_logits[0], text_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.speech_logits[0], crq_logits, atol=1e-4, rtol=1e-4)

@@ -110,3 +110,15 @@ def test_compile_options():
     assert prefill_compile_options({"backend": "aot_eager", "mode": "max-autotune"}) == {
         "fullgraph": True, "dynamic": True, "backend": "aot_eager"
     }
+
+
+def test_prompt_pass_is_recorded_on_the_cuda_graphs_backend_only():
+    """`prefill_graph`: the bucket-padded prompt pass as a CUDA graph, on the "cuda_graphs" backend (also where the
+    Triton kernels cannot run); "compiled" compiles the prompt's layers instead; a CPU has no CUDA graph."""
+    assert plan_decode("auto", H200, SPEECH).prefill_graph
+    assert plan_decode("auto", OLD_GPU, SPEECH).prefill_graph
+    assert not plan_decode("compiled", H200, SPEECH).prefill_graph
+    assert not plan_decode("auto", CPU, SPEECH).prefill_graph and not plan_decode("compiled", CPU, SPEECH).prefill_graph
+    assert not plan_decode("auto", H200, SPEECH, overrides={"prefill_graph": False}).prefill_graph
+    with pytest.raises(ValueError, match="prefill_graph"):
+        plan_decode("compiled", H200, SPEECH, overrides={"prefill_graph": True})

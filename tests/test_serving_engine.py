@@ -38,10 +38,25 @@ def _drain(handle):
     return list(handle.events(timeout=TIMEOUT))
 
 
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
-def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, prompts, mode):
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "bucketed"])
+def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, prompts, mode, monkeypatch):
     max_new = 16
-    if mode == "greedy":
+    if mode == "bucketed":
+        # The CUDA backends' recorded prompt pass (`plan.prefill_graph`, here without the recording): short prompts
+        # are prefilled left-padded to a bucket; the slot takes only their own cache columns.
+        import dataclasses
+
+        from funaudiochat_hf import generation_loop_funaudiochat as loop
+        from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
+
+        plan = SpeechGenerator.plan
+        replace = dataclasses.replace
+        monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: replace(plan(*a, **k), prefill_graph=True))
+        lengths, bucketed = [], loop.bucketed_prefill_forward
+        monkeypatch.setattr(
+            loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length)
+        )
+    if mode in ("greedy", "bucketed"):
         engine_options, per_request = {"do_sample": False}, [{}, {}, {}, {}]
     else:  # each request its own seed and sampling values (a top-p and a penalty of 1 ride along exactly)
         engine_options = {}
@@ -71,6 +86,8 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
         snapshot = engine.snapshot()
     finally:
         engine.close()
+    if mode == "bucketed":
+        assert 64 in lengths, lengths  # the text prompts went through the padded pass
     assert snapshot["rebases"] >= 2, snapshot  # a right shift (first request) and a left one (room at the end)
     assert snapshot["step_rows"][2] > snapshot["step_rows"][3]  # some steps ran several rows
     for i, handle in enumerate(handles):

@@ -13,16 +13,18 @@ The loop reproduces the reference `_sample` (spec funaudiochat.md §6.3a) bit fo
 Beyond the reference: per-row state for left-padded batches (each row decodes exactly as if alone).
 """
 
+import functools
+
 import torch
 
 from .attention_funaudiochat import register_gqa_decode_attention
 from .generation_config_funaudiochat import SpeechRequest
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput
-from .generation_plan_funaudiochat import DecodePlan
+from .generation_plan_funaudiochat import PROMPT_BUCKET, DecodePlan
 from .generation_state_funaudiochat import SpeechGenerator
-from .generation_step_funaudiochat import finish_part, prefill_forward
+from .generation_step_funaudiochat import bucketed_prefill_forward, finish_part, prefill_forward
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
-from .step_graph_funaudiochat import tensor_addresses
+from .step_graph_funaudiochat import CapturedStep, tensor_addresses
 from .triton_attention_funaudiochat import register_triton_decode_attention
 
 
@@ -80,14 +82,22 @@ class SpeechRun:
                 "generate_speech needs left-padded prompts (padding_side='left'): every row's tokens must end at the "
                 "last column."
             )
-        self.input_ids, self.mask = input_ids, mask
-        batch, length = input_ids.shape
-        self.padding = length - mask.long().sum(-1)
         if not request.disable_speech and getattr(model, "audio_invert_tower", None) is None:
             raise ValueError("This model has no speech decoder (`audio_invert_tower`); pass `disable_speech=True`.")
-
+        self.prompt_ids = input_ids  # the output sequences start with the prompt as given
+        batch = input_ids.shape[0]
         plan = generator.plan(backend, batch, request.disable_speech, request.cache_implementation)
         self.cfg = step_config(model, generator, request, plan)
+        # `plan.prefill_graph`: the prompt left-padded to a bucket boundary (masked columns, like a batch's padding)
+        # and its pass recorded; None: the prompt pass runs as it is.
+        self.bucket_padding = self._bucket_padding(model, generator, input_ids.shape[1], request.max_new_tokens)
+        if self.bucket_padding:
+            pad = torch.full((batch, self.bucket_padding), self.cfg.pad_token_id, dtype=torch.long, device=device)
+            input_ids = torch.cat([pad, input_ids], dim=1)
+            mask = torch.cat([torch.zeros_like(pad, dtype=torch.bool), mask], dim=1)
+        self.input_ids, self.mask = input_ids, mask
+        length = input_ids.shape[1]
+        self.padding = length - mask.long().sum(-1)
         self.eos_ids = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.long, device=device)
         self.speech_pad_id = model.config.audio_config.pad_token_id
         self.max_new_tokens = request.max_new_tokens
@@ -101,6 +111,24 @@ class SpeechRun:
         self.prompt_inputs = prompt_inputs
         self.generator = _random_generator(request, device)
         self.steps = 0
+
+    def _bucket_padding(self, model, generator: SpeechGenerator, length: int, max_new_tokens: int) -> int | None:
+        """Columns of left padding that bring a prompt of `length` to a multiple of `PROMPT_BUCKET` when the plan
+        records the prompt pass; None when it does not, or when the padded call would not fit the generator or the
+        model's context, or a stack has sliding-window layers (whose masks `prompt_masks` does not build)."""
+        plan = self.cfg.plan
+        if not plan.prefill_graph or not plan.static_cache:
+            return None
+        extra = -length % PROMPT_BUCKET
+        needed = length + extra + max_new_tokens
+        tower = getattr(model, "audio_invert_tower", None)
+        stacks = [model.language_model.model] + ([tower.crq_transformer] if tower is not None else [])
+        fits = (generator.growable or generator.max_length is None or needed <= generator.max_length) and (
+            needed <= model.config.text_config.max_position_embeddings
+        )
+        if not fits or any(getattr(stack, "has_sliding_layers", False) for stack in stacks):
+            return None
+        return extra
 
     def _draw_noise(self) -> None:
         ws = self.ws
@@ -136,7 +164,18 @@ class SpeechRun:
             ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
         self._draw_noise()
-        prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, self.prefill_halves)
+        if self.bucket_padding is not None:
+            # The prompt pass over fixed buffers: recorded once per padded length, then one replay.
+            buffers = ws.prompt_buffers_for(length, inputs_embeds.shape[-1])
+            buffers.input_ids.copy_(self.input_ids)
+            buffers.inputs_embeds.copy_(inputs_embeds)
+            buffers.padding.copy_(self.padding)
+            prompt_pass = functools.partial(bucketed_prefill_forward, length=length)
+            if cfg.plan.step_graph:
+                prompt_pass = CapturedStep(prompt_pass, ("prompt", length, cfg))
+            prompt_pass(model, ws, cfg)
+        else:
+            prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, self.prefill_halves)
         if cfg.plan.step_graph:  # the caches exist now (a static cache allocates its tensors on first use)
             ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
         if not cfg.disable_speech:
@@ -173,7 +212,7 @@ class SpeechRun:
         new_tokens = self.steps
         if self.all_done():
             new_tokens = int(ws.finish_step.max()) + 1
-        sequences = torch.cat([self.input_ids, ws.text_out[:, :new_tokens]], dim=1).clone()
+        sequences = torch.cat([self.prompt_ids, ws.text_out[:, :new_tokens]], dim=1).clone()
         groups = int(ws.groups.max())
         speech_ids = ws.speech_out[:, : cfg.group_size * groups].clone()
         output = FunAudioChatSpeechOutput(sequences=sequences, speech_ids=speech_ids)

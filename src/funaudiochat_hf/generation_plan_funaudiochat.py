@@ -27,6 +27,9 @@ from .triton_text_head_funaudiochat import text_head_supported
 
 
 BACKENDS = ("auto", "eager", "cuda_graphs", "compiled")
+# With `DecodePlan.prefill_graph`, prompts are left-padded to a multiple of this many tokens: one recorded prompt
+# graph per bucket; the padding costs a little GPU time (the prompt's forward is cheap next to its eager launches).
+PROMPT_BUCKET = 64
 # THE choice of "auto" on CUDA (the lead sets it from GPU measurements of "cuda_graphs" against "compiled").
 AUTO_CUDA_BACKEND = "cuda_graphs"
 
@@ -39,6 +42,7 @@ OPTIONAL_PARTS = (
     "speech_sampler",
     "overlap_text_head",
     "triton_attention",
+    "prefill_graph",
 )
 
 # torch.compile options of the compiled step parts (a `compile_config` updates them) and of the prefill's layer halves
@@ -137,6 +141,9 @@ class DecodePlan:
         compile_step: the step's three parts compiled by torch.compile.
         compile_prefill: the prefill's decoder-layer halves compiled by torch.compile (dynamic shapes).
         step_graph: the decode step (and the prefill's last K - 1 CRQ sub-steps) recorded as one CUDA graph.
+        prefill_graph: the prompt's forward (the LLM over the prompt, the CRQ's first pass) recorded as one CUDA
+            graph per prompt length bucket: the prompt is left-padded to a multiple of `PROMPT_BUCKET` tokens
+            (masked), so a few graphs serve every length and the prompt costs its GPU time, not its eager launches.
         attention: the one-query decode attention: "default" (the model's own), "gqa_matmul" (two GQA-aware matmuls,
             `attention_funaudiochat`) or "triton" (`triton_attention_funaudiochat`, with the q/k norms, rotary and
             cache write in its kernels).
@@ -156,6 +163,7 @@ class DecodePlan:
     compile_step: bool = False
     compile_prefill: bool = False
     step_graph: bool = False
+    prefill_graph: bool = False
     attention: str = "default"
     fuse_crq_projections: bool = False
     fold_crq_matching: bool = False
@@ -281,12 +289,17 @@ def plan_decode(
     else:
         attention = "default"
     compiled = resolved == "compiled"
+    # The compiled backend compiles the prompt's layers instead (dynamic shapes, no padding).
+    prefill_graph = cuda and not compiled and overrides.get("prefill_graph", True)
+    if overrides.get("prefill_graph") and not prefill_graph:
+        raise ValueError("The plan part 'prefill_graph' needs the 'cuda_graphs' backend on a CUDA GPU.")
     return DecodePlan(
         backend=resolved,
         static_cache=True,
         compile_step=compiled,
         compile_prefill=compiled,
         step_graph=cuda,
+        prefill_graph=prefill_graph,
         attention=attention,
         fuse_crq_projections=fuse,
         fold_crq_matching=wanted["fold_crq_matching"],
@@ -327,6 +340,7 @@ def prefill_compile_options(compile_options: dict | None) -> dict:
 __all__ = [
     "AUTO_CUDA_BACKEND",
     "BACKENDS",
+    "PROMPT_BUCKET",
     "DecodePlan",
     "DeviceFacts",
     "ModelFacts",

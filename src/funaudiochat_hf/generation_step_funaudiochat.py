@@ -80,6 +80,7 @@ def _run_crq(
     sub_inputs: torch.Tensor,
     positions: torch.Tensor,
     halves: DecoderLayerHalves | None = None,
+    mask: dict | None = None,
 ) -> None:
     """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with
     `fold_crq_matching`, `(batch, n, crq_hidden)`: the sub-positions through `input_matching` already.
@@ -87,7 +88,8 @@ def _run_crq(
     The embedding of the previous speech token is added to every input sub-position (n > 1 only for sub-step 0 of the
     prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
     the row's speech history plus the tokens already chosen in this group. `halves`: run the CRQ layer by layer
-    with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward.
+    with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward. `mask`:
+    prepared attention masks (`prompt_masks`) instead of the workspace's 2-D padding mask.
     """
     tower = model.audio_invert_tower
     crq = tower.crq_transformer
@@ -110,9 +112,9 @@ def _run_crq(
     # The prefill's one pass (`halves`, or none) keeps the model's attention; decode sub-steps take the plan's.
     attention = cfg.attention_implementation if positions.shape[1] == 1 else None
     hidden = _stack_forward(
-        crq, inputs_embeds, ws.crq_mask, positions, ws.crq_cache, fused, halves, not fold_norm, counters, attention,
-        config,
-    )
+        crq, inputs_embeds, ws.crq_mask if mask is None else mask, positions, ws.crq_cache, fused, halves,
+        not fold_norm, counters, attention, config,
+    )  # fmt: skip
     norm = crq.norm if fold_norm else None
     if folded is None:
         features = _matching(tower.output_matching, hidden[:, -1], kernels, norm, kernel_config=config)
@@ -282,18 +284,21 @@ def prefill_forward(
     inputs_embeds,
     padding,
     halves: DecoderLayerHalves | None = None,
+    masks: tuple[dict, dict | None] | None = None,
 ) -> None:
     """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
     `K * L - (K - 1)` sub-positions, each in one pass.
 
     `halves` (`plan.compile_prefill`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
-    layer by layer through them; None runs the models' own forwards.
+    layer by layer through them; None runs the models' own forwards. `masks`: the LLM's and the CRQ's prepared
+    attention masks (`prompt_masks`), else the workspace's 2-D padding masks (the models build theirs).
     """
     length = input_ids.shape[1]
     k = cfg.group_size
     language_model = model.language_model
     positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
-    hidden = _stack_forward(language_model.model, inputs_embeds, ws.llm_mask, positions, ws.llm_cache, halves=halves)
+    llm_mask = ws.llm_mask if masks is None else masks[0]
+    hidden = _stack_forward(language_model.model, inputs_embeds, llm_mask, positions, ws.llm_cache, halves=halves)
     hidden = hidden.to(ws.device)
     ws.llm_position.copy_(length - padding)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
@@ -301,7 +306,37 @@ def prefill_forward(
         sub_positions = _start_group(model, ws, cfg, hidden, input_ids)
         first = length * k - (k - 1)
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
-        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves)
+        crq_mask = None if masks is None else masks[1]
+        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves, crq_mask)
+
+
+def _prompt_mask(key_mask: torch.Tensor, queries: int) -> dict:
+    """`{"full_attention": (batch, 1, queries, kv) bool}` (True = attend) of a stack's prompt pass from cache column
+    0: query i reads the unpadded keys j <= i, and itself, so that a padding query attends to something (a row of
+    nothing would give NaN, which its cache entries would carry into later reads)."""
+    columns = torch.arange(key_mask.shape[1], device=key_mask.device)
+    rows = torch.arange(queries, device=key_mask.device)
+    causal = columns[None, :] <= rows[:, None]
+    allowed = (causal[None] & key_mask[:, None, :]) | (columns[None, :] == rows[:, None])[None]
+    return {"full_attention": allowed[:, None]}
+
+
+def prompt_masks(ws: DecodeWorkspace, cfg: StepConfig, length: int) -> tuple[dict, dict | None]:
+    """The LLM's and the CRQ's attention masks of the prompt pass of `length` positions (from the workspace's padding
+    masks, set by the run): prepared here, without the host synchronisation with which the models check whether a
+    mask can be skipped, so that the pass can be recorded as a CUDA graph. Both stacks use full attention only."""
+    llm = _prompt_mask(ws.llm_mask, length)
+    crq = None if cfg.disable_speech else _prompt_mask(ws.crq_mask, length * cfg.group_size - (cfg.group_size - 1))
+    return llm, crq
+
+
+def bucketed_prefill_forward(model, ws: DecodeWorkspace, cfg: StepConfig, length: int) -> None:
+    """`prefill_forward` of a bucket-padded prompt held in the workspace's fixed buffers for `length`
+    (`ws.prompt_buffers`), with prepared masks: only fixed-address tensors, so it is recorded as a CUDA graph."""
+    buffers = ws.prompt_buffers[length]
+    prefill_forward(
+        model, ws, cfg, buffers.input_ids, buffers.inputs_embeds, buffers.padding, masks=prompt_masks(ws, cfg, length)
+    )
 
 
 
@@ -343,4 +378,15 @@ class CompiledParts:
             self.crq_part(model, ws, cfg)
 
 
-__all__ = ["RECOMPILE_LIMIT", "CompiledParts", "recompile_limit", "crq_part", "decode_step", "finish_part", "llm_part", "prefill_forward"]
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "CompiledParts",
+    "bucketed_prefill_forward",
+    "crq_part",
+    "decode_step",
+    "finish_part",
+    "llm_part",
+    "prefill_forward",
+    "prompt_masks",
+    "recompile_limit",
+]

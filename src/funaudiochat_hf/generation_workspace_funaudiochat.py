@@ -27,6 +27,19 @@ def storage_bytes(tensors) -> int:
 
 
 @dataclass(frozen=True)
+class PromptBuffers:
+    """A bucket-padded prompt's fixed inputs: `input_ids` `(batch, length)`, `inputs_embeds` `(batch, length,
+    hidden)`, `padding` `(batch,)` (left padding per row, the bucket's included)."""
+
+    input_ids: torch.Tensor
+    inputs_embeds: torch.Tensor
+    padding: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.inputs_embeds, self.padding]
+
+
+@dataclass(frozen=True)
 class StepConfig:
     """Python constants of one decoding run (hashable: `torch.compile` and the step CUDA graphs are keyed by them).
 
@@ -133,6 +146,8 @@ class DecodeWorkspace:
         self.text_head = None  # `overlap_text_head`: an `OverlappedTextHead`
         # `plan.step_graph`: the CUDA graphs of the decode step and CRQ sub-step recorded on this workspace.
         self.step_graphs = StepGraphs()
+        # `plan.prefill_graph`: the bucket-padded prompt's fixed inputs, by padded length (`prompt_buffers_for`).
+        self.prompt_buffers: dict[int, PromptBuffers] = {}
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
         self.text_logits = self.speech_logits = None
         if output_logits:
@@ -160,7 +175,23 @@ class DecodeWorkspace:
 
     def memory_bytes(self) -> int:
         """Bytes held by the workspace's buffers and caches (each storage counted once)."""
-        return storage_bytes([*self._buffers(), *self._cache_tensors()])
+        prompts = [tensor for buffers in self.prompt_buffers.values() for tensor in buffers.tensors()]
+        return storage_bytes([*self._buffers(), *self._cache_tensors(), *prompts])
+
+    def prompt_buffers_for(self, length: int, hidden_size: int) -> "PromptBuffers":
+        """The fixed input buffers of a bucket-padded prompt of `length` columns (created on first use, kept with
+        the workspace: the recorded prompt graph of that length reads them). Not among `graph_inputs`: a new length
+        adds buffers without moving any tensor an earlier graph reads."""
+        buffers = self.prompt_buffers.get(length)
+        if buffers is None:
+            b, dev = self.batch_size, self.device
+            buffers = PromptBuffers(
+                input_ids=torch.zeros(b, length, dtype=torch.long, device=dev),
+                inputs_embeds=torch.zeros(b, length, hidden_size, dtype=self.dtype, device=dev),
+                padding=torch.zeros(b, dtype=torch.long, device=dev),
+            )
+            self.prompt_buffers[length] = buffers
+        return buffers
 
     def reset(
         self,
@@ -195,4 +226,4 @@ class DecodeWorkspace:
 
 
 
-__all__ = ["DecodeWorkspace", "StepConfig", "storage_bytes"]
+__all__ = ["DecodeWorkspace", "PromptBuffers", "StepConfig", "storage_bytes"]

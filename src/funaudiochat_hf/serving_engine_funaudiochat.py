@@ -285,15 +285,18 @@ class _DecodeAdapter:
     def admit(self, row: int, run: SpeechRun) -> None:
         """Move the prefilled request (its batch-1 workspace) into slot `row`, right-aligned at the current column."""
         ws, pre, k = self.ws, run.ws, self.k
-        length = run.input_ids.shape[1]
+        # The run's own columns: its prompt after any bucket padding of its recorded prompt pass.
+        skip = run.bucket_padding or 0
+        length = run.input_ids.shape[1] - skip
         end = self.column
         start = end - length
         for batch_cache, own_cache, scale in ((ws.llm_cache, pre.llm_cache, 1), (ws.crq_cache, pre.crq_cache, k)):
             if batch_cache is None:
                 continue
+            own = slice(scale * skip, scale * (skip + length))
             for batch_layer, own_layer in zip(batch_cache.layers, own_cache.layers):
-                batch_layer.keys[row, :, scale * start : scale * end] = own_layer.keys[0, :, : scale * length]
-                batch_layer.values[row, :, scale * start : scale * end] = own_layer.values[0, :, : scale * length]
+                batch_layer.keys[row, :, scale * start : scale * end] = own_layer.keys[0, :, own]
+                batch_layer.values[row, :, scale * start : scale * end] = own_layer.values[0, :, own]
         ws.llm_mask[row] = True
         ws.llm_mask[row, :start] = False
         ws.crq_mask[row] = True
