@@ -93,6 +93,24 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     assert calls[-1] == ("ran", "cfg")
 
 
+def test_first_check_keeps_what_ran_warm(monkeypatch):
+    """The first address check follows the first call's warm-up runs (the prompt pass runs before it): made with
+    these very tensors, they stay warm, so the second call records; a later move warms up again."""
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
+    calls = []
+    step = CapturedStep(lambda model, ws, cfg: calls.append("recorded" if _Capturing.active else "ran"), "prompt")
+    ws = type("Workspace", (), {})()
+    ws.step_graphs = StepGraphs()
+    step(None, ws, "cfg")  # before any check: the first call's prompt pass
+    ws.step_graphs.check(((1, torch.float32, (2,)),))
+    step(None, ws, "cfg")
+    assert calls == ["ran", "recorded"]
+    ws.step_graphs.check(((2, torch.float32, (2,)),))  # moved after recording: dropped and warmed up again
+    step(None, ws, "cfg")
+    assert calls[-1] == "ran"
+
+
 def test_step_graph_needs_cuda(model, inputs):
     """The CUDA-graph backend says it needs a GPU; the compiled backend on a CPU runs without a step graph."""
     with pytest.raises(ValueError, match="cuda_graphs.*CUDA"):

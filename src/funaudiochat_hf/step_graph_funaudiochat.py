@@ -56,7 +56,10 @@ class StepGraphs:
         their memory pools): the next calls warm up and record again."""
         if addresses != self.addresses:
             self.graphs.clear()
-            self.warm.clear()
+            # The first check follows the first warm-up runs, made with these very tensors: they stay warm, so that
+            # the second call records (the prompt pass, which runs before the first check, included).
+            if self.addresses is not None:
+                self.warm.clear()
             self.addresses = addresses
 
     def __len__(self) -> int:
