@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-tokens", type=int, default=100, help="reply length in LLM steps of 0.2 s (default: %(default)s)")
     add("--max-batch-size", type=int, default=16, help="engine slots (default: %(default)s)")
     add("--question-seconds", type=float, default=3.0, help="the synthetic spoken question (default: %(default)s)")
+    add("--feature-window-seconds", type=int, default=None, help="the feature extractor's window (`chunk_length`; "
+        "features are padded to it): default the tiny processor's 30 s; the official one's is likely 300 s")
     add("--time-budget", type=float, default=420.0, help="seconds; later phases are skipped (default: %(default)s)")
     add("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
@@ -96,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--conversations, --max-tokens and --max-batch-size must be >= 1 and --rate > 0")
     if args.question_seconds <= 0 or args.time_budget <= 0:
         parser.error("--question-seconds and --time-budget must be positive")
+    if args.feature_window_seconds is not None and args.feature_window_seconds < args.question_seconds:
+        parser.error("--feature-window-seconds must hold the question (--question-seconds)")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         parser.error(f"--json {args.json}: its folder does not exist")
     if args.device is None:
@@ -170,7 +174,7 @@ def build_models(args) -> tuple[object, object, object, dict]:
 
         pipe = _load_pipeline(argparse.Namespace(model=None, decoder=None, speakers=None, device=args.device,
                                                  dtype="auto", trust_remote_code=False))  # fmt: skip
-        model, decoder, processor = pipe.model, pipe.decoder, pipe.processor
+        model, decoder, processor = pipe.model, pipe.decoder, with_window(pipe.processor, args.feature_window_seconds)
         info = {"source": "funaudiochat_hf.tiny_model (as the CLI loads it)"}
     else:
         from funaudiochat_hf import FunAudioChatProcessor
@@ -185,14 +189,32 @@ def build_models(args) -> tuple[object, object, object, dict]:
         # One stored voice (a random-weight decoder has none), as an official decoder's default speaker.
         decoder.config.speaker_names = ["bench"]
         decoder.speaker_embeddings = benchmark.speaker_embedding(args.device)
-        processor = FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), model.config)
+        tiny = with_window(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), args.feature_window_seconds)
+        processor = FullSizeProcessor(tiny, model.config)
         info = {"source": "full-size configs, random weights (scripts/benchmark.py)", "chat": info,
                 "decoder": decoder_info}  # fmt: skip
     estimator = decoder.flow.decoder.estimator
     info["decoder_estimator_dtype"] = str(next(estimator.parameters()).dtype).replace("torch.", "")
     info["decoder_qkv_fused"] = bool(decoder.qkv_projections_fused)
-    info["feature_window_seconds"] = processor.feature_extractor.n_samples / processor.feature_extractor.sampling_rate
+    extractor = processor.feature_extractor
+    info["feature_window_seconds"] = extractor.n_samples / extractor.sampling_rate
     return model, decoder, processor, info
+
+
+def with_window(processor, seconds: int | None):
+    """`processor` with the same log-mel extractor but another window (`chunk_length`, what every clip's features
+    are padded to); None: as it is."""
+    from transformers import WhisperFeatureExtractor
+
+    if seconds is None:
+        return processor
+    extractor = processor.feature_extractor
+    processor.feature_extractor = WhisperFeatureExtractor(
+        feature_size=extractor.feature_size, sampling_rate=extractor.sampling_rate, hop_length=extractor.hop_length,
+        chunk_length=seconds, n_fft=extractor.n_fft, padding_value=extractor.padding_value, dither=extractor.dither,
+        return_attention_mask=extractor.return_attention_mask,
+    )  # fmt: skip
+    return processor
 
 
 def start_engine(model, decoder, processor, args):
@@ -263,8 +285,8 @@ def chat_body(question_wav: bytes, max_tokens: int, seed: int) -> dict:
         "stream_options": {"include_usage": True},
         "max_completion_tokens": max_tokens,
         "seed": seed,
-        "messages": [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": base64.b64encode(question_wav).decode(), "format": "wav"}}]}],
+        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(question_wav).decode(), "format": "wav"}}]}],
     }  # fmt: skip
 
 
@@ -393,11 +415,16 @@ class Run:
 
     def start_watchdog(self) -> None:
         def watch():
-            if not self.finished.wait(self.args.time_budget + WATCHDOG_GRACE_SECONDS):
-                log("watchdog: a phase hung past the time budget; writing the report and exiting")
-                self.report["status"] = "watchdog: hung past the time budget"
-                self.save()
-                os._exit(3)
+            if self.finished.wait(self.args.time_budget + WATCHDOG_GRACE_SECONDS):
+                return
+            if "targets" in self.report:  # measured and written: only the teardown hangs
+                log("watchdog: the server's teardown hangs; exiting (the report is written)")
+                os._exit(0 if self.report["status"] == "ok" else 1)
+            log("watchdog: a phase hung past the time budget; writing the report and exiting")
+            self.report["status"] = "watchdog: hung past the time budget"
+            self.report["targets"] = targets(self.report)
+            self.save()
+            os._exit(3)
 
         threading.Thread(target=watch, name="bench-serving-watchdog", daemon=True).start()
 
@@ -408,6 +435,23 @@ def memory_mb(device: str) -> float | None:
     gc.collect()
     torch.cuda.synchronize(device)
     return torch.cuda.memory_allocated(device) / 2**20
+
+
+def memory_report(device: str, after_warmup_mb: float | None, idle_mb: float | None) -> dict:
+    """(c) allocated memory after the warm-up, idle before the load, idle again after it, and the load's peak."""
+    if idle_mb is None:
+        return {"note": "n/a (not on CUDA)"}
+    after_mb = memory_mb(device)
+    row = {
+        "after_warmup_mb": round(after_warmup_mb, 1),
+        "idle_mb": round(idle_mb, 1),
+        "after_load_mb": round(after_mb, 1),
+        "delta_mb": round(after_mb - idle_mb, 1),
+        "peak_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+    }
+    log(f"memory: idle {row['idle_mb']:.0f} MiB, after the load {row['after_load_mb']:.0f} MiB "
+        f"({row['delta_mb']:+.1f}), peak during the load {row['peak_mb']:.0f} MiB")  # fmt: skip
+    return row
 
 
 def wait_idle(engine, seconds: float = 60.0) -> None:
@@ -550,19 +594,21 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     if report["error_examples"]:
         log("load errors: " + " | ".join(report["error_examples"]))
 
+    against = "the idle reply"
+    if reference is None:  # the idle phase was skipped: the two requests against each other
+        reference, probes, against = probes[0], probes[1:], "the first seed-0 request of the load"
     checks = []
     for result in probes:
-        if isinstance(result, BaseException):
-            checks.append({"match": False, "error": f"{type(result).__name__}: {result}"})
-        elif reference is None:
-            checks.append({"match": None, "note": "no idle reference (the idle phase was skipped)"})
+        if isinstance(result, BaseException) or isinstance(reference, BaseException):
+            failed = result if isinstance(result, BaseException) else reference
+            checks.append({"match": False, "error": f"{type(failed).__name__}: {failed}"})
         else:
             checks.append(compare_audio(reference, result))
-    correct = all(c["match"] for c in checks) if reference is not None else None
-    run.report["correctness"] = {"requests": checks, "correct_under_load": correct}
-    log(f"correctness under load: {len(checks)} seed-0 requests "
-        f"{'match' if correct else 'do NOT match' if correct is False else 'not compared with'} the idle reply "
-        f"({'; '.join(json.dumps({k: c.get(k) for k in ('samples', 'audio_identical', 'audio_snr_db')}) for c in checks)})")  # fmt: skip
+    correct = all(c["match"] for c in checks)
+    run.report["correctness"] = {"against": against, "requests": checks, "correct_under_load": correct}
+    shown = [{k: c.get(k) for k in ("samples", "audio_identical", "audio_snr_db", "error")} for c in checks]
+    log(f"correctness under load: {len(checks)} seed-0 request(s) {'match' if correct else 'do NOT match'} "
+        f"{against}: {json.dumps(shown)}")
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -597,10 +643,10 @@ def targets(report: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        from funaudiochat_hf.serving_server_funaudiochat import create_app
-
         import httpx  # noqa: F401
         import uvicorn  # noqa: F401
+
+        from funaudiochat_hf.serving_server_funaudiochat import create_app
     except ImportError as error:
         print(f"error: the serving benchmark needs fastapi, uvicorn and httpx ({error})", file=sys.stderr)
         return 1
@@ -614,8 +660,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         model, decoder, processor, info = build_models(args)
         run.report["models"] = {**info, "build_s": round(time.perf_counter() - started, 1)}
-        log(f"models ready in {run.report['models']['build_s']} s (decoder estimator {info['decoder_estimator_dtype']}, "
-            f"q/k/v fused {info['decoder_qkv_fused']}); starting the engine ({args.max_batch_size} slots) ...")  # fmt: skip
+        log(f"models ready in {run.report['models']['build_s']} s (decoder estimator "
+            f"{info['decoder_estimator_dtype']}, q/k/v fused {info['decoder_qkv_fused']}); starting the engine "
+            f"({args.max_batch_size} slots) ...")  # fmt: skip
         started = time.perf_counter()
         engine = start_engine(model, decoder, processor, args)
         server = BackgroundServer(create_app(engine, processor, "bench"))
@@ -635,10 +682,11 @@ def main(argv: list[str] | None = None) -> int:
         run.report["reply_seconds"] = args.max_tokens * group / benchmark.TOKENS_PER_SECOND
 
         warm_up(run, server, engine, model, decoder, processor, inputs, question)
+        warm_mb = memory_mb(args.device)
         run.save()
 
         reference = None
-        if run.fits("idle", 60):
+        if run.fits("idle", 100):  # leaves the load its time
             reference = measure_idle(run, server, model, decoder, processor, inputs, question, samples_per_step)
             run.save()
         if run.fits("load", 60):
@@ -646,18 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             if benchmark.is_cuda(args.device):
                 torch.cuda.reset_peak_memory_stats(args.device)
             measure_load(run, server, engine, question_file.name, question, reference)
-            after_mb = memory_mb(args.device)
-            if idle_mb is None:
-                run.report["memory"] = {"note": "n/a (not on CUDA)"}
-            else:
-                run.report["memory"] = {
-                    "idle_mb": round(idle_mb, 1), "after_load_mb": round(after_mb, 1),
-                    "delta_mb": round(after_mb - idle_mb, 1),
-                    "peak_mb": round(torch.cuda.max_memory_allocated(args.device) / 2**20, 1),
-                }  # fmt: skip
-                m = run.report["memory"]
-                log(f"memory: idle {m['idle_mb']:.0f} MiB, after the load {m['after_load_mb']:.0f} MiB "
-                    f"({m['delta_mb']:+.1f}), peak {m['peak_mb']:.0f} MiB")  # fmt: skip
+            run.report["memory"] = memory_report(args.device, warm_mb, idle_mb)
         run.report["status"] = "ok"
     except Exception as error:
         run.report["status"] = f"failed: {type(error).__name__}: {error}"
@@ -666,15 +703,15 @@ def main(argv: list[str] | None = None) -> int:
 
         traceback.print_exc()
     finally:
+        run.report["targets"] = targets(run.report)
+        run.save()  # before the teardown (the watchdog still guards it)
         if server is not None:
             server.close()
         if engine is not None:
             engine.close()
         question_file.close()
         os.unlink(question_file.name)
-        run.report["targets"] = targets(run.report)
         run.finished.set()
-        run.save()
     if args.tiny:
         print("(tiny model: the targets are the issue's, for the full size on a GPU; shown for the format only)")
     for name, check in run.report["targets"].items():

@@ -61,14 +61,23 @@ def test_full_size_processor_refuses_a_config_whose_ids_do_not_line_up(script):
         script.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), config)
 
 
-def test_tiny_run_reports_every_phase_without_errors(script, tmp_path, monkeypatch, capsys):
-    """The whole benchmark on the tiny model, CPU: 3 conversations of 8 steps (about 20 s here)."""
-    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(tmp_path / "cache"))
+@pytest.fixture
+def tiny_run(script, tmp_path_factory, tmp_path, monkeypatch):
+    """Runs the script's main on the tiny model (CPU, 3 conversations of 8 steps); returns (exit code, report)."""
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(tmp_path_factory.getbasetemp() / "tiny_cache"))
     monkeypatch.delenv("OUT", raising=False)
-    path = tmp_path / "report.json"
-    code = script.main(["--tiny", "--device", "cpu", "--conversations", "3", "--rate", "20", "--max-tokens", "8",
-                        "--max-batch-size", "4", "--time-budget", "150", "--json", str(path)])  # fmt: skip
-    report = json.loads(path.read_text())
+
+    def run(*extra):
+        path = tmp_path / "report.json"
+        code = script.main(["--tiny", "--device", "cpu", "--conversations", "3", "--rate", "20", "--max-tokens", "8",
+                            "--max-batch-size", "4", "--json", str(path), *extra])  # fmt: skip
+        return code, json.loads(path.read_text())
+
+    return run
+
+
+def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
+    code, report = tiny_run("--time-budget", "150")
     assert code == 0 and report["status"] == "ok" and report["skipped"] == [], report
 
     idle = report["idle"]
@@ -91,3 +100,13 @@ def test_tiny_run_reports_every_phase_without_errors(script, tmp_path, monkeypat
     assert report["targets"]["errors"]["pass"] is True and report["targets"]["memory_delta_mb"]["pass"] is None
     out = capsys.readouterr().out
     assert "correct_under_load" in out and json.loads(out.strip().splitlines()[-1])["status"] == "ok"
+
+
+def test_a_short_budget_skips_the_idle_phase_and_compares_the_load_requests_with_each_other(tiny_run):
+    code, report = tiny_run("--time-budget", "90")  # the idle phase asks for 100 s, the load for 60 s
+    assert code == 0 and report["status"] == "ok" and report["skipped"] == ["idle"], report
+    assert "idle" not in report and report["targets"]["idle_ttfa_ratio"]["pass"] is None
+    assert report["load"]["errors"] == 0
+    correctness = report["correctness"]
+    assert correctness["against"] == "the first seed-0 request of the load" and len(correctness["requests"]) == 1
+    assert correctness["correct_under_load"] is True
