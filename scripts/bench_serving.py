@@ -351,6 +351,24 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
             "steps": events, "exact_step_s": exact}  # fmt: skip
 
 
+def decode_step_seconds(model, inputs: dict, max_tokens: int, device: str) -> float | None:
+    """`generate_speech`'s own step time, without vocoding: the slope between replies of `max_tokens` and a quarter
+    of that (prefill and per-call costs cancel), on the default generator that the direct streams use (the longer
+    reply first: the shorter one then reuses its workspace and graphs)."""
+    short = max_tokens // 4
+    if short < 1:
+        return None
+    seconds = {}
+    for steps in (max_tokens, short):
+        benchmark.synchronize(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate_speech(**inputs, max_new_tokens=steps, return_audio=False, eos_token_id=[], seed=0)
+        benchmark.synchronize(device)
+        seconds[steps] = time.perf_counter() - start
+    return (seconds[max_tokens] - seconds[short]) / (max_tokens - short)
+
+
 def compare_audio(reference: dict, other: dict) -> dict:
     """Whether `other` is `reference`'s reply: transcript, sample count, identical 16-bit audio (else its SNR)."""
     a = np.frombuffer(reference["pcm"], dtype="<i2").astype(np.float64)
@@ -491,10 +509,11 @@ def warm_up(run: Run, server, engine, model, decoder, processor, inputs, questio
     wait_idle(engine)
     if time.perf_counter() - start < cap:
         direct_stream(model, decoder, inputs, args.max_tokens, processor.tokenizer, args.device)
-        count += 1
+        decode_step_seconds(model, inputs, args.max_tokens, args.device)
+        count += 3
     seconds = time.perf_counter() - start
-    run.report["warmup"] = {"requests": count, "seconds": round(seconds, 1)}
-    log(f"warm-up: {count} requests in {seconds:.1f} s")
+    run.report["warmup"] = {"calls": count, "seconds": round(seconds, 1)}
+    log(f"warm-up: {count} calls in {seconds:.1f} s")
 
 
 def measure_idle(run: Run, server, model, decoder, processor, inputs, question: bytes, samples_per_step: float):
@@ -503,7 +522,7 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
 
     args = run.args
     body = chat_body(question, args.max_tokens, seed=0)
-    served, direct, processing = [], [], []
+    served, direct, processing, decode = [], [], [], []
 
     async def one():
         async with httpx.AsyncClient(timeout=max(60.0, run.left())) as client:
@@ -512,6 +531,7 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
     for _ in range(IDLE_REPEATS):
         served.append(asyncio.run(one()))
         direct.append(direct_stream(model, decoder, inputs, args.max_tokens, processor.tokenizer, args.device))
+        decode.append(decode_step_seconds(model, inputs, args.max_tokens, args.device))
         started = time.perf_counter()
         parse_chat_request(body, processor, TranscriptMemory(), [], "bench", getattr(model, "dtype", None))
         processing.append(time.perf_counter() - started)
@@ -525,6 +545,9 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
     row = {"repeats": IDLE_REPEATS, "server": summary(served), "direct": summary(direct)}
     exact = median([d["exact_step_s"] for d in direct])
     row["direct"]["exact_step_ms_median"] = None if exact is None else 1000 * exact
+    # The decode step alone (`generate_speech`, no audio): the streams' step times above include their vocoding.
+    decode_step = median(decode)
+    row["generate_speech_step_ms_median"] = None if decode_step is None else 1000 * decode_step
     row["processor_ms_median"] = 1000 * median(processing)
     for name in ("ttfa", "step"):
         a, b = row["server"][f"{name}_ms_median"], row["direct"][f"{name}_ms_median"]
@@ -533,6 +556,8 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
         served_ttfa, direct_ttfa = row["server"]["ttfa_ms_median"], row["direct"]["ttfa_ms_median"]
         row["ttfa_ratio_without_processor"] = (served_ttfa - row["processor_ms_median"]) / direct_ttfa
     row["server_repeats_identical"] = all(compare_audio(served[0], s)["audio_identical"] for s in served[1:])
+    # Informative: the direct stream decodes at batch 1, the server in its static batch, whose kernels may round
+    # differently (the load check compares server replies with each other).
     row["direct_vs_server"] = compare_audio(served[0], direct[0])
     run.report["idle"] = row
     s, d = row["server"], row["direct"]
@@ -540,7 +565,8 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
         f"(x{fmt(row['ttfa_ratio'], 3)}; processor {fmt(row['processor_ms_median'])} ms of the server's, without it "
         f"x{fmt(row.get('ttfa_ratio_without_processor'), 3)}); step "
         f"{fmt(s['step_ms_median'], 2)} vs {fmt(d['step_ms_median'], 2)} ms (x{fmt(row['step_ratio'], 3)}; direct "
-        f"per event {fmt(row['direct']['exact_step_ms_median'], 2)} ms)")  # fmt: skip
+        f"per event {fmt(row['direct']['exact_step_ms_median'], 2)} ms; generate_speech without audio "
+        f"{fmt(row['generate_speech_step_ms_median'], 2)} ms)")  # fmt: skip
     return served[0]
 
 

@@ -85,6 +85,7 @@ def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
         assert len(idle[side]["ttfa_ms"]) == 3 and idle[side]["ttfa_ms_median"] > 0
         assert idle[side]["step_ms_median"] > 0
     assert idle["ttfa_ratio"] > 0 and idle["step_ratio"] > 0 and idle["processor_ms_median"] > 0
+    assert idle["generate_speech_step_ms_median"] > 0
     # The chunk-derived step time of the direct stream is its per-event (per-step) time, up to timing noise.
     assert idle["direct"]["step_ms_median"] == pytest.approx(idle["direct"]["exact_step_ms_median"], rel=0.5)
     assert idle["server_repeats_identical"] and idle["direct_vs_server"]["match"]
