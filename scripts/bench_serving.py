@@ -11,10 +11,11 @@ and the server (`serving_server_funaudiochat.create_app`) with uvicorn in a thre
 and measures:
 
   a. idle server: one streamed request at a time (median of 3): time to first audio (TTFA) and the step time derived
-     from its chunks, side by side with `model.generate_speech_stream` called directly on the same processor inputs;
+     from its chunks, side by side with `model.generate_speech_stream` called directly on the same processor inputs
+     (and `generate_speech`'s step time without vocoding);
   b. load: `scripts/loadgen.py` (N streamed conversations with Poisson arrivals): TTFA p50 / p95, per-stream RTF
      p50 / p95, aggregate x real time, errors; and from `/metrics` the rows per decode step;
-  c. memory: allocated GPU memory when idle after the warm-up, when idle again after the load, and the peak;
+  c. memory: allocated GPU memory when idle before the load, when idle again after it, and the peak;
   d. correctness under load: two requests with the idle run's seed and prompt, sent during the load, must give the
      idle run's transcript and audio.
 
@@ -483,8 +484,9 @@ def wait_idle(engine, seconds: float = 60.0) -> None:
 
 
 def warm_up(run: Run, server, engine, model, decoder, processor, inputs, question: bytes) -> None:
-    """Sequential and concurrent full-length requests, then one direct stream: the prefill shapes, decode graphs and
-    the streaming decoder's graphs get compiled / recorded before anything is timed."""
+    """Sequential and concurrent full-length requests, then one direct stream and `generate_speech` call of each
+    length: the prefill shapes, decode graphs and the streaming decoder's graphs get compiled / recorded before
+    anything is timed (no new call after `WARMUP_CAP_SECONDS`)."""
     import httpx
 
     args = run.args
