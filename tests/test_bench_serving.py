@@ -1,0 +1,113 @@
+"""scripts/bench_serving.py: the full-size processor's id mapping, and a CPU smoke run of the whole benchmark on the
+tiny model (real numbers come from a GPU)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_full_size_processor_gives_the_full_configs_special_ids(script):
+    from funaudiochat_hf import FunAudioChatConfig, FunAudioChatProcessor
+    from funaudiochat_hf.processing_funaudiochat import AUDIO_TEMPLATE
+    from funaudiochat_hf.tiny_model import ASSETS_DIR, synthetic_question
+
+    config = FunAudioChatConfig()
+    tiny = FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR))
+    processor = script.FullSizeProcessor(tiny, config)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": AUDIO_TEMPLATE}], tokenize=False, add_generation_prompt=True
+    )
+    clip = synthetic_question(1.0)
+    plain = tiny(text=[text], audio=[clip], return_tensors="pt")
+    mapped = processor(text=[text], audio=[clip], return_tensors="pt")
+
+    ids, tiny_ids = mapped["input_ids"][0], plain["input_ids"][0]
+    assert int((ids == config.audio_token_index).sum()) == int((tiny_ids == 346).sum()) == 5  # 25 frames / 5
+    assert int((ids == config.text_config.audio_bos_index).sum()) == 1
+    assert int((ids == config.text_config.audio_eos_index).sum()) == 1
+    assert int((ids == 151644).sum()) == int((tiny_ids == 321).sum()) >= 2  # <|im_start|>
+    assert torch.equal(ids[tiny_ids < 320], tiny_ids[tiny_ids < 320])  # plain BPE ids unchanged
+    assert int(ids.max()) < config.text_config.vocab_size
+    assert torch.all(mapped["speech_ids"] == config.audio_config.pad_token_id)
+    assert torch.equal(mapped["input_features"], plain["input_features"])
+    assert processor.feature_extractor is tiny.feature_extractor  # everything else delegates
+
+
+def test_full_size_processor_refuses_a_config_whose_ids_do_not_line_up(script):
+    from funaudiochat_hf import FunAudioChatConfig, FunAudioChatProcessor
+    from funaudiochat_hf.tiny_model import ASSETS_DIR
+
+    config = FunAudioChatConfig()
+    config.text_config.audio_bos_index += 1
+    with pytest.raises(ValueError, match="audio_bos"):
+        script.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), config)
+
+
+@pytest.fixture
+def tiny_run(script, tmp_path_factory, tmp_path, monkeypatch):
+    """Runs the script's main on the tiny model (CPU, 3 conversations of 8 steps); returns (exit code, report)."""
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(tmp_path_factory.getbasetemp() / "tiny_cache"))
+    monkeypatch.delenv("OUT", raising=False)
+
+    def run(*extra):
+        path = tmp_path / "report.json"
+        code = script.main(["--tiny", "--device", "cpu", "--conversations", "3", "--rate", "20", "--max-tokens", "8",
+                            "--max-batch-size", "4", "--json", str(path), *extra])  # fmt: skip
+        return code, json.loads(path.read_text())
+
+    return run
+
+
+def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
+    code, report = tiny_run("--time-budget", "150")
+    assert code == 0 and report["status"] == "ok" and report["skipped"] == [], report
+
+    idle = report["idle"]
+    for side in ("server", "direct"):
+        assert len(idle[side]["ttfa_ms"]) == 3 and idle[side]["ttfa_ms_median"] > 0
+        assert idle[side]["step_ms_median"] > 0
+    assert idle["ttfa_ratio"] > 0 and idle["step_ratio"] > 0 and idle["processor_ms_median"] > 0
+    assert idle["generate_speech_step_ms_median"] > 0
+    # The chunk-derived step time of the direct stream is its per-event (per-step) time, up to timing noise.
+    assert idle["direct"]["step_ms_median"] == pytest.approx(idle["direct"]["exact_step_ms_median"], rel=0.5)
+    assert idle["server_repeats_identical"] and idle["direct_vs_server"]["match"]
+
+    load = report["load"]
+    assert load["errors"] == 0 and load["requests_lost"] == 0 and load["requests_sent"] == 5
+    assert load["requests_by_outcome"]["length"] == 5  # no stop id: every reply runs --max-tokens steps
+    assert load["ttfa_p50_ms"] > 0 and load["rtf_p95"] > 0 and load["aggregate_x_real_time"] > 0
+    assert load["decode_steps"] >= 8 and 1 <= load["step_rows_mean"] <= 4
+    assert report["correctness"]["correct_under_load"] is True
+    assert all(check["audio_identical"] for check in report["correctness"]["requests"])
+    assert report["memory"] == {"note": "n/a (not on CUDA)"}
+    assert report["targets"]["errors"]["pass"] is True and report["targets"]["memory_delta_mb"]["pass"] is None
+    out = capsys.readouterr().out
+    assert "correct_under_load" in out and json.loads(out.strip().splitlines()[-1])["status"] == "ok"
+
+
+def test_a_short_budget_skips_the_idle_phase_and_compares_the_load_requests_with_each_other(tiny_run):
+    code, report = tiny_run("--time-budget", "90")  # the idle phase asks for 100 s, the load for 60 s
+    assert code == 0 and report["status"] == "ok" and report["skipped"] == ["idle"], report
+    assert "idle" not in report and report["targets"]["idle_ttfa_ratio"]["pass"] is None
+    assert report["load"]["errors"] == 0
+    correctness = report["correctness"]
+    assert correctness["against"] == "the first seed-0 request of the load" and len(correctness["requests"]) == 1
+    assert correctness["correct_under_load"] is True
