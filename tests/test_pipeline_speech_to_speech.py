@@ -139,6 +139,8 @@ def test_every_input_form_gives_the_same_prompt_and_reply(stub_pipe, tmp_path, f
     assert reply["audio"].dtype == np.float32 and reply["audio"].ndim == 1
     assert reply["audio"].shape == (_groups(2.0) * 100,)
     prompt = stub_pipe.processor.tokenizer.decode(stub_pipe.model.calls[-1]["input_ids"][0])
+    # Features of the clip's own 2 s (100 frames a second), not the extractor's whole window: the same embeddings
+    assert stub_pipe.model.calls[-1]["input_features"].shape[-1] == 200
     assert prompt.startswith(f"<|im_start|>system\n{SPOKEN_S2M_PROMPT}<|im_end|>\n<|im_start|>user\n<|audio_bos|>")
     assert prompt.endswith("<|audio_eos|><|im_end|>\n<|im_start|>assistant\n")
 

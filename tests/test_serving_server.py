@@ -267,3 +267,16 @@ def test_load_generator_smoke(server, tmp_path):
     assert code == 0 and report["errors"] == 0, report
     assert report["ttfa_p50_ms"] > 0 and report["ttfa_p95_ms"] >= report["ttfa_p50_ms"]
     assert report["rtf_p95"] > 0 and report["aggregate_x_real_time"] > 0 and report["audio_seconds"] > 0
+
+
+def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
+    """The server's processor call pads the features to the clip (100 frames a second), not to the extractor's
+    window: the same embeddings, much less feature work before a request starts."""
+    from transformers import AutoProcessor
+
+    from funaudiochat_hf.serving_openai_funaudiochat import TranscriptMemory, parse_chat_request
+
+    processor = AutoProcessor.from_pretrained(tiny_path)
+    body = {"model": "m", "messages": _messages(1.5), "modalities": ["text"]}
+    parsed = parse_chat_request(body, processor, TranscriptMemory(), [], "m")
+    assert parsed.speech.inputs["input_features"].shape[-1] == 150
