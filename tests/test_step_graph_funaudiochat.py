@@ -144,10 +144,12 @@ def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(i
 
     eager = model.generate_speech(**inputs, **kwargs, backend="eager")
     generator = model.speech_generator(backend=backend)
-    for _ in range(3):  # warm-up and recording in the first call, replays only in the next ones
+    for call in range(3):  # warm-up and recording in the first call, replays only in the next ones
         check(eager, generator.generate(**inputs, **kwargs))
         graphs = _workspace(generator).step_graphs
-        assert set(key[0] for key in graphs.graphs) == {"step", "crq_part"}
+        # "cuda_graphs" also records the bucket-padded prompt pass (it runs warm in the first call, before the step)
+        prompt = {"prompt"} if backend == "cuda_graphs" and call > 0 else set()
+        assert set(key[0] for key in graphs.graphs) == {"step", "crq_part"} | prompt
     recorded = dict(graphs.graphs)
     check(eager, generator.generate(**inputs, **kwargs))
     assert graphs.graphs == recorded  # replayed, not recorded again
