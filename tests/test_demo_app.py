@@ -179,3 +179,20 @@ def test_old_turns_are_dropped_to_fit_the_prompt_limit(app, tiny_pipe):
             app.prepare_inputs(tiny_pipe, engine, [], long_turn, None)
     finally:
         engine.close()
+
+
+def test_gpu_warm_up_runs_every_prompt_bucket_twice(app, monkeypatch):
+    """On a GPU the prompt pass of each 64-token bucket is recorded on its second run: the warm-up asks questions of
+    each configured length twice (on a CPU, one short reply)."""
+    from types import SimpleNamespace
+
+    asked = []
+    monkeypatch.setattr(app, "prepare_inputs", lambda pipe, engine, history, turn, system: (len(turn["content"][0]["audio"]), None))
+    monkeypatch.setattr(app, "stream_reply", lambda engine, inputs, **kwargs: asked.append(inputs) or iter(()))
+    gpu_pipe = SimpleNamespace(model=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    app.warm_up(gpu_pipe, engine=None)
+    rate = app.INPUT_SAMPLING_RATE
+    assert asked == [int(seconds * rate) for seconds in app.WARMUP_GPU_QUESTION_SECONDS for _ in range(2)]
+    asked.clear()
+    app.warm_up(SimpleNamespace(model=SimpleNamespace(device=SimpleNamespace(type="cpu"))), engine=None)
+    assert asked == [int(app.WARMUP_QUESTION_SECONDS * rate)]
