@@ -139,3 +139,27 @@ def test_decode_ready_names_the_decoder_with_bad_deferred_tokens(model, monkeypa
         decode_ready([good, bad])
     assert bad._num_tokens() == 0 and good._num_tokens() == 20
     assert decode_ready([good, bad])[0].numel() > 0
+
+
+def test_a_failed_call_leaves_every_decoder_as_it_was(model, monkeypatch):
+    """A call that fails after some rows took their mel restores every decoder: decoding each alone afterwards gives
+    exactly the audio of decoders that never saw the failed call."""
+    decoders = [model.streaming_decoder(speaker_embedding=_voice(seed, model)) for seed in range(3)]
+    clean = [model.streaming_decoder(speaker_embedding=_voice(seed, model)) for seed in range(3)]
+    for seed, (decoder, twin) in enumerate(zip(decoders, clean)):
+        tokens = _tokens(model, 40, seed)
+        decoder.add_tokens(tokens)
+        twin.add_tokens(tokens)
+    hift_inputs = decoders[2]._hift_inputs
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("vocoder failure")
+
+    monkeypatch.setattr(decoders[2], "_hift_inputs", failing)
+    with pytest.raises(RuntimeError, match="vocoder failure"):
+        decode_ready(decoders)
+    monkeypatch.setattr(decoders[2], "_hift_inputs", hift_inputs)
+    for decoder, twin in zip(decoders, clean):
+        assert decoder.token_offset == 0 and decoder.mel.shape[-1] == 0 and decoder._num_tokens() == 40
+        audio = torch.cat([decoder.decode_ready(), decoder.finalize()])
+        assert torch.equal(audio, torch.cat([twin.decode_ready(), twin.finalize()]))

@@ -45,9 +45,10 @@ def decode_ready(
     shape: this bounds the recordings), else None (one call per round, exactly as many rows as are ready).
 
     All decoders must stream from the same model with the same `cuda_graphs` setting (one flow call runs one model's
-    weights and one precision setting); a mix raises a ValueError. A token-range error of one decoder (tokens added on
-    an accelerator are checked when their chunk is decoded) raises a ValueError naming its index; that decoder's
-    unchecked tokens are discarded as by `push`, the other decoders are unchanged.
+    weights and one precision setting); a mix raises a ValueError. A failed call leaves every decoder as it was before
+    it (decoding each alone then finds the one that fails), except for a token-range error: tokens added on an
+    accelerator are checked when their chunk is decoded; a bad one raises a ValueError naming the decoder's index, and
+    that decoder's unchecked tokens are discarded, as by `push`.
     """
     decoders = list(decoders)
     if not decoders:
@@ -67,21 +68,31 @@ def decode_ready(
                 "decodes streams of one setting"
             )
     sizes = _batch_sizes(batch_sizes, graphed)
+    # The decoders' state before the call: the decoding replaces state tensors, never writes into them, so a shallow
+    # copy restores it if the call fails (no chunk is then half-decoded, e.g. its mel taken but not vocoded).
+    states = [dict(vars(decoder)) for decoder in decoders]
     pieces: list[list[torch.Tensor]] = [[] for _ in decoders]
-    while True:
-        ready = [index for index, decoder in enumerate(decoders) if decoder.chunk_ready()]
-        if not ready:
-            break
-        for index in ready:
-            try:
-                decoders[index]._accept_pending()
-            except ValueError as error:
-                raise ValueError(f"streaming decoder {index}: {error}") from None
-        step = len(ready) if sizes is None else sizes[-1]
-        for first in range(0, len(ready), step):
-            group = ready[first : first + step]
-            for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
-                pieces[index].append(audio)
+    try:
+        while True:
+            ready = [index for index, decoder in enumerate(decoders) if decoder.chunk_ready()]
+            if not ready:
+                break
+            for index in ready:
+                try:
+                    decoders[index]._accept_pending()
+                except ValueError as error:
+                    states[index] = dict(vars(decoders[index]))  # without the discarded tokens, as `push` leaves it
+                    raise ValueError(f"streaming decoder {index}: {error}") from None
+            step = len(ready) if sizes is None else sizes[-1]
+            for first in range(0, len(ready), step):
+                group = ready[first : first + step]
+                for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
+                    pieces[index].append(audio)
+    except BaseException:
+        for decoder, state in zip(decoders, states):
+            vars(decoder).clear()
+            vars(decoder).update(state)
+        raise
     return [decoder._concat(audio) for decoder, audio in zip(decoders, pieces)]
 
 
