@@ -74,6 +74,10 @@ class CosyVoice3StreamingDecoder:
     launches, with the same arithmetic (same kernels) as the eager calls. The first chunk of each new shape pays for
     the recording.
 
+    Many streams (a server): `add_tokens` to each, then `streaming_batch_cosyvoice3.decode_ready(decoders)` decodes
+    the chunks ready across them in one flow call per round, each stream's audio as its own `push` would give it
+    (`push` is `add_tokens` + `decode_ready()`).
+
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
     `flow_left_context_tokens`, without the distant past), so the mel (and therefore the audio) differs from a
