@@ -97,9 +97,8 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     batches = []
     decode_ready = serving_vocoder_funaudiochat.decode_ready
-    monkeypatch.setattr(
-        serving_vocoder_funaudiochat, "decode_ready", lambda streams: batches.append(len(streams)) or decode_ready(streams)
-    )
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready",
+                        lambda streams: batches.append(len(streams)) or decode_ready(streams))  # fmt: skip
     voices = ["中文女", "中文男", torch.randn(192, generator=torch.Generator().manual_seed(0))]
     events = [[] for _ in voices]
     release = threading.Event()
@@ -130,7 +129,8 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
     for voice, reply in zip(voices, events):
         assert reply[-1].finish_reason in ("stop", "length"), reply[-1].error
         alone = decoder.streaming_decoder(**decoder_speaker_kwargs(voice), **engine.stream_options)
-        expected = [alone.push(valid_speech_tokens(torch.tensor(event.speech_ids, dtype=torch.long), bos)) for event in reply]
+        ids = [torch.tensor(event.speech_ids, dtype=torch.long) for event in reply]
+        expected = [alone.push(valid_speech_tokens(speech, bos)) for speech in ids]
         expected[-1] = torch.cat([expected[-1], alone.finalize()])
         assert [len(event.audio) for event in reply] == [len(audio) for audio in expected]
         assert sum(len(audio) for audio in expected) > 3 * 960  # several chunks

@@ -163,3 +163,22 @@ def test_a_failed_call_leaves_every_decoder_as_it_was(model, monkeypatch):
         assert decoder.token_offset == 0 and decoder.mel.shape[-1] == 0 and decoder._num_tokens() == 40
         audio = torch.cat([decoder.decode_ready(), decoder.finalize()])
         assert torch.equal(audio, torch.cat([twin.decode_ready(), twin.finalize()]))
+
+
+def test_a_compiled_flow_gets_bucketed_batch_sizes(monkeypatch):
+    """Compiled code is specialised to shapes like a CUDA graph: once the estimator is compiled, 3 ready rows run as a
+    batch of 4 (and every window at the one padded size)."""
+    model = CosyVoice3Token2Wav._from_config(tiny_token2wav_config(40), dtype=torch.float32).eval()
+    model.flow.decoder.init_noise()
+    model.hift.init_source_tables()
+    model.compile_estimator(backend="eager")
+    decoders = [model.streaming_decoder(speaker_embedding=_voice(seed, model)[0], token_hop_len=5) for seed in range(3)]
+    batches = []
+    solve = model.flow.decoder.solve
+    monkeypatch.setattr(model.flow.decoder, "solve", lambda x, *args: batches.append(tuple(x.shape)) or solve(x, *args))
+    for seed, decoder in enumerate(decoders):
+        decoder.add_tokens(torch.randint(0, 40, (9,), generator=torch.Generator().manual_seed(seed)))
+    audio = decode_ready(decoders)
+    assert all(piece.numel() > 0 for piece in audio)
+    frames = model.config.token_mel_ratio * decoders[0].max_flow_window
+    assert batches == [(4, model.config.mel_bins, frames)], batches

@@ -752,7 +752,7 @@ class SpeechEngine:
                             finish not in ("cancelled", "error"))
                  for handle, _, speech_ids, finish, _ in items]  # fmt: skip
         try:
-            audio = self._vocoder.audio(parts) if self._vocoder else [np.zeros(0, np.float32)] * len(items)
+            audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
             audio = [failure] * len(items)
         for (handle, text_ids, speech_ids, finish, error), samples in zip(items, audio):

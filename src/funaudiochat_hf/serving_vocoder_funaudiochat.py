@@ -86,8 +86,8 @@ class ServingVocoder:
         active = []  # (position, decoder) of the items whose tokens were added
         for position, item in enumerate(items):
             stream = self._streams.get(item.request_id)
-            if not item.produce_audio or (stream is None and (self.decoder is None or not item.speech_ids)):
-                continue
+            if not item.produce_audio or (stream is None and not item.speech_ids):
+                continue  # no audio wanted, or no speech yet
             try:
                 if stream is None:
                     stream = self.decoder.streaming_decoder(

@@ -21,8 +21,9 @@ import torch
 from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder, flow_window_to_mel
 
 
-# Batch sizes of the graphed calls: a batch is padded up to the next one (copies of a real row, outputs dropped), so
-# the runners record at most (window sizes x these) flow graphs. Larger batches are split into calls of the largest.
+# Batch sizes of the graphed (or compiled) calls: a batch is padded up to the next one (copies of a real row, outputs
+# dropped), so the runners record at most (window sizes x these) flow graphs. Larger batches are split into calls of
+# the largest.
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -41,8 +42,9 @@ def decode_ready(
 
     batch_sizes: the batch sizes a call may have, ascending; a round's rows are padded up to the smallest that holds
     them (copies of a real row, whose outputs are dropped) and split into calls of the largest when there are more.
-    "auto" (default): `GRAPH_BATCH_SIZES` when the decoders replay CUDA graphs (the graph runners record one graph per
-    shape: this bounds the recordings), else None (one call per round, exactly as many rows as are ready).
+    "auto" (default): `GRAPH_BATCH_SIZES` when the decoders replay CUDA graphs or the model's flow is compiled (graphs
+    and compiled code are specialised to shapes: this bounds the recordings), else None (one call per round with
+    exactly the ready rows).
 
     All decoders must stream from the same model with the same `cuda_graphs` setting (one flow call runs one model's
     weights and one precision setting); a mix raises a ValueError. A failed call leaves every decoder as it was before
@@ -67,7 +69,7 @@ def decode_ready(
                 f"decode_ready: decoder {index} has cuda_graphs={decoder.cuda_graphs}, decoder 0 {graphed}; one call "
                 "decodes streams of one setting"
             )
-    sizes = _batch_sizes(batch_sizes, graphed)
+    sizes = _batch_sizes(batch_sizes, fixed_shapes=graphed or model.flow_is_compiled)
     # The decoders' state before the call: the decoding replaces state tensors, never writes into them, so a shallow
     # copy restores it if the call fails (no chunk is then half-decoded, e.g. its mel taken but not vocoded).
     states = [dict(vars(decoder)) for decoder in decoders]
@@ -96,9 +98,9 @@ def decode_ready(
     return [decoder._concat(audio) for decoder, audio in zip(decoders, pieces)]
 
 
-def _batch_sizes(batch_sizes, graphed: bool) -> Optional[tuple[int, ...]]:
+def _batch_sizes(batch_sizes, fixed_shapes: bool) -> Optional[tuple[int, ...]]:
     if batch_sizes == "auto":
-        return GRAPH_BATCH_SIZES if graphed else None
+        return GRAPH_BATCH_SIZES if fixed_shapes else None
     if batch_sizes is None:
         return None
     if (
