@@ -120,6 +120,10 @@ def test_decode_ready_without_ready_chunks_and_bad_arguments(model):
     assert decode_ready([]) == []
     with pytest.raises(ValueError, match="batch_sizes"):
         decode_ready([decoder], batch_sizes=(0,))
+    with pytest.raises(ValueError, match="twice"):
+        decode_ready([decoder, decoder])
+    with pytest.raises(ValueError, match="CosyVoice3StreamingDecoder"):
+        decode_ready([decoder, object()])
     other = CosyVoice3Token2Wav._from_config(tiny_token2wav_config(40), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="another model"):
         decode_ready([decoder, other.streaming_decoder(speaker_embedding=torch.ones(other.config.spk_embed_dim))])

@@ -57,6 +57,8 @@ def decode_ready(
         return []
     if any(not isinstance(decoder, CosyVoice3StreamingDecoder) for decoder in decoders):
         raise ValueError("decode_ready takes CosyVoice3StreamingDecoder objects")
+    if len({id(decoder) for decoder in decoders}) != len(decoders):
+        raise ValueError("decode_ready: a decoder appears twice (its chunks would be decoded twice)")
     model, graphed = decoders[0].model, decoders[0].cuda_graphs
     for index, decoder in enumerate(decoders):
         if decoder.model is not model:
