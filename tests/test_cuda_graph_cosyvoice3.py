@@ -8,6 +8,7 @@ import torch
 
 from funaudiochat_hf import CosyVoice3Token2Wav
 from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner, _Recording
+from funaudiochat_hf.streaming_batch_cosyvoice3 import GRAPH_BATCH_SIZES, decode_ready
 from funaudiochat_hf.streaming_cosyvoice3 import _graph_runners
 
 from conftest import COSYVOICE3_TINY
@@ -231,3 +232,78 @@ def test_cuda_graph_streaming_matches_eager_streaming():
     finally:
         model.config.estimator_autocast_dtype = None
     assert len(runners["flow"]) == 4 and torch.isfinite(low).all()
+
+
+def _batched_streams(model, tokens, graph_runners=None, **kwargs):
+    """Three streams of their own voices and phases, fed `_ROUNDS` (tokens per stream per round) and decoded together
+    each round; `graph_runners`: runner stand-ins the decoders call as under CUDA graphs. Returns each stream's
+    audio."""
+    voices = [model.get_speaker_embedding(speaker=name) for name in ("中文女", "中文男")] + [torch.ones(1, 192)]
+    decoders = []
+    for voice in voices:
+        decoder = model.streaming_decoder(speaker_embedding=voice.to(model.device), token_hop_len=15,
+                                          flow_left_context_tokens=30, first_token_hop_len=5, **kwargs)  # fmt: skip
+        if graph_runners is not None:  # what the decoder does on CUDA: graph-runner calls, always a mask
+            decoder._graphs, decoder.cuda_graphs = graph_runners, True
+        decoders.append(decoder)
+    pieces, positions = [[] for _ in decoders], [0] * len(decoders)
+    for counts in _ROUNDS:
+        for index, count in enumerate(counts):
+            decoders[index].add_tokens(tokens[index, positions[index] : positions[index] + count])
+            positions[index] += count
+        for index, audio in enumerate(decode_ready(decoders)):
+            pieces[index].append(audio)
+    return [torch.cat(piece + [decoder.finalize()]) for piece, decoder in zip(pieces, decoders)]
+
+
+# Tokens per stream per round: 3, 2 and 1 ready rows in a round (batches of 4, 2 and 1 under graphs).
+_ROUNDS = [(10, 10, 10), (10, 30, 10), (20, 40, 0), (15, 5, 5), (5, 0, 0)]
+
+
+def test_batched_graph_calls_have_bucketed_batch_sizes():
+    """Under CUDA graphs a batched call's batch is padded to one of `GRAPH_BATCH_SIZES` (3 ready rows -> 4), so the
+    runners record at most (window sizes x batch sizes) graphs; the padding rows change no real row. Run on CPU with
+    runner stand-ins that record the shapes they get and compute eagerly."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 80), generator=torch.Generator().manual_seed(4))
+    sizes = (32, 30 + 15 + model.config.pre_lookahead_len)  # the "auto" sizes under graphs
+    expected = _batched_streams(model, tokens, flow_window_bucket_tokens=sizes)
+    shapes = {"flow": [], "hift": []}
+
+    def flow(*tensors):
+        shapes["flow"].append((tuple(tensors[0].shape), tensors[4] is not None))
+        return _graph_runners(model)["flow"].function(*tensors)
+
+    def hift(mel, source):
+        shapes["hift"].append(tuple(mel.shape))
+        return model.hift.decode(mel, source, finalize=False)
+
+    graphed = _batched_streams(model, tokens, {"flow": flow, "hift": hift}, flow_window_bucket_tokens=sizes)
+    batches = {shape[0] for shape, _ in shapes["flow"]} | {shape[0] for shape in shapes["hift"]}
+    assert batches <= set(GRAPH_BATCH_SIZES) and 4 in batches, shapes
+    assert {shape[1] for shape, _ in shapes["flow"]} <= set(sizes) and all(masked for _, masked in shapes["flow"])
+    for actual, reference in zip(graphed, expected):
+        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_batched_streaming_matches_eager_batched_streaming():
+    """Several streams decoded together replay one flow graph per (window size, batch size) and HiFT graphs per
+    (window, batch size), with the audio of the same batched calls run eagerly; later streams record nothing new."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    model.config.estimator_precision = "float32"
+    model.cuda()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 80), generator=torch.Generator().manual_seed(4)).cuda()
+    sizes = (32, 30 + 15 + model.config.pre_lookahead_len)
+    graphed = _batched_streams(model, tokens)
+    eager = _batched_streams(model, tokens, cuda_graphs=False, flow_window_bucket_tokens=sizes)
+    for actual, reference in zip(graphed, eager):
+        assert actual.shape == reference.shape
+        torch.testing.assert_close(actual, reference, atol=1e-4, rtol=1e-4)
+    runners = _graph_runners(model)
+    flow_graphs, hift_graphs = len(runners["flow"]), len(runners["hift"])
+    assert flow_graphs <= len(sizes) * 3  # batches of 1, 2 and 4 rows
+    again = _batched_streams(model, tokens)
+    assert len(runners["flow"]) == flow_graphs and len(runners["hift"]) == hift_graphs
+    for actual, reference in zip(again, graphed):
+        assert torch.equal(actual, reference)

@@ -1,10 +1,18 @@
 """The continuous-batching engine on the tiny model (CPU): requests that join and leave mid-flight get exactly their
 single-run tokens, cancelling frees the slot, full queues and bad requests are refused."""
 
+import threading
+import time
+
 import pytest
 import torch
 
+from funaudiochat_hf import CosyVoice3Token2Wav, serving_vocoder_funaudiochat
+from funaudiochat_hf.generation_vocoding_funaudiochat import decoder_speaker_kwargs, valid_speech_tokens
 from funaudiochat_hf.serving_engine_funaudiochat import QueueFull, SpeechEngine, SpeechRequest
+
+from conftest import COSYVOICE3_TINY
+from test_modeling_cosyvoice3 import _close_wav
 
 
 AUDIO_TOKEN = 346
@@ -98,6 +106,52 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
         assert [t for e in events[i] for t in e.speech_ids] == expected_speech, i
         assert events[i][-1].finished and events[i][-1].finish_reason in ("stop", "length")
         assert sum(e.finished for e in events[i]) == 1
+
+
+def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, monkeypatch):
+    """The output thread decodes the chunks ready across requests together (one flow call per round): each request's
+    audio, event by event, equals its own streaming decoder's fed the same speech ids (up to float rounding)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    batches = []
+    decode_ready = serving_vocoder_funaudiochat.decode_ready
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready",
+                        lambda streams: batches.append(len(streams)) or decode_ready(streams))  # fmt: skip
+    voices = ["中文女", "中文男", torch.randn(192, generator=torch.Generator().manual_seed(0))]
+    events = [[] for _ in voices]
+    release = threading.Event()
+
+    def sink(index):
+        return events[index].append
+
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=16)
+    try:
+        # A one-step request first, whose only event holds the output thread until every other step has queued up.
+        engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=1), sink=lambda event: release.wait(TIMEOUT))
+        for index, voice in enumerate(voices):
+            request = SpeechRequest(prompts["text40"], max_new_tokens=16, seed=index, voice=voice)
+            engine.submit(request, sink=sink(index))
+        deadline = time.monotonic() + TIMEOUT
+        while engine.snapshot()["running"] or engine.snapshot()["queued"]:  # every step decoded
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.set()
+        while not all(reply and reply[-1].finished for reply in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        release.set()
+        engine.close()
+    assert max(batches) == 3, batches  # rounds with the chunks of all three requests
+    bos = engine.adapter.cfg.speech_bos_id
+    for voice, reply in zip(voices, events):
+        assert reply[-1].finish_reason in ("stop", "length"), reply[-1].error
+        alone = decoder.streaming_decoder(**decoder_speaker_kwargs(voice), **engine.stream_options)
+        ids = [torch.tensor(event.speech_ids, dtype=torch.long) for event in reply]
+        expected = [alone.push(valid_speech_tokens(speech, bos)) for speech in ids]
+        expected[-1] = torch.cat([expected[-1], alone.finalize()])
+        assert [len(event.audio) for event in reply] == [len(audio) for audio in expected]
+        assert sum(len(audio) for audio in expected) > 3 * 960  # several chunks
+        _close_wav(torch.cat([torch.from_numpy(event.audio) for event in reply]), torch.cat(expected))
 
 
 def test_cancel_frees_the_slot_for_the_next_request(model, prompts):

@@ -166,7 +166,8 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         key = (batch, str(device), dtype)
         cached = self._time_conditioning_cache.get(key)
         if cached is None or cached[0] != weights_key:
-            if cached is None and len(self._time_conditioning_cache) >= 4:  # a few batch sizes / devices at most
+            # a few batch sizes / devices at most (batched streaming: 1, 2, 4, 8, 16)
+            if cached is None and len(self._time_conditioning_cache) >= 8:
                 self._time_conditioning_cache.clear()
             cached = (weights_key, self.time_conditioning(batch, device, dtype))
             self._time_conditioning_cache[key] = cached

@@ -4,7 +4,8 @@
 request is prefilled alone (batch 1) between two steps and its cache rows and per-row state are placed into a free
 slot; a finished, cancelled or disconnected request leaves and frees its slot at the next step. Every request has its
 own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio chunks (a streaming
-CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step).
+CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step; the chunks ready
+across requests are decoded together, see `serving_vocoder_funaudiochat`).
 
 A request decodes exactly as it would alone (`generate_speech` at batch 1, same seed): a slot is a left-padded row.
 
@@ -50,7 +51,8 @@ from .generation_loop_funaudiochat import SpeechRun
 from .generation_output_funaudiochat import TextDeltas
 from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
-from .generation_vocoding_funaudiochat import decoder_sampling_rate, decoder_speaker_kwargs, valid_speech_tokens
+from .generation_vocoding_funaudiochat import decoder_sampling_rate
+from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
 
 
 logger = logging.get_logger(__name__)
@@ -374,6 +376,16 @@ class _DecodeAdapter:
         )
 
 
+def _distinct_requests_prefix(items: list) -> int:
+    """How many leading output items (handle first) are of distinct requests."""
+    seen = set()
+    for count, item in enumerate(items):
+        if item[0].id in seen:
+            return count
+        seen.add(item[0].id)
+    return len(items)
+
+
 def _shift_columns(tensor: torch.Tensor, shift: int, used: int, dim: int, fill_left=None, fill_right=None) -> None:
     """Move columns `[0, used)` of `tensor` along `dim` to `[-shift, used - shift)` in place (`shift` > 0: left).
     Columns opened on the left by a right shift get `fill_left`, those vacated on the right by a left shift
@@ -504,7 +516,10 @@ class SpeechEngine:
         self._closed = False
         self._failure: str | None = None
         self._output: queue.Queue = queue.Queue()
-        self._streams: dict[int, object] = {}  # request id -> its streaming decoder (output thread only)
+        # Each request's streaming decoder (output thread only); their chunks are decoded together.
+        self._vocoder = None
+        if decoder is not None:
+            self._vocoder = ServingVocoder(decoder, self.stream_options, self.adapter.cfg.speech_bos_id)
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
@@ -717,17 +732,46 @@ class SpeechEngine:
     # ------------------------------------------------------------------ output thread
     def _output_loop(self) -> None:
         while True:
-            item = self._output.get()
-            if item is None:
+            # Everything queued so far: the audio of all requests' ready chunks is decoded together.
+            items = [self._output.get()]
+            while items[-1] is not None:
+                try:
+                    items.append(self._output.get_nowait())
+                except queue.Empty:
+                    break
+            closing = items[-1] is None  # the last item ever (put after the decode thread ended)
+            items = items[:-1] if closing else items
+            while items:  # rounds of at most one item per request, in order: each event as if taken alone
+                count = _distinct_requests_prefix(items)
+                self._emit_round(items[:count])
+                items = items[count:]
+            if closing:
                 return
-            handle, text_ids, speech_ids, finish, error = item
-            if handle.finished.is_set():
-                continue  # e.g. a cancellation that arrived after the request had finished
+
+    def _emit_round(self, items: list) -> None:
+        """Emit the events of queued items of distinct requests, in order; a vocoder error fails its request only."""
+        items = [item for item in items if not item[0].finished.is_set()]  # e.g. a cancellation after the end
+        parts = [VocodeItem(handle.id, handle.request.voice, speech_ids, finish is not None,
+                            finish not in ("cancelled", "error"))
+                 for handle, _, speech_ids, finish, _ in items]  # fmt: skip
+        try:
+            audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
+        except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
+            audio = [failure] * len(items)
+        for (handle, text_ids, speech_ids, finish, error), samples in zip(items, audio):
             try:
-                event = self._event(handle, text_ids, speech_ids, finish, error)
+                if isinstance(samples, Exception):
+                    raise samples
+                finished = finish is not None
+                event = SpeechEvent(
+                    text=self._text_delta(handle.id, text_ids, finished), text_ids=list(text_ids),
+                    speech_ids=list(speech_ids), audio=samples, sampling_rate=self.sampling_rate, finished=finished,
+                    finish_reason=finish, error=error,
+                )  # fmt: skip
             except Exception as failure:  # a vocoder error fails this request only
-                logger.exception(f"Vocoding request {handle.id} failed.")
-                self._streams.pop(handle.id, None)
+                logger.error(f"Vocoding request {handle.id} failed.", exc_info=failure)
+                if self._vocoder is not None:
+                    self._vocoder.drop(handle.id)
                 self._text.pop(handle.id, None)
                 handle.cancel()  # its slot is freed at the next step
                 event = SpeechEvent(sampling_rate=self.sampling_rate, finished=True, finish_reason="error",
@@ -738,37 +782,6 @@ class SpeechEngine:
             except Exception as failure:  # a sink that fails (a closed event loop) must not stop the other requests
                 logger.warning(f"Request {handle.id}: its event could not be delivered ({failure}); cancelling it.")
                 handle.cancel()
-
-    def _event(self, handle, text_ids, speech_ids, finish, error) -> SpeechEvent:
-        finished = finish is not None
-        produce_audio = finish not in ("cancelled", "error")
-        stream = self._streams.get(handle.id)
-        if stream is None and self.decoder is not None and speech_ids and produce_audio:
-            stream = self.decoder.streaming_decoder(
-                **decoder_speaker_kwargs(handle.request.voice), **self.stream_options
-            )
-            self._streams[handle.id] = stream
-        pieces = []
-        if stream is not None and produce_audio:
-            valid = valid_speech_tokens(torch.tensor(speech_ids, dtype=torch.long), self.adapter.cfg.speech_bos_id)
-            with torch.no_grad():
-                if len(valid):
-                    pieces.append(stream.push(valid).reshape(-1).float().cpu())
-                if finished:
-                    pieces.append(stream.finalize().reshape(-1).float().cpu())
-        if finished:
-            self._streams.pop(handle.id, None)
-        audio = torch.cat(pieces).numpy() if pieces else np.zeros(0, dtype=np.float32)
-        return SpeechEvent(
-            text=self._text_delta(handle.id, text_ids, finished),
-            text_ids=list(text_ids),
-            speech_ids=list(speech_ids),
-            audio=audio,
-            sampling_rate=self.sampling_rate,
-            finished=finished,
-            finish_reason=finish,
-            error=error,
-        )
 
     def _text_delta(self, request_id: int, text_ids: list[int], final: bool) -> str:
         deltas = self._text.setdefault(request_id, TextDeltas(self.tokenizer))

@@ -74,6 +74,10 @@ class CosyVoice3StreamingDecoder:
     launches, with the same arithmetic (same kernels) as the eager calls. The first chunk of each new shape pays for
     the recording.
 
+    Many streams (a server): `add_tokens` to each, then `streaming_batch_cosyvoice3.decode_ready(decoders)` decodes
+    the chunks ready across them in one flow call per round, each stream's audio as its own `push` would give it
+    (`push` is `add_tokens` + `decode_ready()`).
+
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
     `flow_left_context_tokens`, without the distant past), so the mel (and therefore the audio) differs from a
@@ -158,12 +162,21 @@ class CosyVoice3StreamingDecoder:
 
     @torch.no_grad()
     def push(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Add speech tokens (n,) (or (1, n)) and return the audio (samples,) that became final (possibly empty).
+        """Add speech tokens (n,) (or (1, n)) and return the audio (samples,) that became final (possibly empty):
+        `add_tokens(tokens)` then `decode_ready()`.
 
         Ids outside the codebook raise a ValueError. Tokens on the CPU are checked here; tokens on an accelerator
         are checked when a chunk first needs them (by the push that decodes it, or `finalize`), so that pushes
         which decode nothing do not wait for the device. A failed check discards every token pushed since the last
         decoded chunk (the message says how many), and the stream can go on.
+        """
+        self.add_tokens(tokens)
+        return self.decode_ready()
+
+    @torch.no_grad()
+    def add_tokens(self, tokens: torch.Tensor) -> None:
+        """Add speech tokens (n,) (or (1, n)) without decoding (see `push` for the checks): a caller serving many
+        streams adds to each, then decodes all their ready chunks together (`streaming_batch_cosyvoice3.decode_ready`).
         """
         if self.finished:
             raise ValueError("push() after finalize(); start a new streaming_decoder for the next reply")
@@ -177,11 +190,19 @@ class CosyVoice3StreamingDecoder:
             self.model._check_token_range(tokens)
         if tokens.numel():
             self._pending.append((tokens.to(self.model.device, torch.long), checked))
+
+    @torch.no_grad()
+    def decode_ready(self) -> torch.Tensor:
+        """Decode every chunk the added tokens complete and return their audio (samples,) (possibly empty)."""
         pieces = []
-        while self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead:
+        while self.chunk_ready():
             self._accept_pending()
             pieces.append(self._decode_chunk(finalize=False))
         return self._concat(pieces)
+
+    def chunk_ready(self) -> bool:
+        """Whether the added tokens complete a chunk (a token beyond its look-ahead has arrived) before `finalize`."""
+        return not self.finished and self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead
 
     @torch.no_grad()
     def finalize(self) -> torch.Tensor:
@@ -227,21 +248,31 @@ class CosyVoice3StreamingDecoder:
         return self.first_hop if self.token_offset == 0 else self.hop
 
     def _decode_chunk(self, finalize: bool) -> torch.Tensor:
-        total = self._num_tokens()
-        hop = self._next_hop()
-        end = total if finalize else self.token_offset + hop + self.lookahead
-        if end > self.token_offset + (0 if finalize else self.lookahead):
-            window_start = max(0, self.token_offset - self.flow_left_context)
-            window = self.tokens[window_start - self.token_start : end - self.token_start]
+        flow_window = self._flow_window(finalize)
+        if flow_window is not None:
+            window, window_start, end = flow_window
             mel = self._flow(window, finalize, noise_offset=self.ratio * window_start)
-            new_mel = mel[:, :, self.ratio * (self.token_offset - window_start) :]
-            self.mel = torch.cat([self.mel, new_mel], dim=2)
-            self.token_offset = end if finalize else self.token_offset + hop
-            # Keep only the tokens the next flow window can reach.
-            keep_from = max(0, self.token_offset - self.flow_left_context)
-            self.tokens = self.tokens[keep_from - self.token_start :]
-            self.token_start = keep_from
+            self._take_mel(mel, window_start, end, finalize)
         return self._vocode(finalize)
+
+    def _flow_window(self, finalize: bool) -> Optional[tuple[torch.Tensor, int, int]]:
+        """(window tokens (n,), its first token, the chunk's last token + 1) of the next chunk's flow call, or None
+        when there is nothing to decode; the window starts `flow_left_context_tokens` before the chunk."""
+        end = self._num_tokens() if finalize else self.token_offset + self._next_hop() + self.lookahead
+        if end <= self.token_offset + (0 if finalize else self.lookahead):
+            return None
+        window_start = max(0, self.token_offset - self.flow_left_context)
+        return self.tokens[window_start - self.token_start : end - self.token_start], window_start, end
+
+    def _take_mel(self, mel: torch.Tensor, window_start: int, end: int, finalize: bool) -> None:
+        """Append the new frames of the flow window's mel (1, mel_bins, real frames) and move past the chunk (`end`
+        from `_flow_window`: the look-ahead tokens follow the chunk unless it is the final one)."""
+        self.mel = torch.cat([self.mel, mel[:, :, self.ratio * (self.token_offset - window_start) :]], dim=2)
+        self.token_offset = end if finalize else end - self.lookahead
+        # Keep only the tokens the next flow window can reach.
+        keep_from = max(0, self.token_offset - self.flow_left_context)
+        self.tokens = self.tokens[keep_from - self.token_start :]
+        self.token_start = keep_from
 
     def _flow(self, window: torch.Tensor, finalize: bool, noise_offset: int) -> torch.Tensor:
         """Mel (1, mel_bins, ratio * tokens') of the token window (tokens,), as `tokens_to_mel` computes it.
@@ -256,21 +287,43 @@ class CosyVoice3StreamingDecoder:
             return model.tokens_to_mel(
                 window.unsqueeze(0), self.speaker_embedding, finalize=finalize, noise_offset=noise_offset
             )
+        inputs, real_frames = self._flow_inputs(window, finalize, noise_offset, self.padded_window(window.shape[0]))
+        conditioning = self._time_conditioning()
+        if self._graphs is None:
+            mel = flow_window_to_mel(model.flow, *inputs, *conditioning)
+        else:  # the same, as one graph replay
+            mel = self._graphs["flow"](*inputs, *conditioning)
+        return mel[:, :, :real_frames]
+
+    def padded_window(self, num_tokens: int) -> int:
+        """The size a flow window of `num_tokens` tokens is padded to (`flow_window_sizes`; None: not padded)."""
+        if self.flow_window_sizes is None:
+            return num_tokens
+        return next((size for size in self.flow_window_sizes if size >= num_tokens), num_tokens)
+
+    def _flow_inputs(
+        self, window: torch.Tensor, finalize: bool, noise_offset: int, padded: int, masked: bool = False
+    ) -> tuple[tuple[torch.Tensor, ...], int]:
+        """The inputs of `flow_window_to_mel` but the time conditioning, for the token window (tokens,) right-padded
+        to `padded` tokens: ((tokens (1, padded), lengths (1,), noise (1, mel_bins, frames), speaker condition
+        (1, mel_bins), key mask (1, 1, 1, frames) or None), real frames), frames = token_mel_ratio * padded. The mask
+        is given whenever frames are hidden, under CUDA graphs (one signature) or when `masked` (batched rows)."""
+        model = self.model
         num_tokens = window.shape[0]
-        padded = next((size for size in self.flow_window_sizes if size >= num_tokens), num_tokens)
         flow = model.flow
         tokens = F.pad(window, (0, padded - num_tokens)).unsqueeze(0)
         real_frames = self.ratio * (num_tokens if finalize else num_tokens - self.lookahead)
         frames = self.ratio * padded  # the look-ahead tokens' frames are computed too, then hidden
+        masked = masked or real_frames < frames or self.cuda_graphs  # graph replays always take a mask
         # The token count and the key-padding mask (1, 1, 1, frames), True = may attend (the layout
         # `build_attention_mask` returns), or None. Kept per shape: once the windows are full, every chunk passes the
         # same tensors, which the graph runner does not copy again (no launches while the GPU waits for the flow).
-        key = (num_tokens, real_frames, frames)
+        key = (num_tokens, real_frames, frames, masked)
         if key not in self._window_inputs:
             # torch.full, not torch.tensor([n]): a fill kernel instead of a host-to-device copy.
             lengths = torch.full((1,), num_tokens, device=tokens.device)
             mask = None
-            if real_frames < frames or self.cuda_graphs:  # graph replays always take a mask: one signature
+            if masked:
                 mask = (torch.arange(frames, device=tokens.device) < real_frames).view(1, 1, 1, frames)
             self._window_inputs[key] = (lengths, mask)
         lengths, mask = self._window_inputs[key]
@@ -280,25 +333,40 @@ class CosyVoice3StreamingDecoder:
             )
         dtype = flow.input_embedding.weight.dtype  # of the token embeddings, hence of mu
         noise = flow.decoder.start_noise(1, frames, noise_offset).to(dtype)
-        # The same for every chunk of every reply: computed once per model (again if the weights or precision change),
-        # and fetched once per reply: checking that model cache's ~50 weight versions is host work on every chunk,
-        # during which the GPU waits (the weights do not change within a reply, as for the speaker condition).
+        return (tokens, lengths, noise, self._speaker_condition, mask), real_frames
+
+    def _time_conditioning(self) -> tuple[torch.Tensor, ...]:
+        """`flow.decoder.cached_time_conditioning` for one row.
+
+        The same for every chunk of every reply: computed once per model (again if the weights or precision change),
+        and fetched once per reply: checking that model cache's ~50 weight versions is host work on every chunk,
+        during which the GPU waits (the weights do not change within a reply, as for the speaker condition)."""
         if self._conditioning is None:
-            self._conditioning = flow.decoder.cached_time_conditioning(1, tokens.device, dtype)
-        conditioning = self._conditioning
-        inputs = (tokens, lengths, noise, self._speaker_condition)
-        if self._graphs is None:
-            mel = flow_window_to_mel(flow, *inputs, mask, *conditioning)
-        else:  # the same, as one graph replay
-            mel = self._graphs["flow"](*inputs, mask, *conditioning)
-        return mel[:, :, :real_frames]
+            flow = self.model.flow
+            self._conditioning = flow.decoder.cached_time_conditioning(
+                1, self.model.device, flow.input_embedding.weight.dtype
+            )
+        return self._conditioning
 
     def _vocode(self, finalize: bool) -> torch.Tensor:
+        inputs = self._hift_inputs(finalize)
+        if inputs is None:
+            return self._concat([])
+        decode_mel, source, window_start, audio_end = inputs
+        if self._graphs is not None and not finalize:
+            wav = self._graphs["hift"](decode_mel, source)
+        else:
+            wav = self.model.hift.decode(decode_mel, source, finalize=finalize)
+        return self._take_audio(wav, window_start, audio_end)
+
+    def _hift_inputs(self, finalize: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        """(mel (1, mel_bins, frames), source (1, 1, frames * 480), first frame, frames final after the call) of the
+        next HiFT filter call, or None when no audio becomes final; extends the f0 / phase state first."""
         hift = self.model.hift
         mel_end = self.mel_start + self.mel.shape[-1]
         audio_end = mel_end if finalize else mel_end - self.hift_holdback_frames  # frames final after this call
         if audio_end <= self.emitted_frames:
-            return self._concat([])
+            return None
         window_start = max(self.mel_start, self.emitted_frames - self.hift_left_context)
         mel = self.mel[:, :, window_start - self.mel_start :]
         f0_lookahead = 0 if finalize else hift.f0_predictor.lookahead
@@ -313,16 +381,13 @@ class CosyVoice3StreamingDecoder:
             f0_new = hift.predict_f0(mel[:, :, first:], finalize=finalize)[:, f0_end - window_start - first :]
             self._extend_source_state(f0_new.to(torch.float32))
         source = self._source(window_start, source_end)
+        return mel[:, :, : source_end - window_start], source, window_start, audio_end
 
-        decode_mel = mel[:, :, : source_end - window_start]
-        if self._graphs is not None and not finalize:
-            wav = self._graphs["hift"](decode_mel, source)
-        else:
-            wav = hift.decode(decode_mel, source, finalize=finalize)
+    def _take_audio(self, wav: torch.Tensor, window_start: int, audio_end: int) -> torch.Tensor:
+        """The new audio (samples,) of the HiFT call's output wav (1, samples) for `_hift_inputs`' window; drops the
+        history the next window cannot reach."""
         wav = wav[0, (self.emitted_frames - window_start) * self.samples_per_frame :]
         self.emitted_frames = audio_end
-
-        # Drop history the next window cannot reach.
         keep_from = max(0, self.emitted_frames - self.hift_left_context)
         self.mel = self.mel[:, :, keep_from - self.mel_start :]
         self.mel_start = keep_from
@@ -427,6 +492,11 @@ def flow_window_to_mel(
     return flow.decoder.solve(noise, mu, speaker_condition, torch.zeros_like(mu), mask, *conditioning)
 
 
+# Recordings a model's runners keep. Flow: one per window size ("auto": 3 at the default settings) and batch size
+# (`streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES`: 5). HiFT: its window grows over the first few chunks, then stays
+# the same, per batch size. One memory pool per runner: more recordings cost their static inputs and outputs only.
+_MAX_FLOW_GRAPHS, _MAX_HIFT_GRAPHS = 24, 40
+
 # Serialises the first creation of a model's runners (streams of one model may start in several threads).
 _GRAPH_RUNNERS_LOCK = threading.Lock()
 
@@ -466,9 +536,12 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
                 "flow": CUDAGraphRunner(
                     functools.partial(flow_window_to_mel, flow),
                     functools.partial(settings, flow.input_embedding, flow.pre_lookahead_layer, estimator),
+                    max_graphs=_MAX_FLOW_GRAPHS,
                 ),
                 "hift": CUDAGraphRunner(
-                    functools.partial(hift.decode, finalize=False), functools.partial(settings, hift)
+                    functools.partial(hift.decode, finalize=False),
+                    functools.partial(settings, hift),
+                    max_graphs=_MAX_HIFT_GRAPHS,
                 ),
             }
             model.streaming_graph_runners = runners

@@ -1,0 +1,141 @@
+"""The speech engine's audio: one CosyVoice3 streaming decoder per request, their ready chunks decoded together.
+
+A decode step of the engine yields a few speech tokens for each of up to `max_batch_size` requests. Each request's
+tokens go to its own `CosyVoice3StreamingDecoder` (its voice, its chunk boundaries, its state), but the chunks that
+become ready across requests are decoded by one batched call (`streaming_batch_cosyvoice3.decode_ready`): one flow
+call for all of them instead of one per request, which on a GPU costs about as much as one. A request's audio equals
+what its decoder alone would give (rows are independent; equal up to float rounding).
+
+On a GPU the decoders run on a CUDA stream of their own (owned here), so that their kernels overlap the engine's decode
+steps on the default stream instead of queueing behind them. Nothing crosses the two streams: the decoders read only
+their own tensors and the vocoder's weights (ordered after everything queued before the engine started, see
+`__init__`), and their audio reaches the host with `.cpu()`, which waits for the vocoder's stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.utils import logging
+
+from .generation_vocoding_funaudiochat import decoder_speaker_kwargs, valid_speech_tokens
+from .streaming_batch_cosyvoice3 import decode_ready
+
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class VocodeItem:
+    """One decode step's output of one request: its new speech ids, whether it is the request's last, and whether
+    audio is wanted (not for a cancelled or failed request)."""
+
+    request_id: int
+    voice: object
+    speech_ids: list[int]
+    finished: bool
+    produce_audio: bool
+
+
+class ServingVocoder:
+    """Per-request streaming decoders of `decoder` (a CosyVoice3 token2wav model), held from a request's first speech
+    token until its last item (or `drop`). Used by the engine's output thread only.
+
+    Args:
+        decoder: the token2wav model.
+        stream_options: keywords of its `streaming_decoder` (hop sizes, windows).
+        speech_bos_id: the chat model's first non-codec speech id (`valid_speech_tokens`).
+    """
+
+    def __init__(self, decoder, stream_options: dict, speech_bos_id: int):
+        self.decoder = decoder
+        self.stream_options = stream_options
+        self.speech_bos_id = speech_bos_id
+        self._streams: dict[int, object] = {}  # request id -> its streaming decoder
+        self.cuda_stream = None
+        device = getattr(decoder, "device", torch.device("cpu"))
+        if device.type == "cuda":
+            self.cuda_stream = torch.cuda.Stream(device)
+            # The decoder's weights and tables were written on the creating thread's stream.
+            self.cuda_stream.wait_stream(torch.cuda.current_stream(device))
+
+    def drop(self, request_id: int) -> None:
+        self._streams.pop(request_id, None)
+
+    @torch.no_grad()
+    def audio(self, items: list[VocodeItem]) -> list[np.ndarray | Exception]:
+        """The new audio (float32 samples) of each item, or the exception that failed its request (whose decoder is
+        then dropped). Items must be of distinct requests (one step each): their tokens are added, the ready chunks
+        of all of them decoded together, then the finished ones finalized."""
+        if len({item.request_id for item in items}) != len(items):
+            raise ValueError("ServingVocoder.audio takes at most one item per request")
+        context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
+        with context:
+            results = self._audio(items)
+        for item, result in zip(items, results):
+            if item.finished or isinstance(result, Exception) or not item.produce_audio:
+                self.drop(item.request_id)
+        return results
+
+    def _audio(self, items: list[VocodeItem]) -> list[np.ndarray | Exception]:
+        results: list = [None] * len(items)
+        pieces: list[list[torch.Tensor]] = [[] for _ in items]
+        active = []  # (position, decoder) of the items whose tokens were added
+        for position, item in enumerate(items):
+            stream = self._streams.get(item.request_id)
+            if not item.produce_audio or (stream is None and not item.speech_ids):
+                continue  # no audio wanted, or no speech yet
+            try:
+                if stream is None:
+                    stream = self.decoder.streaming_decoder(
+                        **decoder_speaker_kwargs(item.voice), **self.stream_options
+                    )
+                    self._streams[item.request_id] = stream
+                valid = valid_speech_tokens(torch.tensor(item.speech_ids, dtype=torch.long), self.speech_bos_id)
+                if len(valid):
+                    stream.add_tokens(valid)
+                active.append((position, stream))
+            except Exception as error:
+                results[position] = error
+        ready = [(position, stream) for position, stream in active if stream.chunk_ready()]
+        for position, audio in self._decode_ready(ready).items():
+            if isinstance(audio, Exception):
+                results[position] = audio
+            else:
+                pieces[position].append(audio)
+        for position, stream in active:
+            if results[position] is None and items[position].finished:
+                try:
+                    pieces[position].append(stream.finalize())
+                except Exception as error:
+                    results[position] = error
+        for position, result in enumerate(results):
+            if result is None:
+                audio = [piece.reshape(-1).float().cpu() for piece in pieces[position]]  # waits for the stream
+                results[position] = torch.cat(audio).numpy() if audio else np.zeros(0, dtype=np.float32)
+        return results
+
+    def _decode_ready(self, ready: list[tuple[int, object]]) -> dict[int, torch.Tensor | Exception]:
+        """{position: audio or exception} of the ready decoders: one batched call; if it fails (it then leaves the
+        decoders as they were), each decoder alone, so that only the failing request fails."""
+        if not ready:
+            return {}
+        try:
+            return dict(zip((position for position, _ in ready), decode_ready([stream for _, stream in ready])))
+        except Exception as error:
+            if len(ready) == 1:
+                return {ready[0][0]: error}
+            logger.warning(f"Vocoding {len(ready)} streams together failed ({error}); vocoding them one by one.")
+        results = {}
+        for position, stream in ready:
+            try:
+                results[position] = stream.decode_ready()
+            except Exception as error:
+                results[position] = error
+        return results
+
+
+__all__ = ["ServingVocoder", "VocodeItem"]

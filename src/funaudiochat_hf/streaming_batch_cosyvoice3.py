@@ -1,0 +1,176 @@
+"""Decode the ready chunks of several CosyVoice3 streaming decoders together (a server's concurrent replies).
+
+A streamed chunk's flow call (10 Euler steps over the 22 DiT blocks, with classifier-free guidance) is thousands of
+small kernels: on a GPU its time hardly depends on how many rows it computes. Decoding the chunks of N streams one
+after another costs N such calls; `decode_ready` stacks one chunk of every ready stream into one flow call (and one
+HiFT filter call per group of equal HiFT windows), so serving N streams costs about one stream's calls per chunk.
+
+Every row is computed as its own decoder would compute it alone (`CosyVoice3StreamingDecoder.push`): rows are
+independent in the flow (per-row key mask over its own window, its own token count, start noise at its own absolute
+frame offset, its own speaker condition; the DiT's convs look left only, the CFG batch concatenates the conditional
+and unconditional rows as whole rows) and in HiFT (a batched filter call computes each row as a batch-1 call). So a
+row's mel and audio equal its decoder's own `push` up to float rounding (tested), and every decoder's state moves
+exactly as its own `push` would move it.
+"""
+
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+
+from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder, flow_window_to_mel
+
+
+# Batch sizes of the graphed (or compiled) calls: a batch is padded up to the next one (copies of a real row, outputs
+# dropped), so the runners record at most (window sizes x these) flow graphs. Larger batches are split into calls of
+# the largest.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@torch.no_grad()
+def decode_ready(
+    decoders: Sequence[CosyVoice3StreamingDecoder],
+    batch_sizes: Union[tuple[int, ...], str, None] = "auto",
+) -> list[torch.Tensor]:
+    """Decode every ready chunk of `decoders` (tokens added with `add_tokens`) and return each decoder's new audio
+    (samples,) (possibly empty), in order: what `decoder.decode_ready()` returns for each, with one flow call (and
+    HiFT calls grouped by window shape) per round instead of one per decoder.
+
+    While any decoder has a ready chunk (`chunk_ready()`), one chunk of every ready decoder is decoded per round: its
+    flow window is right-padded to the largest padded size among the round's rows (`padded_window`; the longest row
+    with exact shapes) and hidden from attention past its real frames.
+
+    batch_sizes: the batch sizes a call may have, ascending; a round's rows are padded up to the smallest that holds
+    them (copies of a real row, whose outputs are dropped) and split into calls of the largest when there are more.
+    "auto" (default): `GRAPH_BATCH_SIZES` when the decoders replay CUDA graphs or the model's flow is compiled (graphs
+    and compiled code are specialised to shapes: this bounds the recordings), else None (one call per round with
+    exactly the ready rows).
+
+    All decoders must stream from the same model with the same `cuda_graphs` setting (one flow call runs one model's
+    weights and one precision setting); a mix raises a ValueError. A failed call leaves every decoder as it was before
+    it (decoding each alone then finds the one that fails), except for a token-range error: tokens added on an
+    accelerator are checked when their chunk is decoded; a bad one raises a ValueError naming the decoder's index, and
+    that decoder's unchecked tokens are discarded, as by `push`.
+    """
+    decoders = list(decoders)
+    if not decoders:
+        return []
+    if any(not isinstance(decoder, CosyVoice3StreamingDecoder) for decoder in decoders):
+        raise ValueError("decode_ready takes CosyVoice3StreamingDecoder objects")
+    if len({id(decoder) for decoder in decoders}) != len(decoders):
+        raise ValueError("decode_ready: a decoder appears twice (its chunks would be decoded twice)")
+    model, graphed = decoders[0].model, decoders[0].cuda_graphs
+    for index, decoder in enumerate(decoders):
+        if decoder.model is not model:
+            raise ValueError(
+                f"decode_ready: decoder {index} streams from another model than decoder 0; one call decodes one "
+                "model's streams (call it once per model)"
+            )
+        if decoder.cuda_graphs != graphed:
+            raise ValueError(
+                f"decode_ready: decoder {index} has cuda_graphs={decoder.cuda_graphs}, decoder 0 {graphed}; one call "
+                "decodes streams of one setting"
+            )
+    sizes = _batch_sizes(batch_sizes, fixed_shapes=graphed or model.flow_is_compiled)
+    # The decoders' state before the call: the decoding replaces state tensors, never writes into them, so a shallow
+    # copy restores it if the call fails (no chunk is then half-decoded, e.g. its mel taken but not vocoded).
+    states = [dict(vars(decoder)) for decoder in decoders]
+    pieces: list[list[torch.Tensor]] = [[] for _ in decoders]
+    try:
+        while True:
+            ready = [index for index, decoder in enumerate(decoders) if decoder.chunk_ready()]
+            if not ready:
+                break
+            for index in ready:
+                try:
+                    decoders[index]._accept_pending()
+                except ValueError as error:
+                    states[index] = dict(vars(decoders[index]))  # without the discarded tokens, as `push` leaves it
+                    raise ValueError(f"streaming decoder {index}: {error}") from None
+            step = len(ready) if sizes is None else sizes[-1]
+            for first in range(0, len(ready), step):
+                group = ready[first : first + step]
+                for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
+                    pieces[index].append(audio)
+    except BaseException:
+        for decoder, state in zip(decoders, states):
+            vars(decoder).clear()
+            vars(decoder).update(state)
+        raise
+    return [decoder._concat(audio) for decoder, audio in zip(decoders, pieces)]
+
+
+def _batch_sizes(batch_sizes, fixed_shapes: bool) -> Optional[tuple[int, ...]]:
+    if batch_sizes == "auto":
+        return GRAPH_BATCH_SIZES if fixed_shapes else None
+    if batch_sizes is None:
+        return None
+    if (
+        isinstance(batch_sizes, (tuple, list))
+        and batch_sizes
+        and all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in batch_sizes)
+    ):
+        return tuple(sorted(set(batch_sizes)))
+    raise ValueError(f"batch_sizes must be 'auto', None or a tuple of ints >= 1, got {batch_sizes!r}")
+
+
+def _pad_rows(tensors: list[torch.Tensor], sizes: Optional[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Pad the batch (dim 0) of each tensor up to the smallest of `sizes` that holds it, with copies of row 0."""
+    batch = tensors[0].shape[0]
+    if sizes is None:
+        return tensors
+    bucket = next(size for size in sizes if size >= batch)
+    if bucket == batch:
+        return tensors
+    return [torch.cat([tensor, tensor[:1].expand(bucket - batch, *tensor.shape[1:])]) for tensor in tensors]
+
+
+def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes) -> list[torch.Tensor]:
+    """Decode the next (non-final) chunk of every decoder (all ready, pending tokens accepted): one flow call, then
+    one HiFT filter call per group of equal window shapes. Returns each decoder's new audio (samples,)."""
+    first = decoders[0]
+    model = first.model
+    windows = [decoder._flow_window(finalize=False) for decoder in decoders]
+    padded = max(decoder.padded_window(window.shape[0]) for decoder, (window, _, _) in zip(decoders, windows))
+    rows, real_frames = [], []
+    for decoder, (window, window_start, _) in zip(decoders, windows):
+        inputs, frames = decoder._flow_inputs(window, False, decoder.ratio * window_start, padded, masked=True)
+        rows.append(inputs)
+        real_frames.append(frames)
+    # (tokens (B, padded), lengths (B,), noise (B, mel_bins, frames), speaker condition (B, mel_bins), mask
+    # (B, 1, 1, frames)), B padded up to a batch size
+    inputs = _pad_rows([torch.cat(parts) for parts in zip(*rows)], sizes)
+    flow = model.flow
+    conditioning = flow.decoder.cached_time_conditioning(
+        inputs[0].shape[0], model.device, flow.input_embedding.weight.dtype
+    )
+    if first._graphs is None:
+        mel = flow_window_to_mel(flow, *inputs, *conditioning)
+    else:
+        mel = first._graphs["flow"](*inputs, *conditioning)
+    for row, (decoder, (_, window_start, end)) in enumerate(zip(decoders, windows)):
+        decoder._take_mel(mel[row : row + 1, :, : real_frames[row]], window_start, end, finalize=False)
+
+    # HiFT: rows with equal window shapes (the steady state: all of them) in one filter call.
+    audio: list[Optional[torch.Tensor]] = [None] * len(decoders)
+    groups: dict[int, list[tuple[int, tuple]]] = {}
+    for row, decoder in enumerate(decoders):
+        hift_inputs = decoder._hift_inputs(finalize=False)
+        if hift_inputs is None:
+            audio[row] = decoder._concat([])
+        else:
+            groups.setdefault(hift_inputs[0].shape[-1], []).append((row, hift_inputs))
+    for group in groups.values():
+        mel_batch, source_batch = _pad_rows(
+            [torch.cat([inputs[0] for _, inputs in group]), torch.cat([inputs[1] for _, inputs in group])], sizes
+        )
+        if first._graphs is None:
+            wav = model.hift.decode(mel_batch, source_batch, finalize=False)
+        else:
+            wav = first._graphs["hift"](mel_batch, source_batch)
+        for position, (row, (_, _, window_start, audio_end)) in enumerate(group):
+            audio[row] = decoders[row]._take_audio(wav[position : position + 1], window_start, audio_end)
+    return audio
+
+
+__all__ = ["GRAPH_BATCH_SIZES", "decode_ready"]

@@ -1,0 +1,72 @@
+"""The serving engine's vocoder (`serving_vocoder_funaudiochat.ServingVocoder`): a request's decoder that fails fails
+that request only, and the others' audio is what their decoders alone give (the failed batched call changed nothing:
+each then decodes alone)."""
+
+import pytest
+import torch
+
+from funaudiochat_hf import CosyVoice3Token2Wav, serving_vocoder_funaudiochat
+from funaudiochat_hf.serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
+
+from conftest import COSYVOICE3_TINY
+from test_modeling_cosyvoice3 import _close_wav
+
+
+def test_a_failing_stream_fails_its_request_only(monkeypatch):
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    assert vocoder.cuda_stream is None  # a CPU decoder: no stream of its own
+    tokens = torch.randint(0, decoder.config.vocab_size, (3, 30), generator=torch.Generator().manual_seed(0))
+    voices = ["中文女", "中文男", None]
+
+    def items(start, count, finished=False):
+        return [VocodeItem(i, voices[i], tokens[i, start : start + count].tolist(), finished, True) for i in range(3)]
+
+    first = vocoder.audio(items(0, 10))
+    assert all(len(audio) > 0 for audio in first)  # every first chunk (5 tokens + 3 look-ahead) is ready
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("vocoder failure")
+
+    monkeypatch.setattr(vocoder._streams[1], "_hift_inputs", failing)
+    second = vocoder.audio(items(10, 20, finished=True))
+    assert isinstance(second[1], RuntimeError) and 1 not in vocoder._streams
+    assert not vocoder._streams  # finished requests' decoders are dropped
+    for i in (0, 2):
+        alone = decoder.streaming_decoder(**({"speaker": voices[i]} if voices[i] else {}), **options)
+        _close_wav(torch.from_numpy(first[i]), alone.push(tokens[i, :10]))  # batched: equal up to float rounding
+        _close_wav(torch.from_numpy(second[i]), torch.cat([alone.push(tokens[i, 10:]), alone.finalize()]))
+
+
+@pytest.mark.gpu
+def test_cuda_decoders_run_on_the_vocoders_own_stream(monkeypatch):
+    """On CUDA the decoders run on the vocoder's stream (overlapping the engine's decode steps on the default one);
+    the audio that reaches the host is complete (`.cpu()` waits for that stream) and equals each stream alone."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    decoder.config.estimator_precision = "float32"
+    decoder.cuda()
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    assert vocoder.cuda_stream is not None and vocoder.cuda_stream != torch.cuda.current_stream()
+    seen = []
+    batched = serving_vocoder_funaudiochat.decode_ready
+    monkeypatch.setattr(
+        serving_vocoder_funaudiochat, "decode_ready", lambda streams: seen.append(torch.cuda.current_stream()) or
+        batched(streams)
+    )  # fmt: skip
+    tokens = torch.randint(0, decoder.config.vocab_size, (3, 60), generator=torch.Generator().manual_seed(1))
+    voices = ["中文女", "中文男", None]
+    audio = [[] for _ in voices]
+    for start in range(0, 60, 5):
+        finished = start + 5 == 60
+        items = [VocodeItem(i, voices[i], tokens[i, start : start + 5].tolist(), finished, True) for i in range(3)]
+        for i, samples in enumerate(vocoder.audio(items)):
+            audio[i].append(torch.from_numpy(samples))
+    assert seen and all(stream == vocoder.cuda_stream for stream in seen)
+    for i, voice in enumerate(voices):
+        alone = decoder.streaming_decoder(**({"speaker": voice} if voice else {}), **options)
+        pieces = [alone.push(tokens[i, start : start + 5]).cpu() for start in range(0, 60, 5)]
+        pieces[-1] = torch.cat([pieces[-1], alone.finalize().cpu()])
+        assert [len(piece) for piece in audio[i]] == [len(piece) for piece in pieces]
+        _close_wav(torch.cat(audio[i]), torch.cat(pieces))
