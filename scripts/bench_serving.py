@@ -56,6 +56,7 @@ from funaudiochat_hf.serving_openai_funaudiochat import (  # noqa: E402
     pcm16,
     wav_bytes,
 )
+from funaudiochat_hf.serving_server_funaudiochat import _stream_options as server_stream_options  # noqa: E402
 from funaudiochat_hf.tiny_model import synthetic_question  # noqa: E402
 
 
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-tokens", type=int, default=100, help="reply length in LLM steps of 0.2 s (default: %(default)s)")
     add("--max-batch-size", type=int, default=16, help="engine slots (default: %(default)s)")
     add("--question-seconds", type=float, default=3.0, help="the synthetic spoken question (default: %(default)s)")
+    add("--stream-options", type=server_stream_options, default=None, metavar="JSON",
+        help="the engine's streaming decoder settings, as funaudiochat-serve --stream-options")  # fmt: skip
     add("--feature-window-seconds", type=int, default=None, help="the feature extractor's window (`chunk_length`; "
         "features are padded to it): default the tiny processor's 30 s; the official one's is likely 300 s")
     add("--time-budget", type=float, default=420.0, help="seconds; later phases are skipped (default: %(default)s)")
@@ -235,6 +238,7 @@ def start_engine(model, decoder, processor, args):
         max_new_tokens=args.max_tokens,
         generation_options={"eos_token_id": []},
         backend=defaults.backend,
+        stream_options=args.stream_options,
     )
 
 

@@ -280,3 +280,20 @@ def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
     body = {"model": "m", "messages": _messages(1.5), "modalities": ["text"]}
     parsed = parse_chat_request(body, processor, TranscriptMemory(), [], "m")
     assert parsed.speech.inputs["input_features"].shape[-1] == 150
+
+
+def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, capsys):
+    """--stream-options: the streaming decoder's window settings (the lever between quality and conversations per
+    GPU) reach the engine; unknown names and non-integers are refused before anything loads."""
+    args = _parser().parse_args(["--model", str(tiny_path), "--device", "cpu", "--max-new-tokens", "8",
+                                 "--stream-options", '{"flow_left_context_tokens": 50, "token_hop_len": 25}'])  # fmt: skip
+    engine, _, _ = build_engine(args)
+    try:
+        assert engine.stream_options["flow_left_context_tokens"] == 50 and engine.stream_options["token_hop_len"] == 25
+        assert engine.stream_options["first_token_hop_len"] == 5  # the other defaults stay
+    finally:
+        engine.close()
+    for bad in ('{"voice": 1}', '{"token_hop_len": "25"}', "[25]", "{"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--stream-options", bad])
+        assert "--stream-options" in capsys.readouterr().err

@@ -246,8 +246,31 @@ def _parser() -> argparse.ArgumentParser:
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
     add("--backend", default="auto", choices=list(BACKENDS), help="decode backend, as generate_speech's (default: "
         "%(default)s: eager on a CPU, the fast CUDA backend on a GPU; 'compiled': minutes of warm-up)")  # fmt: skip
+    add("--stream-options", type=_stream_options, default=None, metavar="JSON",
+        help="keywords of the speech decoder's streaming_decoder as JSON, e.g. '{\"flow_left_context_tokens\": 50, "
+             "\"token_hop_len\": 25}': a streamed chunk's flow recomputes its left context, so a shorter context or a "
+             "longer hop serves more conversations per GPU (default: generate_speech_stream's)")  # fmt: skip
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     return parser
+
+
+_STREAM_OPTION_NAMES = ("token_hop_len", "first_token_hop_len", "flow_left_context_tokens", "hift_left_context_frames")
+
+
+def _stream_options(text: str) -> dict:
+    """`--stream-options`: a JSON object of the streaming decoder's integer window settings."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"takes a JSON object, got {text!r}")
+    for name, value in options.items():
+        if name not in _STREAM_OPTION_NAMES:
+            raise argparse.ArgumentTypeError(f"unknown option {name!r}; the options are {', '.join(_STREAM_OPTION_NAMES)}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer >= 0, got {value!r}")
+    return options
 
 
 def build_engine(args) -> tuple[SpeechEngine, object, str]:
@@ -269,6 +292,7 @@ def build_engine(args) -> tuple[SpeechEngine, object, str]:
         max_new_tokens=max_new_tokens,
         generation_options=options,
         backend=args.backend,
+        stream_options=args.stream_options,
     )
     name = args.served_model_name or args.model or "funaudiochat-tiny"
     return engine, pipe.processor, name
