@@ -860,3 +860,42 @@ def test_bucket_padded_prompt_pass_matches_reference(model, inputs, rep, monkeyp
     assert torch.equal(out.speech_ids, golden["speech_ids"])
     torch.testing.assert_close(out.text_logits[0], text_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.speech_logits[0], crq_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_pass_runs_unpadded_when_the_padded_prompt_does_not_fit(model, inputs, monkeypatch):
+    """A generator that holds the prompt and reply but not the bucket padding: the prompt pass runs as it is (no
+    padding, no recording), with the reference's tokens."""
+    import dataclasses
+
+    from funaudiochat_hf import generation_loop_funaudiochat as loop
+    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
+
+    plan = SpeechGenerator.plan
+    monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), prefill_graph=True))
+    calls = []
+    monkeypatch.setattr(loop, "bucketed_prefill_forward", lambda *a, **k: calls.append(k))
+    golden = _golden("1.0")[0]
+    needed = inputs["input_ids"].shape[1] + GOLDEN_KWARGS["max_new_tokens"]  # 347: the padded call needs 400
+    generator = model.speech_generator(max_batch_size=1, max_length=needed)
+    out = model.generate_speech(**inputs, **GOLDEN_KWARGS, cache_implementation="static", speech_generator=generator)
+    assert calls == []
+    assert torch.equal(out.sequences, golden["sequences"]) and torch.equal(out.speech_ids, golden["speech_ids"])
+
+
+def test_prompt_masks_give_every_query_a_key():
+    """The prepared prompt masks: causal over the unpadded keys, and a padding query attends to itself (a row of
+    nothing would give NaN that its cache entries carry into later reads)."""
+    from funaudiochat_hf.generation_step_funaudiochat import _prompt_mask
+
+    key_mask = torch.tensor([[False, False, True, True, True, True]])  # 2 padding columns, 4 tokens, 6 cache columns
+    mask = _prompt_mask(key_mask, queries=4)["full_attention"]
+    assert mask.shape == (1, 1, 4, 6)
+    expected = torch.tensor(
+        [
+            [True, False, False, False, False, False],  # padding query 0: itself only
+            [False, True, False, False, False, False],  # padding query 1: itself only
+            [False, False, True, False, False, False],
+            [False, False, True, True, False, False],
+        ]
+    )
+    assert torch.equal(mask[0, 0], expected)
