@@ -1,0 +1,24 @@
+"""Smoke test of scripts/profile_ttfa.py on CPU with the tiny random configs (real numbers come from a GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_ttfa.py"
+
+
+def test_stages_of_the_first_audio_are_timed(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("profile_ttfa", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--tiny", "--device", "cpu", "--warm-calls", "1", "--top", "2", "--json", str(tmp_path / "t.json")])
+    timed = report["timed_call"]
+    assert len(report["warm_calls"]) == 1 and timed["ttfa_ms"] > 0 and timed["events_ms"][-1] <= timed["ttfa_ms"]
+    stages = timed["stages"]
+    assert set(stages) >= {"embed_prompt", "prefill"}  # the prompt pass is eager on a CPU
+    (host, done), = stages["prefill"]
+    assert 0 < host <= done and stages["embed_prompt"][0][1] <= done
+    assert (tmp_path / "t.json").exists() and "profiled call" in capsys.readouterr().out
+    from funaudiochat_hf import generation_loop_funaudiochat as loop
+
+    assert not hasattr(loop.SpeechRun.prefill, "__wrapped__") and loop.SpeechRun.prefill.__name__ == "prefill"
