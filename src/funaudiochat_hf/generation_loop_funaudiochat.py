@@ -123,9 +123,7 @@ class SpeechRun:
         needed = length + extra + max_new_tokens
         tower = getattr(model, "audio_invert_tower", None)
         stacks = [model.language_model.model] + ([tower.crq_transformer] if tower is not None else [])
-        fits = (generator.growable or generator.max_length is None or needed <= generator.max_length) and (
-            needed <= model.config.text_config.max_position_embeddings
-        )
+        fits = generator.holds(needed) and needed <= model.config.text_config.max_position_embeddings
         if not fits or any(getattr(stack, "has_sliding_layers", False) for stack in stacks):
             return None
         return extra

@@ -207,6 +207,10 @@ class SpeechGenerator:
             logger.warning(f"generate_speech runs backend {plan.backend!r}; {'; '.join(plan.fallbacks)}.")
         return plan
 
+    def holds(self, needed: int) -> bool:
+        """Whether a call that needs `needed` LLM cache positions fits (or may grow) this generator."""
+        return self.growable or self.max_length is None or needed <= self.max_length
+
     def cache_length(self, batch_size: int, needed: int, static: bool) -> int:
         """LLM cache positions of a call that needs `needed` (prompt + max_new_tokens); checks or grows the limits."""
         if batch_size > self.max_batch_size:
@@ -217,7 +221,7 @@ class SpeechGenerator:
                 )
             self.max_batch_size = batch_size
         if self.max_length is not None and needed > self.max_length:
-            if not self.growable:
+            if not self.holds(needed):
                 raise ValueError(
                     f"The call needs {needed} LLM cache positions (prompt + max_new_tokens) but this SpeechGenerator "
                     f"holds max_length={self.max_length}; lower max_new_tokens or make one with a larger max_length."

@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder, flow_window_to_mel
+from .streaming_cosyvoice3 import CosyVoice3StreamingDecoder, flow_window_to_mel, positive_int_sizes
 
 
 # Batch sizes of the graphed (or compiled) calls: a batch is padded up to the next one (copies of a real row, outputs
@@ -105,11 +105,7 @@ def _batch_sizes(batch_sizes, fixed_shapes: bool) -> Optional[tuple[int, ...]]:
         return GRAPH_BATCH_SIZES if fixed_shapes else None
     if batch_sizes is None:
         return None
-    if (
-        isinstance(batch_sizes, (tuple, list))
-        and batch_sizes
-        and all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in batch_sizes)
-    ):
+    if positive_int_sizes(batch_sizes):
         return tuple(sorted(set(batch_sizes)))
     raise ValueError(f"batch_sizes must be 'auto', None or a tuple of ints >= 1, got {batch_sizes!r}")
 

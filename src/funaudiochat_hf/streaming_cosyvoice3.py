@@ -432,6 +432,15 @@ class CosyVoice3StreamingDecoder:
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_int_sizes(value) -> bool:
+    """Whether `value` is a non-empty tuple or list of ints >= 1 (window or batch sizes)."""
+    return isinstance(value, (tuple, list)) and bool(value) and all(_positive_int(size) for size in value)
+
+
 # "auto" flow window sizes under CUDA graphs: the first, then x4 up to the longest window.
 _AUTO_FIRST_WINDOW, _AUTO_WINDOW_GROWTH = 32, 4
 
@@ -451,13 +460,9 @@ def _flow_window_sizes(bucket, longest: int, compiled: bool, graphed: bool) -> O
         return (*sizes, longest)
     if bucket is None:
         return None
-    if isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 1:
+    if _positive_int(bucket):
         return (*range(bucket, longest, bucket), longest)
-    if (
-        isinstance(bucket, (tuple, list))
-        and bucket
-        and all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in bucket)
-    ):
+    if positive_int_sizes(bucket):
         return (*sorted({size for size in bucket if size < longest}), longest)
     raise ValueError(
         "flow_window_bucket_tokens must be None, 'auto', an int >= 1 or a tuple of ints >= 1, got "
