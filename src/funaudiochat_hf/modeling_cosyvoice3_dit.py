@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .adaln_cosyvoice3 import residual_adaln
 from .attention_cosyvoice3 import dit_attention
 from .configuration_cosyvoice3 import CosyVoice3Config
 from .position_conv_cosyvoice3 import causal_conv_mish, tap_major_weight
+
+
+# Every LayerNorm of the DiT (no affine weights): a block's last residual update is fused with the norm that follows
+# it, which belongs to the next block or to the final norm.
+NORM_EPS = 1e-6
 
 
 class CosyVoice3TimestepEmbedding(nn.Module):
@@ -110,11 +116,11 @@ class CosyVoice3AdaLayerNormZero(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.linear = nn.Linear(dim, dim * 6)
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=NORM_EPS)
 
     def forward(self, hidden: torch.Tensor, modulation: torch.Tensor):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
-        normed = self.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        _, normed = residual_adaln(hidden, None, None, shift_msa, scale_msa, self.norm.eps)
         return normed, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
@@ -124,11 +130,11 @@ class CosyVoice3AdaLayerNormFinal(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.linear = nn.Linear(dim, dim * 2)
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=NORM_EPS)
 
     def forward(self, hidden: torch.Tensor, modulation: torch.Tensor) -> torch.Tensor:
         scale, shift = torch.chunk(modulation, 2, dim=1)
-        return self.norm(hidden) * (1 + scale)[:, None, :] + shift[:, None, :]
+        return residual_adaln(hidden, None, None, shift, scale, self.norm.eps)[1]
 
 
 class CosyVoice3Attention(nn.Module):
@@ -218,15 +224,22 @@ class CosyVoice3DiTBlock(nn.Module):
         super().__init__()
         self.attn_norm = CosyVoice3AdaLayerNormZero(dim)
         self.attn = CosyVoice3Attention(dim, heads, dim_head)
-        self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.ff_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=NORM_EPS)
         self.ff = CosyVoice3FeedForward(dim, ff_mult)
 
-    def forward(self, hidden, modulation, rotary, attention_mask=None):
-        """hidden (batch, frames, dim); modulation (batch, 6 * dim), this block's `attn_norm.linear(silu(temb))`."""
-        normed, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(hidden, modulation)
-        hidden = hidden + gate_msa.unsqueeze(1) * self.attn(normed, rotary, attention_mask)
-        normed = self.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        return hidden + gate_mlp.unsqueeze(1) * self.ff(normed)
+    def forward(self, hidden, normed, modulation, next_shift, next_scale, rotary, attention_mask=None):
+        """One block, its last residual update fused with the next LayerNorm ([`residual_adaln`]).
+
+        hidden (batch, frames, dim): the residual stream; normed: this block's attention input, `attn_norm(hidden,
+        modulation)[0]` (the previous block computed it); modulation (batch, 6 * dim): `attn_norm.linear(silu(temb))`;
+        next_shift, next_scale (batch, dim): the modulation of the norm that follows (the next block's attention
+        norm, or the final norm). Returns `(hidden, normed)` for the next block: the stream after this block and its
+        next norm's output.
+        """
+        _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
+        attended = self.attn(normed, rotary, attention_mask)
+        hidden, normed = residual_adaln(hidden, attended, gate_msa, shift_mlp, scale_mlp, self.ff_norm.eps)
+        return residual_adaln(hidden, self.ff(normed), gate_mlp, next_shift, next_scale, NORM_EPS)
 
 
 class CosyVoice3DiT(nn.Module):
@@ -283,9 +296,15 @@ class CosyVoice3DiT(nn.Module):
         hidden = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
         if rotary is None:
             rotary = self.rotary_embed(hidden.shape[1], hidden.device)
-        for block, modulation in zip(self.transformer_blocks, block_modulations):
-            hidden = block(hidden, modulation, rotary, attention_mask)
-        return self.proj_out(self.norm_out(hidden, final_modulation)).transpose(1, 2)
+        normed = self.transformer_blocks[0].attn_norm(hidden, block_modulations[0])[0]
+        final_scale, final_shift = torch.chunk(final_modulation, 2, dim=1)
+        for index, block in enumerate(self.transformer_blocks):
+            if index + 1 < len(self.transformer_blocks):  # the next block's attention norm
+                next_shift, next_scale = torch.chunk(block_modulations[index + 1], 6, dim=1)[:2]
+            else:
+                next_shift, next_scale = final_shift, final_scale
+            hidden, normed = block(hidden, normed, block_modulations[index], next_shift, next_scale, rotary, attention_mask)
+        return self.proj_out(normed).transpose(1, 2)
 
 
 __all__ = [
