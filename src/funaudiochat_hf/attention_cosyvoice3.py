@@ -25,10 +25,10 @@ from .triton_attention_funaudiochat import triton
 from .triton_config_funaudiochat import supports_programmatic_launch
 
 
-# The kernel for windows up to this many frames (streamed chunks: 136 frames with a 50-token look-back): measured
-# faster than cuDNN's attention there, slower from about 500 frames on, where longer windows go to cuDNN
-# (docs/performance.md).
-KERNEL_MAX_FRAMES = 256
+# The kernel for windows up to this many frames, which covers a streamed chunk's default window (218 tokens, 436
+# frames): there the SDPA path's rotary (about ten element-wise kernels a block) costs more than the kernel's slower
+# inner loop at long windows. Longer windows (offline calls) go to cuDNN's attention.
+KERNEL_MAX_FRAMES = 512
 # Tiles and launch options: the best of a sweep at a streamed chunk's 136 frames (`BLOCK_M` query frames per program,
 # `BLOCK_N` key frames per inner step).
 BLOCK_M = 64
