@@ -83,13 +83,16 @@ def tiny_decoder_with_and_without(monkeypatch, module) -> dict:
     return results
 
 
-def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4, divisible: tuple = ()) -> str:
+def hopper_ptx(
+    kernel, constexprs: dict, types: dict, num_warps: int = 4, divisible: tuple = (), options: dict | None = None
+) -> str:
     """PTX of a Triton kernel compiled for an H100 / H200 (sm_90, no GPU needed) as a programmatic dependent launch.
 
     `constexprs`: the values of its `tl.constexpr` parameters (and of integers a launch specialises, such as a unit
     stride); `types`: the Triton type of its pointer (e.g. `"*bf16"`, taken as 16-byte aligned, as Triton specialises
     launches on torch's allocations) and float parameters; the other parameters are 32-bit integers, those named in
-    `divisible` multiples of 16 (as Triton specialises them when they are)."""
+    `divisible` multiples of 16 (as Triton specialises them when they are); `options`: more compile options (they
+    replace `num_warps` and the programmatic launch where they name them)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,7 +104,7 @@ def hopper_ptx(kernel, constexprs: dict, types: dict, num_warps: int = 4, divisi
         if signature[name][0] == "*" or (name in divisible and signature[name] == "i32")
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    options = {"num_warps": num_warps, "launch_pdl": True}
+    options = {"num_warps": num_warps, "launch_pdl": True, **(options or {})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 

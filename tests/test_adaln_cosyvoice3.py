@@ -69,6 +69,24 @@ def test_kernel_matches_torch_in_the_triton_interpreter():
     assert errors["compiled"] < 1e-5
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("pointer", ["*fp32", "*bf16"])
+def test_kernel_compiles_for_hopper_without_fused_multiply_adds(pointer):
+    """The kernel as launched compiles for sm_90 (no GPU needed) and rounds each product and sum on its own, as the
+    torch ops do: no fused multiply-add in its PTX."""
+    from conftest import hopper_ptx
+
+    names = ["hidden_ptr", "update_ptr", "gate_ptr", "shift_ptr", "scale_ptr", "hidden_out_ptr", "normed_ptr"]
+    ptx = hopper_ptx(
+        adaln_cosyvoice3._residual_adaln_kernel,
+        {"HAS_UPDATE": True, "BLOCK_D": 1024},
+        {**{name: pointer for name in names}, "eps": "fp32"},
+        options=adaln_cosyvoice3.KERNEL_OPTIONS,
+    )
+    assert "st.global" in ptx and "rsqrt" in ptx
+    assert "fma.rn.f32" not in ptx
+
+
 def test_cpu_and_gradients_take_the_torch_path():
     hidden, update, gate, shift, scale = make_inputs(2, 7, 48)
     assert not adaln_cosyvoice3._kernel_applies(hidden, update, gate, shift, scale)

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from .triton_attention_funaudiochat import triton
 
 
-# Launch options: one program per row of `dim` elements (1024 at full size).
-NUM_WARPS = 4
+# Compile and launch options: one program per row of `dim` elements (1024 at full size); no fused multiply-add, so
+# that each product and sum rounds as the torch ops round it.
+KERNEL_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 def torch_residual_adaln(
@@ -128,7 +129,7 @@ if triton is not None:
         tl.store(normed_ptr + row * dim + d, normed.to(dtype), mask=ok)
 
 
-def launch_residual_adaln(hidden, update, gate, shift, scale, eps, num_warps=NUM_WARPS):
+def launch_residual_adaln(hidden, update, gate, shift, scale, eps):
     """The operators' launcher: `(hidden' or None, normed)` (None when `update` is None)."""
     batch, frames, dim = hidden.shape
     has_update = update is not None
@@ -144,7 +145,7 @@ def launch_residual_adaln(hidden, update, gate, shift, scale, eps, num_warps=NUM
     _residual_adaln_kernel[(batch * frames,)](
         hidden, update, gate, shift, scale, hidden_out, normed, frames, dim, eps,
         hidden.stride(0), hidden.stride(1), *update_strides, gate.stride(0), shift.stride(0), scale.stride(0),
-        HAS_UPDATE=has_update, BLOCK_D=triton.next_power_of_2(dim), num_warps=num_warps,
+        HAS_UPDATE=has_update, BLOCK_D=triton.next_power_of_2(dim), **KERNEL_OPTIONS,
     )  # fmt: skip
     return (hidden_out if has_update else None), normed
 
