@@ -41,14 +41,17 @@ def test_a_failing_stream_fails_its_request_only(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_decoders_run_on_the_vocoders_own_stream(monkeypatch):
-    """On CUDA the decoders run on the vocoder's stream (overlapping the engine's decode steps on the default one);
-    the audio that reaches the host is complete (`.cpu()` waits for that stream) and equals each stream alone."""
+    """On CUDA the decoders run on the vocoder's stream (overlapping the engine's decode steps on the default one, at
+    a higher priority); the audio that reaches the host is complete (`.cpu()` waits for that stream) and equals each
+    stream alone."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     decoder.config.estimator_precision = "float32"
     decoder.cuda()
     options = {"token_hop_len": 15, "first_token_hop_len": 5}
     vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
     assert vocoder.cuda_stream is not None and vocoder.cuda_stream != torch.cuda.current_stream()
+    # Its kernels go before the engine's decode steps (default priority) whenever both wait for the GPU.
+    assert vocoder.cuda_stream.priority < torch.cuda.current_stream().priority
     seen = []
     batched = serving_vocoder_funaudiochat.decode_ready
     monkeypatch.setattr(

@@ -7,9 +7,14 @@ call for all of them instead of one per request, which on a GPU costs about as m
 what its decoder alone would give (rows are independent; equal up to float rounding).
 
 On a GPU the decoders run on a CUDA stream of their own (owned here), so that their kernels overlap the engine's decode
-steps on the default stream instead of queueing behind them. Nothing crosses the two streams: the decoders read only
-their own tensors and the vocoder's weights (ordered after everything queued before the engine started, see
-`__init__`), and their audio reaches the host with `.cpu()`, which waits for the vocoder's stream.
+steps on the default stream instead of queueing behind them. That stream has the device's highest priority: the
+engine launches decode steps back to back, and a chunk's flow call (thousands of small kernels, each waiting for the
+one before) would otherwise wait for SM room behind the step's kernels at every one of its kernels, which stretches a
+request's first audio far past what the same chunk costs alone (`generate_speech_stream`, which decodes and vocodes in
+turn). With the priority the chunk's kernels are scheduled first and the steps fill the rest of the GPU. Nothing
+crosses the two streams: the decoders read only their own tensors and the vocoder's weights (ordered after everything
+queued before the engine started, see `__init__`), and their audio reaches the host with `.cpu()`, which waits for
+the vocoder's stream.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from .streaming_batch_cosyvoice3 import decode_ready
 
 
 logger = logging.get_logger(__name__)
+
+# Lower numbers are higher priorities; one beyond the device's range is mapped to its highest.
+HIGHEST_STREAM_PRIORITY = -(2**10)
 
 
 @dataclass
@@ -58,7 +66,7 @@ class ServingVocoder:
         self.cuda_stream = None
         device = getattr(decoder, "device", torch.device("cpu"))
         if device.type == "cuda":
-            self.cuda_stream = torch.cuda.Stream(device)
+            self.cuda_stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
             # The decoder's weights and tables were written on the creating thread's stream.
             self.cuda_stream.wait_stream(torch.cuda.current_stream(device))
 
@@ -138,4 +146,4 @@ class ServingVocoder:
         return results
 
 
-__all__ = ["ServingVocoder", "VocodeItem"]
+__all__ = ["HIGHEST_STREAM_PRIORITY", "ServingVocoder", "VocodeItem"]
