@@ -242,3 +242,24 @@ def test_backend_and_settings_are_checked_as_generate_speech_checks_them(model, 
         assert str(from_engine.value) == str(from_generate.value)
     finally:
         engine.close()
+
+
+def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, prompts):
+    """One request on an idle engine: its first audio comes after as many decode results as `generate_speech_stream`'s
+    (same first-chunk hop), with as many samples, and its timeline says where the time went, stage by stage."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
+    try:
+        handle = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12, seed=0))
+        served = _drain(handle)
+    finally:
+        engine.close()
+    direct = list(model.generate_speech_stream(**prompts["text40"], speech_decoder=decoder, max_new_tokens=12, seed=0))
+    direct_first = next(i for i, event in enumerate(direct) if event.audio.numel())
+    served_first = next(i for i, event in enumerate(served) if len(event.audio))
+    assert handle.first_audio_steps == served_first + 1 == direct_first + 1
+    assert len(served[served_first].audio) == direct[direct_first].audio.numel() > 0
+    stages = list(handle.timeline)
+    assert stages == ["admitted", "prefilled", "vocoding", "first_audio"]
+    assert sorted(handle.timeline.values()) == list(handle.timeline.values())
+    assert handle.first_audio == handle.timeline["first_audio"] > 0

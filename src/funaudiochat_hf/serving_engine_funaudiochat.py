@@ -140,6 +140,11 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self.options: dict = {}  # resolved generation options (set by the engine)
         self.first_audio: float | None = None  # seconds after submission
+        # Seconds after submission at which the request reached each stage of its way to its first audio:
+        # "admitted" (its prefill starts), "prefilled" (its first token is read), "vocoding" (the output thread starts
+        # the round that yields its first audio), "first_audio" (that audio is ready, before its event is delivered).
+        self.timeline: dict[str, float] = {}
+        self.first_audio_steps: int | None = None  # its decode results (the prefill's included) up to its first audio
         self.audio_samples = 0
         self.text_ids: list[int] = []
         self.speech_ids: list[int] = []
@@ -164,6 +169,11 @@ class RequestHandle:
             yield event
             if event.finished:
                 return
+
+    def _mark(self, stage: str, now: float | None = None) -> None:
+        """Record the first time the request reaches `stage` (see `timeline`)."""
+        if stage not in self.timeline:
+            self.timeline[stage] = (time.perf_counter() if now is None else now) - self.submitted
 
     def _emit(self, event: SpeechEvent) -> None:
         self.text_ids.extend(event.text_ids)
@@ -664,8 +674,10 @@ class SpeechEngine:
                 self._finish(handle, "cancelled")
                 continue
             try:
+                handle._mark("admitted")
                 run = self.adapter.new_run(handle.request, handle.options)
                 first = self.adapter.prefill(run)
+                handle._mark("prefilled")
             except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
                 logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
                 self._finish(handle, "error", f"{type(error).__name__}: {error}")
@@ -754,6 +766,7 @@ class SpeechEngine:
         parts = [VocodeItem(handle.id, handle.request.voice, speech_ids, finish is not None,
                             finish not in ("cancelled", "error"))
                  for handle, _, speech_ids, finish, _ in items]  # fmt: skip
+        started = time.perf_counter()
         try:
             audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
@@ -776,7 +789,7 @@ class SpeechEngine:
                 handle.cancel()  # its slot is freed at the next step
                 event = SpeechEvent(sampling_rate=self.sampling_rate, finished=True, finish_reason="error",
                                     error=f"vocoding failed: {type(failure).__name__}: {failure}")  # fmt: skip
-            self._record(handle, event)
+            self._record(handle, event, started)
             try:
                 handle._emit(event)
             except Exception as failure:  # a sink that fails (a closed event loop) must not stop the other requests
@@ -790,13 +803,22 @@ class SpeechEngine:
             self._text.pop(request_id, None)
         return delta
 
-    def _record(self, handle: RequestHandle, event: SpeechEvent) -> None:
+    def _record(self, handle: RequestHandle, event: SpeechEvent, vocoding_started: float) -> None:
+        first_audio = False
         with self._lock:
             metrics = self.metrics
             if len(event.audio):
                 metrics.audio_seconds += len(event.audio) / event.sampling_rate
                 if handle.first_audio is None:
-                    handle.first_audio = time.perf_counter() - handle.submitted
+                    first_audio = True
+                    handle._mark("vocoding", vocoding_started)
+                    handle._mark("first_audio")
+                    handle.first_audio = handle.timeline["first_audio"]
+                    # The decode results delivered so far, this one included (not yet in `handle.text_ids`).
+                    handle.first_audio_steps = len(handle.text_ids) + len(event.text_ids)
                     metrics.time_to_first_audio.observe(handle.first_audio)
             if event.finished:
                 metrics.requests[event.finish_reason] += 1
+        if first_audio:
+            stages = ", ".join(f"{stage} {1000 * seconds:.1f} ms" for stage, seconds in handle.timeline.items())
+            logger.debug(f"Request {handle.id}: first audio after {handle.first_audio_steps} decode results ({stages}).")
