@@ -821,4 +821,5 @@ class SpeechEngine:
                 metrics.requests[event.finish_reason] += 1
         if first_audio:
             stages = ", ".join(f"{stage} {1000 * seconds:.1f} ms" for stage, seconds in handle.timeline.items())
-            logger.debug(f"Request {handle.id}: first audio after {handle.first_audio_steps} decode results ({stages}).")
+            steps = handle.first_audio_steps
+            logger.debug(f"Request {handle.id}: first audio after {steps} decode results ({stages}).")
