@@ -263,3 +263,45 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert stages == ["admitted", "prefilled", "vocoding", "first_audio"]
     assert sorted(handle.timeline.values()) == list(handle.timeline.values())
     assert handle.first_audio == handle.timeline["first_audio"] > 0
+
+
+def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypatch):
+    """Where the decoders run fixed shapes (CUDA graphs: each new shape records a graph that keeps its memory), the
+    engine decodes every batch size and window shape before it takes requests: concurrent replies then decode no
+    shape the warm-up did not (so memory after a load equals memory after the warm-up). On a CPU: fixed shapes
+    forced (padded batch sizes and flow windows), every call's shapes recorded."""
+    from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
+
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "fixed_shapes", property(lambda self: True))
+    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
+    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
+    shapes = set()
+    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
+        flow = module.flow_window_to_mel
+        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
+            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
+    hift = decoder.hift.decode
+
+    def hift_spy(mel, source, finalize):
+        if not finalize:  # a reply's last HiFT call runs eagerly (no graph)
+            shapes.add(("hift", tuple(mel.shape), tuple(source.shape)))
+        return hift(mel, source, finalize=finalize)
+
+    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
+    options = {"flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16}
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=3, max_prompt_tokens=48, max_new_tokens=16,
+                          stream_options=options)  # fmt: skip
+    warmed = set(shapes)
+    shapes.clear()
+    try:
+        handles = []
+        for index, (prompt, steps) in enumerate([("text40", 16), ("text25", 11), ("text40", 14)]):
+            handles.append(engine.submit(SpeechRequest(prompts[prompt], max_new_tokens=steps, seed=index)))
+            _take(handles[-1], 2 + index)  # out of phase: their chunks fall in different rounds
+        replies = [_drain(handle) for handle in handles]
+    finally:
+        engine.close()
+    assert all(reply[-1].finish_reason == "length" for reply in replies)
+    assert {shape[1][0] for shape in warmed if shape[0] == "flow"} == {1, 2, 4}
+    assert len(shapes) > 3 and shapes <= warmed, shapes - warmed

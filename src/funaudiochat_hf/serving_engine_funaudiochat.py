@@ -224,8 +224,8 @@ class _DecodeAdapter:
 
     def _start_batch(self) -> None:
         """The batch's run over a one-token dummy prompt per row: its step configuration and step function, and the
-        prefill that allocates the batch's caches and attaches its weight copies; the warm-up step then compiles /
-        records it. Every row is free afterwards."""
+        prefill that allocates the batch's caches and attaches its weight copies; two warm-up steps then compile and
+        record it. Every row is free afterwards."""
         dummy = torch.zeros(self.batch_size, 1, dtype=torch.long)
         batch_request = self._resolve(dummy, {**_BATCH_SWITCH_VALUES, "max_new_tokens": 1})
         self.batch_run = SpeechRun(
@@ -234,6 +234,9 @@ class _DecodeAdapter:
         self.cfg, self.ws = self.batch_run.cfg, self.batch_run.ws
         self.k = self.cfg.group_size
         self.batch_run.prefill()
+        # Twice: the first run compiles / warms the step up, the second records its CUDA graph (`plan.step_graph`),
+        # so that no request waits for either and the graph's memory is held from the start.
+        self.step_fn(self.ws)
         self.step_fn(self.ws)
         for row in range(self.batch_size):
             self.free(row)
@@ -530,6 +533,10 @@ class SpeechEngine:
         self._vocoder = None
         if decoder is not None:
             self._vocoder = ServingVocoder(decoder, self.stream_options, self.adapter.cfg.speech_bos_id)
+            if self._vocoder.fixed_shapes:
+                sizes = self._vocoder.warm_up_batch_sizes(max_batch_size)
+                logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
+                self._vocoder.warm_up(max_batch_size)
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
