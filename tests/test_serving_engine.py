@@ -305,3 +305,23 @@ def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypa
     assert all(reply[-1].finish_reason == "length" for reply in replies)
     assert {shape[1][0] for shape in warmed if shape[0] == "flow"} == {1, 2, 4}
     assert len(shapes) > 3 and shapes <= warmed, shapes - warmed
+
+
+def test_a_request_is_prefilled_with_the_caches_generate_speech_uses(model, prompts, monkeypatch):
+    """Only the batch's caches must be static (rows join at a shared column): a request's prefill uses the caches its
+    plan uses in `generate_speech` (dynamic on a CPU), not a static cache as long as the batch's, whose every column
+    its prompt pass would attend over and build masks for."""
+    from funaudiochat_hf import generation_loop_funaudiochat as loop
+
+    kinds = []
+    prefill = loop.SpeechRun.prefill
+    monkeypatch.setattr(loop.SpeechRun, "prefill", lambda run: kinds.append(run.ws.static) or prefill(run))
+    model.generate_speech(**prompts["text40"], max_new_tokens=2, return_audio=False)
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
+    try:
+        assert _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))[-1].finished
+        assert engine.adapter.ws.static  # the batch's
+    finally:
+        engine.close()
+    direct, batch, request = kinds
+    assert batch and request == direct

@@ -205,9 +205,8 @@ class _DecodeAdapter:
     def __init__(self, model, batch_size: int, cache_length: int, generation_options: dict, backend: str):
         self.model = model
         self.options = dict(generation_options)
-        if self.options.get("cache_implementation", "static") != "static":
+        if self.options.pop("cache_implementation", "static") != "static":
             raise ValueError("The speech engine shares static caches between requests: drop `cache_implementation`.")
-        self.options["cache_implementation"] = "static"
         for name in ("backend", "compile", "output_logits"):
             if name in self.options:
                 raise ValueError(f"`{name}` is not a generation option of the engine (use `SpeechEngine(backend=...)`).")
@@ -227,7 +226,11 @@ class _DecodeAdapter:
         prefill that allocates the batch's caches and attaches its weight copies; two warm-up steps then compile and
         record it. Every row is free afterwards."""
         dummy = torch.zeros(self.batch_size, 1, dtype=torch.long)
-        batch_request = self._resolve(dummy, {**_BATCH_SWITCH_VALUES, "max_new_tokens": 1})
+        # The batch's caches are static (rows join at a shared column); a request's own prefill uses the caches its
+        # plan uses in `generate_speech` (e.g. dynamic ones on a CPU, where a static cache as long as the batch's
+        # would make its prompt pass attend over, and build masks for, every column of it).
+        batch_options = {**_BATCH_SWITCH_VALUES, "max_new_tokens": 1, "cache_implementation": "static"}
+        batch_request = self._resolve(dummy, batch_options)
         self.batch_run = SpeechRun(
             self.model, self.generator, batch_request, dummy, None, {}, None, per_row_sampling=True
         )
