@@ -325,3 +325,40 @@ def test_a_request_is_prefilled_with_the_caches_generate_speech_uses(model, prom
         engine.close()
     direct, batch, request = kinds
     assert batch and request == direct
+
+
+def test_step_row_counts():
+    from funaudiochat_hf.serving_engine_funaudiochat import step_row_counts
+
+    assert step_row_counts(16) == (1, 2, 4, 8, 16)
+    assert step_row_counts(12) == (1, 2, 4, 8, 12)
+    assert step_row_counts(3) == (1, 2, 3)
+    assert step_row_counts(1) == (1,)
+
+
+def test_a_step_runs_the_first_rows_that_hold_every_busy_one(model, prompts, monkeypatch):
+    """One request on an idle engine is stepped as a batch of one (its first slot), not with every idle row; two
+    running requests as a batch of two. The rows are views of the batch's workspace: the tokens are the single runs'
+    (the mid-flight test checks that while rows join and leave)."""
+    from funaudiochat_hf import generation_state_funaudiochat
+
+    rows = []
+    step = generation_state_funaudiochat.decode_step
+    monkeypatch.setattr(generation_state_funaudiochat, "decode_step",
+                        lambda model, ws, cfg: rows.append(ws.batch_size) or step(model, ws, cfg))  # fmt: skip
+    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=8,
+                          generation_options={"do_sample": False})  # fmt: skip
+    try:
+        assert rows == [1, 1, 2, 2, 4, 4]  # each row count's step warmed up (and recorded, on CUDA) at the start
+        rows.clear()
+        alone = _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))
+        assert rows and set(rows) == {1}
+        assert [t for e in alone for t in e.text_ids] == _single_run(model, prompts["text40"], 8, do_sample=False)[0]
+        rows.clear()
+        first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8))
+        _take(first, 2)
+        second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=4))
+        assert _drain(second)[-1].finished and _drain(first)[-1].finished
+        assert 2 in rows and max(rows) == 2
+    finally:
+        engine.close()

@@ -53,6 +53,7 @@ from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
+from .step_graph_funaudiochat import tensor_addresses
 
 
 logger = logging.get_logger(__name__)
@@ -65,6 +66,16 @@ DEFAULT_MAX_NEW_TOKENS = 512
 _BATCH_SWITCH_VALUES = {"temperature": 1.0, "top_p": 0.5, "repetition_penalty": 1.5}
 # The request keywords that become per-row values.
 REQUEST_SAMPLING_KEYS = ("temperature", "top_p", "repetition_penalty")
+# Row counts of the batch's decode step (besides the whole batch): a step runs the smallest that holds every busy row.
+_STEP_ROW_COUNTS = (1, 2, 4, 8, 16)
+
+
+def step_row_counts(batch_size: int) -> tuple[int, ...]:
+    """The row counts the decode step of a batch of `batch_size` slots comes in, ascending (the last: all of them).
+    A request takes the lowest free slot, so the busy rows are mostly the first ones: one request alone is stepped as
+    a batch of one (`generate_speech`'s step), not with the idle rows of the whole batch. Each count is one step
+    graph, recorded when the engine starts."""
+    return (*(rows for rows in _STEP_ROW_COUNTS if rows < batch_size), batch_size)
 
 
 class QueueFull(RuntimeError):
@@ -237,10 +248,22 @@ class _DecodeAdapter:
         self.cfg, self.ws = self.batch_run.cfg, self.batch_run.ws
         self.k = self.cfg.group_size
         self.batch_run.prefill()
-        # Twice: the first run compiles / warms the step up, the second records its CUDA graph (`plan.step_graph`),
-        # so that no request waits for either and the graph's memory is held from the start.
-        self.step_fn(self.ws)
-        self.step_fn(self.ws)
+        # A run per row count of `step_row_counts`, over the first rows of the batch's workspace (views: the same
+        # caches and state), each with its row count's plan (one row: `generate_speech`'s batch-1 step).
+        self.row_runs: dict[int, SpeechRun] = {}
+        for rows in step_row_counts(self.batch_size):
+            run = self.batch_run
+            if rows < self.batch_size:
+                request = self._resolve(dummy[:rows], batch_options)
+                run = SpeechRun(self.model, self.generator, request, dummy[:rows], None, {}, None,
+                                per_row_sampling=True, rows_of=self.ws)  # fmt: skip
+                if run.cfg.plan.step_graph:  # as a prefill checks its workspace's graphs
+                    run.ws.step_graphs.check(tensor_addresses(self.model, run.ws.graph_inputs()))
+            self.row_runs[rows] = run
+            # Twice: the first run compiles / warms the step up, the second records its CUDA graph
+            # (`plan.step_graph`), so that no request waits for either and the graphs' memory is held from the start.
+            run.step_fn(self.model, run.ws, run.cfg)
+            run.step_fn(self.model, run.ws, run.cfg)
         for row in range(self.batch_size):
             self.free(row)
         self.ws.step.zero_()
@@ -358,12 +381,16 @@ class _DecodeAdapter:
             ws.crq_mask[row] = True
 
     # ------------------------------------------------------------------ steps
-    def step_fn(self, ws) -> None:
-        self.batch_run.step_fn(self.model, ws, self.cfg)
+    def step_rows(self, busy_rows) -> int:
+        """The rows a step runs while `busy_rows` are busy: the smallest row count of `step_row_counts` past the
+        last busy row."""
+        last = max(busy_rows)
+        return next(rows for rows in self.row_runs if rows > last)
 
     def step(self, generators: dict[int, torch.Generator]) -> None:
-        """One decode step of every row; `generators`: the active rows' own generators (their noise is drawn row by
-        row, text then speech, as a single run draws it)."""
+        """One decode step of the first `step_rows` rows, which hold every busy one; `generators`: the busy rows' own
+        generators (their noise is drawn row by row, text then speech, as a single run draws it). The other rows are
+        free (done, masks open): they stay as they are until a step covers them again."""
         ws, cfg = self.ws, self.cfg
         for row, generator in generators.items():
             if cfg.text.do_sample:
@@ -375,7 +402,8 @@ class _DecodeAdapter:
         if self.steps_since_reset >= ws.max_length - 1:
             ws.step.zero_()
             self.steps_since_reset = 0
-        self.step_fn(ws)
+        run = self.row_runs[self.step_rows(generators)]
+        run.step_fn(self.model, run.ws, run.cfg)
         self.steps_since_reset += 1
 
     def read(self) -> tuple[list[int], list[bool], list[int], list[list[int]]]:
