@@ -362,3 +362,33 @@ def test_a_step_runs_the_first_rows_that_hold_every_busy_one(model, prompts, mon
         assert 2 in rows and max(rows) == 2
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_row_counts_replay_their_graphs_and_give_the_single_runs_tokens_on_gpu(prompts):
+    """On CUDA each row count's step is recorded at the start (one graph on each view of the batch's workspace) and
+    replayed: requests that join and leave get their single runs' tokens (`generate_speech`, same backend)."""
+    from transformers import AutoModel
+
+    from conftest import FUNAUDIOCHAT_TINY
+
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    options = {"do_sample": False, "repetition_penalty": 1.0}
+    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=12, backend="cuda_graphs",
+                          generation_options=options)  # fmt: skip
+    try:
+        assert list(engine.adapter.row_runs) == [1, 2, 4]
+        assert all(len(run.ws.step_graphs) == 1 for run in engine.adapter.row_runs.values())
+        first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12))
+        events = {0: _take(first, 3)}  # alone: one row
+        second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))  # two rows
+        events[1] = _drain(second)
+        events[0] += _drain(first)
+    finally:
+        engine.close()
+    for index, (name, steps) in enumerate([("text40", 12), ("text25", 6)]):
+        expected = model.generate_speech(**prompts[name], max_new_tokens=steps, return_audio=False,
+                                         backend="cuda_graphs", **options)  # fmt: skip
+        length = prompts[name]["input_ids"].shape[1]
+        assert [t for e in events[index] for t in e.text_ids] == expected.sequences[0, length:].tolist()
+        assert [t for e in events[index] for t in e.speech_ids] == expected.speech_ids[0].tolist()
