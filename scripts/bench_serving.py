@@ -12,7 +12,9 @@ and measures:
 
   a. idle server: one streamed request at a time (median of 3): time to first audio (TTFA) and the step time derived
      from its chunks, side by side with `model.generate_speech_stream` called directly on the same processor inputs
-     (and `generate_speech`'s step time without vocoding);
+     (and `generate_speech`'s step time without vocoding); where the server's TTFA goes (the engine's timeline of
+     each request: queued, prefilled, vocoding, audio ready, and the rest outside the engine: HTTP, processor, event
+     delivery) and after how many decode results each path has its first audio;
   b. load: `scripts/loadgen.py` (N streamed conversations with Poisson arrivals): TTFA p50 / p95, per-stream RTF
      p50 / p95, aggregate x real time, errors; and from `/metrics` the rows per decode step;
   c. memory: allocated GPU memory when idle before the load, when idle again after it, and the peak;
@@ -337,7 +339,7 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
     """The same prompt through `model.generate_speech_stream` (seed 0, no stop id), timed as the server stream."""
     benchmark.synchronize(device)
     start = time.perf_counter()
-    times, samples, audio, text, events, event_times = [], [], [], [], 0, []
+    times, samples, audio, text, events, event_times, first_audio_event = [], [], [], [], 0, [], None
     with torch.no_grad():
         for event in model.generate_speech_stream(**inputs, speech_decoder=decoder, tokenizer=tokenizer,
                                                   max_new_tokens=max_tokens, eos_token_id=[], seed=0):  # fmt: skip
@@ -347,13 +349,16 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
             event_times.append(now)
             text.append(event.text)
             if event.audio is not None and event.audio.numel():
+                if first_audio_event is None:
+                    first_audio_event = events
                 times.append(now)
                 samples.append(event.audio.numel())
                 audio.append(pcm16(event.audio.numpy()))
     # Every event is one LLM step: the exact step time, for comparison with the chunk-derived one.
     exact = (event_times[-1] - event_times[0]) / (events - 1) if events > 1 else None
     return {"times": times, "samples": samples, "transcript": "".join(text), "pcm": b"".join(audio),
-            "steps": events, "exact_step_s": exact}  # fmt: skip
+            "steps": events, "exact_step_s": exact, "first_audio_event": first_audio_event,
+            "prefilled_s": event_times[0] if event_times else None}  # fmt: skip
 
 
 def decode_step_seconds(model, inputs: dict, max_tokens: int, device: str) -> float | None:
@@ -522,20 +527,31 @@ def warm_up(run: Run, server, engine, model, decoder, processor, inputs, questio
     log(f"warm-up: {count} calls in {seconds:.1f} s")
 
 
-def measure_idle(run: Run, server, model, decoder, processor, inputs, question: bytes, samples_per_step: float):
+def measure_idle(run: Run, server, engine, model, decoder, processor, inputs, question: bytes,
+                 samples_per_step: float):  # fmt: skip
     """(a) one request at a time through the server and directly, alternating; medians."""
     import httpx
 
     args = run.args
     body = chat_body(question, args.max_tokens, seed=0)
-    served, direct, processing, decode = [], [], [], []
+    served, direct, processing, decode, handles = [], [], [], [], []
 
     async def one():
         async with httpx.AsyncClient(timeout=max(60.0, run.left())) as client:
             return await stream_request(client, server.url, body)
 
+    submit = engine.submit
+
+    def submit_and_keep(*submit_args, **kwargs):  # the server's requests' handles: their engine timelines
+        handles.append(submit(*submit_args, **kwargs))
+        return handles[-1]
+
     for _ in range(IDLE_REPEATS):
-        served.append(asyncio.run(one()))
+        engine.submit = submit_and_keep
+        try:
+            served.append(asyncio.run(one()))
+        finally:
+            del engine.submit
         direct.append(direct_stream(model, decoder, inputs, args.max_tokens, processor.tokenizer, args.device))
         decode.append(decode_step_seconds(model, inputs, args.max_tokens, args.device))
         started = time.perf_counter()
@@ -561,12 +577,24 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
     if row["ttfa_ratio"] is not None:  # the server's TTFA also holds the processor (audio decoding, features)
         served_ttfa, direct_ttfa = row["server"]["ttfa_ms_median"], row["direct"]["ttfa_ms_median"]
         row["ttfa_ratio_without_processor"] = (served_ttfa - row["processor_ms_median"]) / direct_ttfa
+    row["server_stages"] = server_stages(served, handles)
+    row["direct_stages"] = {"prefilled": median([1000 * d["prefilled_s"] for d in direct if d["prefilled_s"]]),
+                            "first_audio": row["direct"]["ttfa_ms_median"]}  # fmt: skip
+    row["first_audio_after_results"] = {
+        "server": [handle.first_audio_steps for handle in handles],
+        "direct": [d["first_audio_event"] for d in direct],
+    }
     row["server_repeats_identical"] = all(compare_audio(served[0], s)["audio_identical"] for s in served[1:])
     # Informative: the direct stream decodes at batch 1, the server in its static batch, whose kernels may round
     # differently (the load check compares server replies with each other).
     row["direct_vs_server"] = compare_audio(served[0], direct[0])
     run.report["idle"] = row
     s, d = row["server"], row["direct"]
+    stages = row["server_stages"]
+    log("idle: the server's TTFA, stage by stage (medians, ms after submission): " + ", ".join(
+        f"{stage} {fmt(ms)}" for stage, ms in stages.items()) + "; direct: " + ", ".join(
+        f"{stage} {fmt(ms)}" for stage, ms in row["direct_stages"].items()) + "; first audio after "
+        f"{row['first_audio_after_results']} decode results")  # fmt: skip
     log(f"idle: TTFA server {fmt(s['ttfa_ms_median'])} ms vs direct {fmt(d['ttfa_ms_median'])} ms "
         f"(x{fmt(row['ttfa_ratio'], 3)}; processor {fmt(row['processor_ms_median'])} ms of the server's, without it "
         f"x{fmt(row.get('ttfa_ratio_without_processor'), 3)}); step "
@@ -574,6 +602,21 @@ def measure_idle(run: Run, server, model, decoder, processor, inputs, question: 
         f"per event {fmt(row['direct']['exact_step_ms_median'], 2)} ms; generate_speech without audio "
         f"{fmt(row['generate_speech_step_ms_median'], 2)} ms)")  # fmt: skip
     return served[0]
+
+
+def server_stages(served: list[dict], handles: list) -> dict:
+    """Medians (ms) of where the idle server's time to first audio went: the engine's timeline of each request
+    (`RequestHandle.timeline`, ms after its submission) and what lies outside the engine (the client's TTFA minus the
+    engine's: HTTP, body parsing, the processor, event delivery)."""
+    stages: dict[str, list] = {}
+    for handle in handles:
+        for stage, seconds in handle.timeline.items():
+            stages.setdefault(stage, []).append(1000 * seconds)
+    medians = {stage: median(values) for stage, values in stages.items()}
+    outside = [1000 * (s["times"][0] - h.first_audio) for s, h in zip(served, handles)
+               if s["times"] and h.first_audio is not None]  # fmt: skip
+    medians["outside_engine"] = median(outside)
+    return medians
 
 
 def measure_load(run: Run, server, engine, question_path: str, question: bytes, reference: dict | None):
@@ -719,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
 
         reference = None
         if run.fits("idle", 100):  # leaves the load its time
-            reference = measure_idle(run, server, model, decoder, processor, inputs, question, samples_per_step)
+            reference = measure_idle(run, server, engine, model, decoder, processor, inputs, question,
+                                     samples_per_step)
             run.save()
         if run.fits("load", 60):
             idle_mb = memory_mb(args.device)  # everything warm, nothing running

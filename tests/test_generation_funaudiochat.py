@@ -899,3 +899,30 @@ def test_prompt_masks_give_every_query_a_key():
         ]
     )
     assert torch.equal(mask[0, 0], expected)
+
+
+def test_a_view_of_a_workspaces_first_rows_shares_its_state(model):
+    """`DecodeWorkspace.first_rows`: per-row buffers, sampling values and cache tensors are views of the workspace's
+    first rows (a step of the view writes there), the run's tensors and each cache layer's column are the same
+    tensors, and the view records graphs of its own."""
+    from funaudiochat_hf.generation_workspace_funaudiochat import DecodeWorkspace
+
+    ws = DecodeWorkspace(model, 3, 64, True, False, per_row_sampling=True)
+    with pytest.raises(RuntimeError, match="after the prefill"):
+        ws.first_rows(2)
+    for cache in (ws.llm_cache, ws.crq_cache):  # as a prefill allocates them
+        for layer in cache.layers:
+            layer.lazy_initialization(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8))
+    view = ws.first_rows(2)
+    assert view.batch_size == 2 and view.next_ids.shape == (2,) and view.llm_mask.shape == (2, 64)
+    view.next_ids.fill_(7)
+    view.text_sampling.temperature.fill_(0.5)
+    view.llm_cache.layers[0].keys.fill_(1.0)
+    assert ws.next_ids.tolist() == [7, 7, 0]
+    assert ws.text_sampling.temperature.flatten().tolist() == [0.5, 0.5, 1.0]
+    assert ws.llm_cache.layers[0].keys[:2].eq(1).all() and ws.llm_cache.layers[0].keys[2].eq(0).all()
+    assert view.step is ws.step and view.eos_ids is ws.eos_ids
+    assert all(a.cumulative_length is b.cumulative_length for a, b in zip(view.crq_cache.layers, ws.crq_cache.layers))
+    assert view.step_graphs is not ws.step_graphs
+    with pytest.raises(ValueError, match="between 1 and"):
+        ws.first_rows(4)

@@ -242,3 +242,153 @@ def test_backend_and_settings_are_checked_as_generate_speech_checks_them(model, 
         assert str(from_engine.value) == str(from_generate.value)
     finally:
         engine.close()
+
+
+def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, prompts):
+    """One request on an idle engine: its first audio comes after as many decode results as `generate_speech_stream`'s
+    (same first-chunk hop), with as many samples, and its timeline says where the time went, stage by stage."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
+    try:
+        handle = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12, seed=0))
+        served = _drain(handle)
+    finally:
+        engine.close()
+    direct = list(model.generate_speech_stream(**prompts["text40"], speech_decoder=decoder, max_new_tokens=12, seed=0))
+    direct_first = next(i for i, event in enumerate(direct) if event.audio.numel())
+    served_first = next(i for i, event in enumerate(served) if len(event.audio))
+    assert handle.first_audio_steps == served_first + 1 == direct_first + 1
+    assert len(served[served_first].audio) == direct[direct_first].audio.numel() > 0
+    stages = list(handle.timeline)
+    assert stages == ["admitted", "prefilled", "vocoding", "first_audio"]
+    assert sorted(handle.timeline.values()) == list(handle.timeline.values())
+    assert handle.first_audio == handle.timeline["first_audio"] > 0
+
+
+def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypatch):
+    """Where the decoders run fixed shapes (CUDA graphs: each new shape records a graph that keeps its memory), the
+    engine decodes every batch size and window shape before it takes requests: concurrent replies then decode no
+    shape the warm-up did not (so memory after a load equals memory after the warm-up). On a CPU: fixed shapes
+    forced (padded batch sizes and flow windows), every call's shapes recorded."""
+    from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
+
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "fixed_shapes", property(lambda self: True))
+    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
+    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
+    shapes = set()
+    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
+        flow = module.flow_window_to_mel
+        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
+            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
+    hift = decoder.hift.decode
+
+    def hift_spy(mel, source, finalize):
+        if not finalize:  # a reply's last HiFT call runs eagerly (no graph)
+            shapes.add(("hift", tuple(mel.shape), tuple(source.shape)))
+        return hift(mel, source, finalize=finalize)
+
+    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
+    options = {"flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16}
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=3, max_prompt_tokens=48, max_new_tokens=16,
+                          stream_options=options)  # fmt: skip
+    warmed = set(shapes)
+    shapes.clear()
+    try:
+        handles = []
+        for index, (prompt, steps) in enumerate([("text40", 16), ("text25", 11), ("text40", 14)]):
+            handles.append(engine.submit(SpeechRequest(prompts[prompt], max_new_tokens=steps, seed=index)))
+            _take(handles[-1], 2 + index)  # out of phase: their chunks fall in different rounds
+        replies = [_drain(handle) for handle in handles]
+    finally:
+        engine.close()
+    assert all(reply[-1].finish_reason == "length" for reply in replies)
+    assert {shape[1][0] for shape in warmed if shape[0] == "flow"} == {1, 2, 4}
+    assert len(shapes) > 3 and shapes <= warmed, shapes - warmed
+
+
+def test_a_request_is_prefilled_with_the_caches_generate_speech_uses(model, prompts, monkeypatch):
+    """Only the batch's caches must be static (rows join at a shared column): a request's prefill uses the caches its
+    plan uses in `generate_speech` (dynamic on a CPU), not a static cache as long as the batch's, whose every column
+    its prompt pass would attend over and build masks for."""
+    from funaudiochat_hf import generation_loop_funaudiochat as loop
+
+    kinds = []
+    prefill = loop.SpeechRun.prefill
+    monkeypatch.setattr(loop.SpeechRun, "prefill", lambda run: kinds.append(run.ws.static) or prefill(run))
+    model.generate_speech(**prompts["text40"], max_new_tokens=2, return_audio=False)
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
+    try:
+        assert _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))[-1].finished
+        assert engine.adapter.ws.static  # the batch's
+    finally:
+        engine.close()
+    direct, batch, request = kinds
+    assert batch and request == direct
+
+
+def test_step_row_counts():
+    from funaudiochat_hf.serving_engine_funaudiochat import step_row_counts
+
+    assert step_row_counts(16) == (1, 2, 4, 8, 16)
+    assert step_row_counts(12) == (1, 2, 4, 8, 12)
+    assert step_row_counts(3) == (1, 2, 3)
+    assert step_row_counts(1) == (1,)
+
+
+def test_a_step_runs_the_first_rows_that_hold_every_busy_one(model, prompts, monkeypatch):
+    """One request on an idle engine is stepped as a batch of one (its first slot), not with every idle row; two
+    running requests as a batch of two. The rows are views of the batch's workspace: the tokens are the single runs'
+    (the mid-flight test checks that while rows join and leave)."""
+    from funaudiochat_hf import generation_state_funaudiochat
+
+    rows = []
+    step = generation_state_funaudiochat.decode_step
+    monkeypatch.setattr(generation_state_funaudiochat, "decode_step",
+                        lambda model, ws, cfg: rows.append(ws.batch_size) or step(model, ws, cfg))  # fmt: skip
+    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=8,
+                          generation_options={"do_sample": False})  # fmt: skip
+    try:
+        assert rows == [1, 1, 2, 2, 4, 4]  # each row count's step warmed up (and recorded, on CUDA) at the start
+        rows.clear()
+        alone = _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))
+        assert rows and set(rows) == {1}
+        assert [t for e in alone for t in e.text_ids] == _single_run(model, prompts["text40"], 8, do_sample=False)[0]
+        rows.clear()
+        first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8))
+        _take(first, 2)
+        second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=4))
+        assert _drain(second)[-1].finished and _drain(first)[-1].finished
+        assert 2 in rows and max(rows) == 2
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_row_counts_replay_their_graphs_and_give_the_single_runs_tokens_on_gpu(prompts):
+    """On CUDA each row count's step is recorded at the start (one graph on each view of the batch's workspace) and
+    replayed: requests that join and leave get their single runs' tokens (`generate_speech`, same backend)."""
+    from transformers import AutoModel
+
+    from conftest import FUNAUDIOCHAT_TINY
+
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    options = {"do_sample": False, "repetition_penalty": 1.0}
+    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=12, backend="cuda_graphs",
+                          generation_options=options)  # fmt: skip
+    try:
+        assert list(engine.adapter.row_runs) == [1, 2, 4]
+        assert all(len(run.ws.step_graphs) == 1 for run in engine.adapter.row_runs.values())
+        first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12))
+        events = {0: _take(first, 3)}  # alone: one row
+        second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))  # two rows
+        events[1] = _drain(second)
+        events[0] += _drain(first)
+    finally:
+        engine.close()
+    for index, (name, steps) in enumerate([("text40", 12), ("text25", 6)]):
+        expected = model.generate_speech(**prompts[name], max_new_tokens=steps, return_audio=False,
+                                         backend="cuda_graphs", **options)  # fmt: skip
+        length = prompts[name]["input_ids"].shape[1]
+        assert [t for e in events[index] for t in e.text_ids] == expected.sequences[0, length:].tolist()
+        assert [t for e in events[index] for t in e.speech_ids] == expected.speech_ids[0].tolist()

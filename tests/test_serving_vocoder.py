@@ -41,14 +41,17 @@ def test_a_failing_stream_fails_its_request_only(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_decoders_run_on_the_vocoders_own_stream(monkeypatch):
-    """On CUDA the decoders run on the vocoder's stream (overlapping the engine's decode steps on the default one);
-    the audio that reaches the host is complete (`.cpu()` waits for that stream) and equals each stream alone."""
+    """On CUDA the decoders run on the vocoder's stream (overlapping the engine's decode steps on the default one, at
+    a higher priority); the audio that reaches the host is complete (`.cpu()` waits for that stream) and equals each
+    stream alone."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     decoder.config.estimator_precision = "float32"
     decoder.cuda()
     options = {"token_hop_len": 15, "first_token_hop_len": 5}
     vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
     assert vocoder.cuda_stream is not None and vocoder.cuda_stream != torch.cuda.current_stream()
+    # Its kernels go before the engine's decode steps (default priority) whenever both wait for the GPU.
+    assert vocoder.cuda_stream.priority < torch.cuda.current_stream().priority
     seen = []
     batched = serving_vocoder_funaudiochat.decode_ready
     monkeypatch.setattr(
@@ -70,3 +73,34 @@ def test_cuda_decoders_run_on_the_vocoders_own_stream(monkeypatch):
         pieces[-1] = torch.cat([pieces[-1], alone.finalize().cpu()])
         assert [len(piece) for piece in audio[i]] == [len(piece) for piece in pieces]
         _close_wav(torch.cat(audio[i]), torch.cat(pieces))
+
+
+def test_warm_up_batch_sizes_cover_every_round():
+    sizes = ServingVocoder.warm_up_batch_sizes
+    assert sizes(16) == (1, 2, 4, 8, 16)
+    assert sizes(6) == (1, 2, 4, 8)  # a round of 5 or 6 streams is padded to 8
+    assert sizes(1) == (1,)
+    assert sizes(40) == (1, 2, 4, 8, 16)  # larger rounds are split into calls of 16
+
+
+def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch):
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5, "flow_left_context_tokens": 20}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    calls = []  # (streams, flow window tokens of the call's chunk)
+    batched = serving_vocoder_funaudiochat.decode_ready
+
+    def spy(streams):
+        streams[0]._accept_pending()  # as decode_ready does first
+        window = streams[0]._flow_window(finalize=False)[0].shape[0]
+        calls.append((len(streams), window))
+        return batched(streams)
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready", spy)
+    chunks = vocoder.warm_up(3)
+    assert list(chunks) == [1, 2, 4]
+    longest = 20 + 15 + 3  # left context + hop + look-ahead
+    for size in (1, 2, 4):
+        windows = [window for streams, window in calls if streams == size]
+        assert windows[0] == 5 + 3 and windows[-1] == longest  # from the first chunk to a full window
+        assert len(windows) == chunks[size]

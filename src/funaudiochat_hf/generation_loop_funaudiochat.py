@@ -70,6 +70,7 @@ class SpeechRun:
         prompt_inputs: dict,
         backend: str | None,
         per_row_sampling: bool = False,
+        rows_of: DecodeWorkspace | None = None,
     ):
         self.model, self.request = model, request
         device = model.language_model.get_input_embeddings().weight.device
@@ -106,8 +107,9 @@ class SpeechRun:
         self.step_fn, self.prefill_crq_part, self.prefill_halves = generator.step_functions(
             self.cfg, request.compile_options
         )
-        # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_engine_funaudiochat`).
-        self.ws = generator.workspace(batch, cache_length, self.cfg, per_row_sampling)
+        # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_engine_funaudiochat`);
+        # `rows_of`: the run steps the first rows of that workspace (no prefill of its own: the rows are that one's).
+        self.ws = generator.workspace(batch, cache_length, self.cfg, per_row_sampling, rows_of)
         self.prompt_inputs = prompt_inputs
         self.generator = _random_generator(request, device)
         self.steps = 0

@@ -236,12 +236,23 @@ class SpeechGenerator:
         return needed
 
     def workspace(
-        self, batch_size: int, cache_length: int, cfg: StepConfig, per_row_sampling: bool = False
+        self,
+        batch_size: int,
+        cache_length: int,
+        cfg: StepConfig,
+        per_row_sampling: bool = False,
+        rows_of: DecodeWorkspace | None = None,
     ) -> DecodeWorkspace:
         """A workspace for the call, with the plan's weight copies and text head attached (static: kept for reuse).
-        `per_row_sampling`: its sampling values are per row (`DecodeWorkspace`)."""
+        `per_row_sampling`: its sampling values are per row (`DecodeWorkspace`). `rows_of`: a view of the first
+        `batch_size` rows of that (static, prefilled) workspace instead (`DecodeWorkspace.first_rows`), which owns
+        the storage; the view is not kept here."""
         plan = cfg.plan
-        if not plan.static_cache:
+        if rows_of is not None:
+            if cache_length != rows_of.max_length:
+                raise ValueError(f"A view of a workspace's rows has its {rows_of.max_length} cache columns.")
+            ws = rows_of.first_rows(batch_size)
+        elif not plan.static_cache:
             ws = DecodeWorkspace(self.model, batch_size, cache_length, False, cfg.output_logits, per_row_sampling)
         else:
             key = (batch_size, cache_length, cfg.output_logits, per_row_sampling)

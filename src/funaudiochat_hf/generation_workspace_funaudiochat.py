@@ -1,6 +1,7 @@
 """The fixed-address state of one decoding run: `StepConfig` (its Python constants) and `DecodeWorkspace` (its KV
 caches, per-row state and scratch buffers)."""
 
+import copy
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -156,6 +157,36 @@ class DecodeWorkspace:
         for tensor in self._buffers():
             torch._dynamo.mark_static_address(tensor)
 
+    # Tensors of the whole run, not of a row: the step counters, the stop ids, the kernels' arrival counters (sized
+    # for the workspace's rows, so that they serve any fewer).
+    _RUN_TENSORS = ("step", "sub_step", "eos_ids", "split_k_counters")
+
+    def first_rows(self, rows: int) -> "DecodeWorkspace":
+        """A workspace over the first `rows` rows of this one (after its prefill allocated the caches): every per-row
+        buffer and cache tensor is a view of this one's (the same storage, so a step of the view reads and writes
+        these rows here), the run's tensors are shared, and it has graphs of its own. A step of fewer rows costs
+        less: a continuous batch whose busy rows are the first ones steps only those
+        (`serving_engine_funaudiochat`). The weight copies and text head are attached by the generator."""
+        if not 1 <= rows <= self.batch_size:
+            raise ValueError(f"`rows` must be between 1 and the workspace's {self.batch_size}, got {rows}.")
+        if not self.static:
+            raise ValueError("Only a static workspace has fixed rows to view.")
+        view = copy.copy(self)
+        view.batch_size = rows
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor) and name not in self._RUN_TENSORS:
+                if value.shape[0] != self.batch_size:
+                    raise RuntimeError(f"DecodeWorkspace.{name} is neither per row nor listed in `_RUN_TENSORS`.")
+                setattr(view, name, value[:rows])
+        view.llm_cache = _first_cache_rows(self.llm_cache, rows)
+        view.crq_cache = _first_cache_rows(self.crq_cache, rows)
+        view.text_sampling = self.text_sampling.first_rows(rows)
+        view.speech_sampling = self.speech_sampling.first_rows(rows)
+        view.fused_crq = view.speech_head = view.folded = view.llm_kernels = view.text_head = None
+        view.step_graphs = StepGraphs()
+        view.prompt_buffers = {}
+        return view
+
     def _buffers(self) -> list[torch.Tensor]:
         tensors = [value for value in vars(self).values() if isinstance(value, torch.Tensor)]
         return tensors + self.text_sampling.tensors() + self.speech_sampling.tensors()
@@ -224,6 +255,23 @@ class DecodeWorkspace:
         else:
             self.eos_ids.copy_(eos_ids)
 
+
+
+def _first_cache_rows(cache: StaticCache | None, rows: int) -> StaticCache | None:
+    """A static cache over the first `rows` rows of `cache`: its layers' keys and values are views, and each layer's
+    `cumulative_length` is the same tensor (updated in place), so both see every write and the same column."""
+    if cache is None:
+        return None
+    view = copy.copy(cache)
+    view.layers = []
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            raise RuntimeError("A static cache's rows can be viewed once its tensors exist (after the prefill).")
+        layer_view = copy.copy(layer)
+        layer_view.keys, layer_view.values = layer.keys[:rows], layer.values[:rows]
+        layer_view.batch_size = rows
+        view.layers.append(layer_view)
+    return view
 
 
 __all__ = ["DecodeWorkspace", "PromptBuffers", "StepConfig", "storage_bytes"]

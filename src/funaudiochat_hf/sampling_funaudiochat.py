@@ -100,6 +100,15 @@ class SamplingParameters:
         self.repetition_penalty.fill_(settings.repetition_penalty)
         return self
 
+    def first_rows(self, rows: int) -> "SamplingParameters":
+        """The parameters of the first `rows` rows, sharing these tensors' storage (views); 0-d parameters (one value
+        for every row) are shared as they are."""
+        view = object.__new__(SamplingParameters)
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            tensor = getattr(self, name)
+            setattr(view, name, tensor if tensor.ndim == 0 else tensor[:rows])
+        return view
+
     def fill_row_(self, row: int, settings: SamplingSettings) -> "SamplingParameters":
         """Copy the values of `settings` into one row of per-row parameters (`rows` given), in place."""
         if self.temperature.ndim == 0:

@@ -53,6 +53,7 @@ from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
+from .step_graph_funaudiochat import tensor_addresses
 
 
 logger = logging.get_logger(__name__)
@@ -65,6 +66,16 @@ DEFAULT_MAX_NEW_TOKENS = 512
 _BATCH_SWITCH_VALUES = {"temperature": 1.0, "top_p": 0.5, "repetition_penalty": 1.5}
 # The request keywords that become per-row values.
 REQUEST_SAMPLING_KEYS = ("temperature", "top_p", "repetition_penalty")
+# Row counts of the batch's decode step (besides the whole batch): a step runs the smallest that holds every busy row.
+_STEP_ROW_COUNTS = (1, 2, 4, 8, 16)
+
+
+def step_row_counts(batch_size: int) -> tuple[int, ...]:
+    """The row counts the decode step of a batch of `batch_size` slots comes in, ascending (the last: all of them).
+    A request takes the lowest free slot, so the busy rows are mostly the first ones: one request alone is stepped as
+    a batch of one (`generate_speech`'s step), not with the idle rows of the whole batch. Each count is one step
+    graph, recorded when the engine starts."""
+    return (*(rows for rows in _STEP_ROW_COUNTS if rows < batch_size), batch_size)
 
 
 class QueueFull(RuntimeError):
@@ -140,6 +151,11 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self.options: dict = {}  # resolved generation options (set by the engine)
         self.first_audio: float | None = None  # seconds after submission
+        # Seconds after submission at which the request reached each stage of its way to its first audio:
+        # "admitted" (its prefill starts), "prefilled" (its first token is read), "vocoding" (the output thread starts
+        # the round that yields its first audio), "first_audio" (that audio is ready, before its event is delivered).
+        self.timeline: dict[str, float] = {}
+        self.first_audio_steps: int | None = None  # its decode results (the prefill's included) up to its first audio
         self.audio_samples = 0
         self.text_ids: list[int] = []
         self.speech_ids: list[int] = []
@@ -164,6 +180,11 @@ class RequestHandle:
             yield event
             if event.finished:
                 return
+
+    def _mark(self, stage: str, now: float | None = None) -> None:
+        """Record the first time the request reaches `stage` (see `timeline`)."""
+        if stage not in self.timeline:
+            self.timeline[stage] = (time.perf_counter() if now is None else now) - self.submitted
 
     def _emit(self, event: SpeechEvent) -> None:
         self.text_ids.extend(event.text_ids)
@@ -195,9 +216,8 @@ class _DecodeAdapter:
     def __init__(self, model, batch_size: int, cache_length: int, generation_options: dict, backend: str):
         self.model = model
         self.options = dict(generation_options)
-        if self.options.get("cache_implementation", "static") != "static":
+        if self.options.pop("cache_implementation", "static") != "static":
             raise ValueError("The speech engine shares static caches between requests: drop `cache_implementation`.")
-        self.options["cache_implementation"] = "static"
         for name in ("backend", "compile", "output_logits"):
             if name in self.options:
                 raise ValueError(f"`{name}` is not a generation option of the engine (use `SpeechEngine(backend=...)`).")
@@ -214,17 +234,36 @@ class _DecodeAdapter:
 
     def _start_batch(self) -> None:
         """The batch's run over a one-token dummy prompt per row: its step configuration and step function, and the
-        prefill that allocates the batch's caches and attaches its weight copies; the warm-up step then compiles /
-        records it. Every row is free afterwards."""
+        prefill that allocates the batch's caches and attaches its weight copies; two warm-up steps then compile and
+        record it. Every row is free afterwards."""
         dummy = torch.zeros(self.batch_size, 1, dtype=torch.long)
-        batch_request = self._resolve(dummy, {**_BATCH_SWITCH_VALUES, "max_new_tokens": 1})
+        # The batch's caches are static (rows join at a shared column); a request's own prefill uses the caches its
+        # plan uses in `generate_speech` (e.g. dynamic ones on a CPU, where a static cache as long as the batch's
+        # would make its prompt pass attend over, and build masks for, every column of it).
+        batch_options = {**_BATCH_SWITCH_VALUES, "max_new_tokens": 1, "cache_implementation": "static"}
+        batch_request = self._resolve(dummy, batch_options)
         self.batch_run = SpeechRun(
             self.model, self.generator, batch_request, dummy, None, {}, None, per_row_sampling=True
         )
         self.cfg, self.ws = self.batch_run.cfg, self.batch_run.ws
         self.k = self.cfg.group_size
         self.batch_run.prefill()
-        self.step_fn(self.ws)
+        # A run per row count of `step_row_counts`, over the first rows of the batch's workspace (views: the same
+        # caches and state), each with its row count's plan (one row: `generate_speech`'s batch-1 step).
+        self.row_runs: dict[int, SpeechRun] = {}
+        for rows in step_row_counts(self.batch_size):
+            run = self.batch_run
+            if rows < self.batch_size:
+                request = self._resolve(dummy[:rows], batch_options)
+                run = SpeechRun(self.model, self.generator, request, dummy[:rows], None, {}, None,
+                                per_row_sampling=True, rows_of=self.ws)  # fmt: skip
+                if run.cfg.plan.step_graph:  # as a prefill checks its workspace's graphs
+                    run.ws.step_graphs.check(tensor_addresses(self.model, run.ws.graph_inputs()))
+            self.row_runs[rows] = run
+            # Twice: the first run compiles / warms the step up, the second records its CUDA graph
+            # (`plan.step_graph`), so that no request waits for either and the graphs' memory is held from the start.
+            run.step_fn(self.model, run.ws, run.cfg)
+            run.step_fn(self.model, run.ws, run.cfg)
         for row in range(self.batch_size):
             self.free(row)
         self.ws.step.zero_()
@@ -342,12 +381,16 @@ class _DecodeAdapter:
             ws.crq_mask[row] = True
 
     # ------------------------------------------------------------------ steps
-    def step_fn(self, ws) -> None:
-        self.batch_run.step_fn(self.model, ws, self.cfg)
+    def step_rows(self, busy_rows) -> int:
+        """The rows a step runs while `busy_rows` are busy: the smallest row count of `step_row_counts` past the
+        last busy row."""
+        last = max(busy_rows)
+        return next(rows for rows in self.row_runs if rows > last)
 
     def step(self, generators: dict[int, torch.Generator]) -> None:
-        """One decode step of every row; `generators`: the active rows' own generators (their noise is drawn row by
-        row, text then speech, as a single run draws it)."""
+        """One decode step of the first `step_rows` rows, which hold every busy one; `generators`: the busy rows' own
+        generators (their noise is drawn row by row, text then speech, as a single run draws it). The other rows are
+        free (done, masks open): they stay as they are until a step covers them again."""
         ws, cfg = self.ws, self.cfg
         for row, generator in generators.items():
             if cfg.text.do_sample:
@@ -359,7 +402,8 @@ class _DecodeAdapter:
         if self.steps_since_reset >= ws.max_length - 1:
             ws.step.zero_()
             self.steps_since_reset = 0
-        self.step_fn(ws)
+        run = self.row_runs[self.step_rows(generators)]
+        run.step_fn(self.model, run.ws, run.cfg)
         self.steps_since_reset += 1
 
     def read(self) -> tuple[list[int], list[bool], list[int], list[list[int]]]:
@@ -520,6 +564,10 @@ class SpeechEngine:
         self._vocoder = None
         if decoder is not None:
             self._vocoder = ServingVocoder(decoder, self.stream_options, self.adapter.cfg.speech_bos_id)
+            if self._vocoder.fixed_shapes:
+                sizes = self._vocoder.warm_up_batch_sizes(max_batch_size)
+                logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
+                self._vocoder.warm_up(max_batch_size)
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
@@ -664,8 +712,10 @@ class SpeechEngine:
                 self._finish(handle, "cancelled")
                 continue
             try:
+                handle._mark("admitted")
                 run = self.adapter.new_run(handle.request, handle.options)
                 first = self.adapter.prefill(run)
+                handle._mark("prefilled")
             except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
                 logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
                 self._finish(handle, "error", f"{type(error).__name__}: {error}")
@@ -754,6 +804,7 @@ class SpeechEngine:
         parts = [VocodeItem(handle.id, handle.request.voice, speech_ids, finish is not None,
                             finish not in ("cancelled", "error"))
                  for handle, _, speech_ids, finish, _ in items]  # fmt: skip
+        started = time.perf_counter()
         try:
             audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
@@ -776,7 +827,7 @@ class SpeechEngine:
                 handle.cancel()  # its slot is freed at the next step
                 event = SpeechEvent(sampling_rate=self.sampling_rate, finished=True, finish_reason="error",
                                     error=f"vocoding failed: {type(failure).__name__}: {failure}")  # fmt: skip
-            self._record(handle, event)
+            self._record(handle, event, started)
             try:
                 handle._emit(event)
             except Exception as failure:  # a sink that fails (a closed event loop) must not stop the other requests
@@ -790,13 +841,23 @@ class SpeechEngine:
             self._text.pop(request_id, None)
         return delta
 
-    def _record(self, handle: RequestHandle, event: SpeechEvent) -> None:
+    def _record(self, handle: RequestHandle, event: SpeechEvent, vocoding_started: float) -> None:
+        first_audio = False
         with self._lock:
             metrics = self.metrics
             if len(event.audio):
                 metrics.audio_seconds += len(event.audio) / event.sampling_rate
                 if handle.first_audio is None:
-                    handle.first_audio = time.perf_counter() - handle.submitted
+                    first_audio = True
+                    handle._mark("vocoding", vocoding_started)
+                    handle._mark("first_audio")
+                    handle.first_audio = handle.timeline["first_audio"]
+                    # The decode results delivered so far, this one included (not yet in `handle.text_ids`).
+                    handle.first_audio_steps = len(handle.text_ids) + len(event.text_ids)
                     metrics.time_to_first_audio.observe(handle.first_audio)
             if event.finished:
                 metrics.requests[event.finish_reason] += 1
+        if first_audio:
+            stages = ", ".join(f"{stage} {1000 * seconds:.1f} ms" for stage, seconds in handle.timeline.items())
+            steps = handle.first_audio_steps
+            logger.debug(f"Request {handle.id}: first audio after {steps} decode results ({stages}).")

@@ -7,9 +7,21 @@ call for all of them instead of one per request, which on a GPU costs about as m
 what its decoder alone would give (rows are independent; equal up to float rounding).
 
 On a GPU the decoders run on a CUDA stream of their own (owned here), so that their kernels overlap the engine's decode
-steps on the default stream instead of queueing behind them. Nothing crosses the two streams: the decoders read only
-their own tensors and the vocoder's weights (ordered after everything queued before the engine started, see
-`__init__`), and their audio reaches the host with `.cpu()`, which waits for the vocoder's stream.
+steps on the default stream instead of queueing behind them. That stream has the device's highest priority: the
+engine launches decode steps back to back, and a chunk's flow call (thousands of small kernels, each waiting for the
+one before) would otherwise wait for SM room behind the step's kernels at every one of its kernels, which stretches a
+request's first audio far past what the same chunk costs alone (`generate_speech_stream`, which decodes and vocodes in
+turn). With the priority the chunk's kernels are scheduled first and the steps fill the rest of the GPU. Nothing
+crosses the two streams: the decoders read only their own tensors and the vocoder's weights (ordered after everything
+queued before the engine started, see `__init__`), and their audio reaches the host with `.cpu()`, which waits for
+the vocoder's stream.
+
+The shapes of a batched call (batch sizes padded to `GRAPH_BATCH_SIZES`, flow windows padded to a few sizes, HiFT
+windows that grow over a reply's first chunks) each get a CUDA graph when they first occur, and each graph keeps its
+own copies of its inputs (the flow's per-row time conditioning among them). `warm_up` decodes synthetic streams at
+every batch size a round can have, from a reply's first chunk until its windows stop growing, before the engine takes
+requests: every graph a load replays is then recorded up front, and memory after a load equals memory after the
+warm-up instead of growing the first time more requests run together.
 """
 
 from __future__ import annotations
@@ -22,10 +34,13 @@ import torch
 from transformers.utils import logging
 
 from .generation_vocoding_funaudiochat import decoder_speaker_kwargs, valid_speech_tokens
-from .streaming_batch_cosyvoice3 import decode_ready
+from .streaming_batch_cosyvoice3 import GRAPH_BATCH_SIZES, decode_ready
 
 
 logger = logging.get_logger(__name__)
+
+# Lower numbers are higher priorities; one beyond the device's range is mapped to its highest.
+HIGHEST_STREAM_PRIORITY = -(2**10)
 
 
 @dataclass
@@ -58,12 +73,60 @@ class ServingVocoder:
         self.cuda_stream = None
         device = getattr(decoder, "device", torch.device("cpu"))
         if device.type == "cuda":
-            self.cuda_stream = torch.cuda.Stream(device)
+            self.cuda_stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
             # The decoder's weights and tables were written on the creating thread's stream.
             self.cuda_stream.wait_stream(torch.cuda.current_stream(device))
 
     def drop(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
+
+    def _new_stream(self, voice):
+        return self.decoder.streaming_decoder(**decoder_speaker_kwargs(voice), **self.stream_options)
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether the decoders run fixed shapes (CUDA graphs, or a compiled flow): then `warm_up` pays."""
+        return self._new_stream(None).cuda_graphs or self.decoder.flow_is_compiled
+
+    @staticmethod
+    def warm_up_batch_sizes(max_streams: int) -> tuple[int, ...]:
+        """The padded batch sizes of the rounds of at most `max_streams` ready streams (`GRAPH_BATCH_SIZES`; larger
+        rounds are split into calls of the largest)."""
+        largest = next((size for size in GRAPH_BATCH_SIZES if size >= max_streams), GRAPH_BATCH_SIZES[-1])
+        return tuple(size for size in GRAPH_BATCH_SIZES if size <= largest)
+
+    @torch.no_grad()
+    def warm_up(self, max_streams: int, max_chunks: int = 1000) -> dict[int, int]:
+        """Decode synthetic replies together, `size` at a time for every size of `warm_up_batch_sizes(max_streams)`,
+        one decode step's tokens at a time (as the engine feeds them), from their first chunk until their flow and
+        HiFT windows are full (the chunk shapes then repeat) and one chunk more: every shape a round of the engine
+        can have is decoded once (recorded, under CUDA graphs). Returns {size: chunks decoded per stream}."""
+        context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
+        tokens_per_step = 5  # a decode step's speech group; the chunk boundaries do not depend on it
+        vocab_size = self.decoder.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        chunks = {}
+        with context:
+            for size in self.warm_up_batch_sizes(max_streams):
+                streams = [self._new_stream(None) for _ in range(size)]
+                decoded, steady = 0, None
+                while decoded < max_chunks:
+                    for stream in streams:
+                        stream.add_tokens(torch.randint(0, vocab_size, (tokens_per_step,), generator=generator))
+                    if not streams[0].chunk_ready():
+                        continue
+                    decode_ready(streams)
+                    decoded += 1
+                    # Full windows: the flow's token history and HiFT's mel history are trimmed on the left.
+                    full = streams[0].token_start > 0 and streams[0].mel_start > 0
+                    if steady is not None:
+                        break
+                    if full:
+                        steady = decoded  # one chunk more: the first one with full windows on both sides
+                chunks[size] = decoded
+            if self.cuda_stream is not None:
+                self.cuda_stream.synchronize()
+        return chunks
 
     @torch.no_grad()
     def audio(self, items: list[VocodeItem]) -> list[np.ndarray | Exception]:
@@ -138,4 +201,4 @@ class ServingVocoder:
         return results
 
 
-__all__ = ["ServingVocoder", "VocodeItem"]
+__all__ = ["HIGHEST_STREAM_PRIORITY", "ServingVocoder", "VocodeItem"]
