@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from funaudiochat_hf import CosyVoice3Token2Wav
-from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner, _Recording
+from funaudiochat_hf.cuda_graph_cosyvoice3 import (
+    CUDAGraphRunner,
+    _Recording,
+    _static_copy,
+    broadcast_dims,
+    input_signature,
+)
 from funaudiochat_hf.streaming_batch_cosyvoice3 import GRAPH_BATCH_SIZES, decode_ready
 from funaudiochat_hf.streaming_cosyvoice3 import _graph_runners
 
@@ -51,6 +57,28 @@ def test_recording_copies_an_input_only_when_it_is_another_tensor_or_was_modifie
         static.fill_(0.0)
         recording.load_inputs((frozen,))
     assert torch.equal(static, frozen)
+
+
+def test_recording_keeps_one_slice_of_a_broadcast_input():
+    """An input expanded along a dimension (the flow's time conditioning: one row for every batch row) is kept as one
+    slice in the recording, expanded as the graph reads it; later values write that slice."""
+    row = torch.arange(6.0).reshape(1, 6)
+    value = row.expand(32, 6)
+    assert broadcast_dims(value) == (0,) and broadcast_dims(row) == () and broadcast_dims(torch.zeros(32, 6)) == ()
+    static = _static_copy(value)
+    assert static.shape == (32, 6) and static.stride() == (0, 1) and static.untyped_storage().nbytes() == 6 * 4
+    recording = _Recording(graph=None, inputs=[static], output=None)
+    recording.load_inputs(((row + 1).expand(32, 6),))
+    assert torch.equal(recording.inputs[0], (row + 1).expand(32, 6))
+    dense = torch.randn(2, 3)
+    assert torch.equal(_static_copy(dense), dense) and _static_copy(dense).data_ptr() != dense.data_ptr()
+
+
+def test_signature_tells_broadcast_from_dense_inputs():
+    """A dense input of a broadcast one's shape is another recording (its rows differ: one slice cannot hold it)."""
+    broadcast, dense = torch.ones(1, 4).expand(8, 4), torch.ones(8, 4)
+    assert input_signature((broadcast,)) != input_signature((dense,))
+    assert input_signature((broadcast,)) == input_signature((torch.zeros(1, 4).expand(8, 4),))
 
 
 def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():

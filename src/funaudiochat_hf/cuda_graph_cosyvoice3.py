@@ -7,7 +7,8 @@ dtypes, the precision settings it depends on) and replays it: one launch per cal
 it works with the eager model (and with an estimator compiled without CUDA graphs of its own).
 
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
-semantics; a lock serialises replays of one runner (the static buffers are shared). An input passed again as the very
+semantics; an input broadcast along a dimension (stride 0, as `expand` makes it) keeps one copy of that dimension
+(part of the signature: a dense input of the same shape is another recording); a lock serialises replays of one runner (the static buffers are shared). An input passed again as the very
 same tensor, unmodified since (same version counter; a raw kernel that writes it without a PyTorch in-place op is not
 seen), is not copied again: a streamed chunk's constant inputs (time conditioning, speaker condition, key mask) then
 cost no launches before the replay, while the GPU waits for it.
@@ -21,21 +22,48 @@ from typing import Optional
 import torch
 
 
+def broadcast_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions along which `tensor` repeats one slice (stride 0, more than one element)."""
+    return tuple(dim for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())) if stride == 0 and size > 1)
+
+
+def _one_slice(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` with each of `dims` narrowed to its first index (the slice it repeats)."""
+    for dim in dims:
+        tensor = tensor.narrow(dim, 0, 1)
+    return tensor
+
+
 class _Recording:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: torch.Tensor):
-        self.graph, self.inputs, self.output = graph, inputs, output
+        self.graph, self.output = graph, output
+        # What the graph reads (broadcast inputs as expanded views) and, per input, the dense storage written before a
+        # replay with its broadcast dimensions.
+        self.inputs = inputs
+        self.storage = [(_one_slice(static, broadcast_dims(static)), broadcast_dims(static)) for static in inputs]
         # (tensor, its version) last copied into each static input; None = copy on the next call.
         self.sources: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(inputs)
 
     def load_inputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        for index, (static, value) in enumerate(zip(self.inputs, tensors)):
+        for index, ((storage, dims), value) in enumerate(zip(self.storage, tensors)):
             # Inference-mode tensors have no version counter: copied every time.
             version = None if value.is_inference() else value._version
             source = self.sources[index]
             if version is not None and source is not None and source[0] is value and source[1] == version:
                 continue  # already there: the graph never writes to its inputs
-            static.copy_(value)
+            storage.copy_(_one_slice(value, dims))
             self.sources[index] = None if version is None else (value, version)
+
+
+def input_signature(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What a recording depends on of its inputs: shapes, dtypes, devices and broadcast dimensions."""
+    return tuple((tuple(t.shape), t.dtype, t.device, broadcast_dims(t)) for t in tensors)
+
+
+def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` for a recording: dense, except that its broadcast dimensions stay broadcast (one slice)."""
+    dims = broadcast_dims(tensor)
+    return _one_slice(tensor, dims).clone().expand(tensor.shape)
 
 
 class CUDAGraphRunner:
@@ -72,10 +100,7 @@ class CUDAGraphRunner:
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         if not tensors or any(not isinstance(t, torch.Tensor) or t.device.type != "cuda" for t in tensors):
             raise ValueError("CUDAGraphRunner takes CUDA tensors only (bind other arguments with functools.partial)")
-        key = (
-            tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
-            self.settings() if self.settings is not None else None,
-        )
+        key = (input_signature(tensors), self.settings() if self.settings is not None else None)
         with self._lock:
             recording = self._recordings.get(key)
             if recording is None:
@@ -91,7 +116,7 @@ class CUDAGraphRunner:
 
     def _record(self, tensors: tuple[torch.Tensor, ...]) -> _Recording:
         device = tensors[0].device
-        inputs = [t.clone() for t in tensors]
+        inputs = [_static_copy(t) for t in tensors]
         # Warm up on a side stream (lazy cuBLAS / cuDNN / cuFFT initialisation must not happen during capture).
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -107,4 +132,4 @@ class CUDAGraphRunner:
         return _Recording(graph, inputs, output)
 
 
-__all__ = ["CUDAGraphRunner"]
+__all__ = ["CUDAGraphRunner", "broadcast_dims", "input_signature"]

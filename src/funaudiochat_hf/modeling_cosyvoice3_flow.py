@@ -131,20 +131,23 @@ class CosyVoice3ConditionalFlowMatching(nn.Module):
         """Everything `solve` derives from the time grid alone, for `batch` rows (2 * batch with CFG):
 
         (dt (n_steps,), block modulations (n_steps, n_blocks, 2 * batch, 6 * dim), final-norm modulations
-        (n_steps, 2 * batch, 2 * dim)), computed exactly as each Euler step would (same shapes, same precision).
-        The same for every call with the same batch size, precision and weights: [`cached_time_conditioning`] keeps
-        it, which takes the time MLP and 23 modulation GEMMs per Euler step (2.8 GB of bfloat16 weight reads per
-        chunk at full size) out of every streamed chunk and offline call.
+        (n_steps, 2 * batch, 2 * dim)), in the estimator's precision. Every row of a step has the same t, so the
+        modulations are computed for one row and expanded (stride 0) to the 2 * batch rows: a CUDA graph of the
+        flow keeps one row of them as its input, not one per row (`CUDAGraphRunner` copies broadcast inputs
+        compactly). The same for every call with the same batch size, precision and weights:
+        [`cached_time_conditioning`] keeps it, which takes the time MLP and 23 modulation GEMMs per Euler step (2.8
+        GB of bfloat16 weight reads per chunk at full size) out of every streamed chunk and offline call.
         """
         self._check_estimator_dtype(dtype)
         times, deltas = self.time_grid(device, dtype)
         blocks, finals = [], []
         for step in range(self.config.n_timesteps):
             with self._estimator_autocast(device):
-                block_modulations, final_modulation = self.estimator.time_conditioning(times[step].expand(2 * batch))
+                block_modulations, final_modulation = self.estimator.time_conditioning(times[step].expand(1))
             blocks.append(block_modulations)
             finals.append(final_modulation)
-        return deltas, torch.stack(blocks), torch.stack(finals)
+        rows = 2 * batch
+        return deltas, torch.stack(blocks).expand(-1, -1, rows, -1), torch.stack(finals).expand(-1, rows, -1)
 
     def cached_time_conditioning(
         self, batch: int, device: torch.device, dtype: torch.dtype
