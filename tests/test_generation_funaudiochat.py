@@ -439,6 +439,25 @@ class StubDecoder(torch.nn.Module):
         return Stream()
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_decoder_device_defaults_apply_before_the_call_allocates(model, inputs, monkeypatch, streaming):
+    """The decoder's one-time device settings (a bfloat16 estimator on CUDA, releasing the float32 weights) run before
+    the call builds its decoding workspace, so that both copies of the estimator never coexist with the caches."""
+    events = []
+    decoder = StubDecoder()
+    decoder.apply_device_defaults = lambda: events.append("decoder defaults")
+    generator = model.speech_generator()
+    workspace = generator.workspace
+    monkeypatch.setattr(generator, "workspace", lambda *args, **kw: events.append("workspace") or workspace(*args, **kw))
+    kwargs = dict(GOLDEN_KWARGS, speech_decoder=decoder, speech_generator=generator)
+    if streaming:
+        list(model.generate_speech_stream(**inputs, **kwargs))
+    else:
+        model.generate_speech(**inputs, **kwargs)
+    assert events[:2] == ["decoder defaults", "workspace"]
+    generator.close()
+
+
 def test_offline_audio_with_decoder(model, inputs):
     decoder = StubDecoder()
     out = model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, speaker="中文女")

@@ -112,7 +112,14 @@ class FunAudioChatSpeechGenerationMixin:
             raise ValueError(
                 "`return_audio=True` needs a speech decoder: pass `speech_decoder=` or set `model.token2wav`."
             )
-        return None if return_audio is False else decoder
+        if return_audio is False:
+            return None
+        # The decoder's one-time device settings (on CUDA: its estimator cast to bfloat16) before this call allocates
+        # its caches and weight copies, so that the float32 weights are released first.
+        apply_defaults = getattr(decoder, "apply_device_defaults", None)
+        if apply_defaults is not None:
+            apply_defaults()
+        return decoder
 
     def resolve_speech_request(
         self, input_ids, attention_mask=None, generation_config: GenerationConfig | None = None, kwargs=None
