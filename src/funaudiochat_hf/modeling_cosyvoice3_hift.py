@@ -420,7 +420,8 @@ class CosyVoice3HiFTGenerator(nn.Module):
         (batch, n_fft + 2, stft_frames) -> conv_post output (batch, n_fft + 2, stft_frames).
 
         Convolutions, Snake residual blocks and element-wise ops only (no complex tensors), so it can be compiled on
-        its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the ~6 element-wise kernels of each Snake.
+        its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the element-wise ops between the convs (eagerly on
+        CUDA, each Snake is one Triton kernel already, `snake_cosyvoice3`).
         With `use_channels_last_convolutions()`, runs on (batch, channels, 1, frames) views; the output is
         contiguous unless conv_post runs channels-last (then strides (channels * frames, 1, channels)).
         """

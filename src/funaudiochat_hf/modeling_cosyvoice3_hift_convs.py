@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .snake_cosyvoice3 import snake
+
 
 def _hold(values: torch.Tensor, factor: int) -> torch.Tensor:
     """Nearest-neighbour upsampling of the last dim by an integer factor: (..., n) -> (..., n * factor).
@@ -121,8 +123,17 @@ class CausalConv1d(nn.Conv1d):
         self.causal_type = causal_type
         self.causal_padding = (kernel_size - 1) * dilation
 
-    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(batch, in_channels, frames) -> (batch, out_channels, frames); also (batch, in_channels, 1, frames)."""
+    def forward(
+        self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None, padded: bool = False
+    ) -> torch.Tensor:
+        """(batch, in_channels, frames) -> (batch, out_channels, frames); also (batch, in_channels, 1, frames).
+
+        padded=True: `hidden` already holds the padding (`causal_padding` more frames, as `Snake(left_padding=...)`
+        writes them), so the conv runs on it as it is."""
+        if padded:
+            if context is not None:
+                raise ValueError("padded=True takes no context: the padding frames are part of the input")
+            return _conv(self, hidden)
         return _conv(self, _pad_one_side(hidden, self.causal_padding, self.causal_type, context))
 
 
@@ -275,17 +286,17 @@ class CausalConv1dDownsample(nn.Conv1d):
 
 
 class Snake(nn.Module):
-    """Snake activation `x + sin(alpha * x)^2 / alpha` with a per-channel alpha on a linear scale (no exp)."""
+    """Snake activation `x + sin(alpha * x)^2 / alpha` with a per-channel alpha on a linear scale (no exp); one
+    Triton kernel on CUDA at inference (`snake_cosyvoice3.snake`)."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(batch, channels, frames) -> same shape; also (batch, channels, 1, frames)."""
-        alpha = self.alpha.reshape((-1,) + (1,) * (hidden.dim() - 2))
-        # Same expression and evaluation order as the reference (the 1e-9 guards alpha == 0).
-        return hidden + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(hidden * alpha), 2)
+    def forward(self, hidden: torch.Tensor, left_padding: int = 0) -> torch.Tensor:
+        """(batch, channels, frames) -> (batch, channels, left_padding + frames), the activation after
+        `left_padding` zero frames (the causal padding of the conv that reads it); also (batch, channels, 1, frames)."""
+        return snake(hidden, self.alpha, left_padding)
 
 
 class CausalResBlock(nn.Module):
@@ -302,7 +313,9 @@ class CausalResBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(batch, channels, frames) -> same shape."""
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            hidden = conv2(act2(conv1(act1(hidden)))) + hidden
+            # Each Snake writes the causal padding of the conv after it (on CUDA in the same kernel, no F.pad copy).
+            out = conv1(act1(hidden, conv1.causal_padding), padded=True)
+            hidden = conv2(act2(out, conv2.causal_padding), padded=True) + hidden
         return hidden
 
 

@@ -1,0 +1,264 @@
+"""HiFT's Snake activation: the Triton kernel (`funaudiochat::snake`, with the causal padding of the conv after it)
+against the torch expression, through Triton's CPU interpreter (in a subprocess, see conftest) and on a GPU for real
+(marked `gpu`); the torch path everywhere else."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hopper_ptx, run_in_triton_interpreter
+
+from funaudiochat_hf import snake_cosyvoice3
+from funaudiochat_hf.modeling_cosyvoice3_hift import CausalConv1d, CausalResBlock, Snake
+from funaudiochat_hf.snake_cosyvoice3 import snake, snake_reference
+
+
+# (shape, left padding, layout): frames and channels not multiples of the tiles, several tiles both ways, the padding
+# of a dilated conv, a strided view (a slice of a wider tensor), the transposed view of a frames-by-channels tensor,
+# HiFT's channels-last (batch, channels, 1, frames) and the contiguous 4-D shape.
+CASES = [
+    ((2, 5, 37), 0, "contiguous"),
+    ((2, 70, 300), 6, "contiguous"),
+    ((1, 16, 45), 30, "sliced"),
+    ((2, 24, 50), 2, "transposed"),
+    ((1, 70, 1, 45), 10, "channels_last"),
+    ((2, 9, 1, 33), 4, "contiguous"),
+]
+
+# float32 against the torch expression: a few ulp (sin, a fused multiply-add) of values up to ~|x| + 1 / alpha.
+FLOAT32_RTOL, FLOAT32_ATOL = 4e-6, 1e-6
+
+
+def make_inputs(shape, layout, device="cpu", dtype=torch.float32, seed=0):
+    """hidden of `shape` in `layout` (values up to ~10: several periods of the sine) and alpha with a zero, a
+    negative and small entries (1 / alpha up to ~20)."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = shape[1]
+    if layout == "sliced":
+        hidden = (torch.randn(shape[0], channels + 3, shape[2] + 5, generator=generator) * 4)[:, 1 : channels + 1, 5:]
+    elif layout == "transposed":
+        hidden = (torch.randn(shape[0], shape[2], channels, generator=generator) * 4).transpose(1, 2)
+    else:
+        hidden = torch.randn(shape, generator=generator) * 4
+    alpha = torch.rand(channels, generator=generator) * 2 + 0.05
+    alpha[0], alpha[-1] = 0.0, -0.7
+    hidden, alpha = hidden.to(device, dtype), alpha.to(device, dtype)
+    if layout == "channels_last":
+        hidden = hidden.contiguous(memory_format=torch.channels_last)
+    assert tuple(hidden.shape) == shape
+    return hidden, alpha
+
+
+def expected(hidden, alpha, left_padding):
+    """The torch expression in float32, then the causal padding."""
+    return F.pad(snake_reference(hidden.float(), alpha.float()), (left_padding, 0))
+
+
+_INTERPRETER_SCRIPT = """
+import json
+import torch
+from funaudiochat_hf import snake_cosyvoice3
+from test_snake_cosyvoice3 import CASES, FLOAT32_RTOL, expected, make_inputs
+from test_modeling_cosyvoice3_hift import _filter_inputs, build_hift
+
+errors = {}
+with torch.no_grad():
+    for shape, padding, layout in CASES:
+        hidden, alpha = make_inputs(shape, layout)
+        got = torch.ops.funaudiochat.snake(hidden, alpha, padding)
+        want = expected(hidden, alpha, padding)
+        errors[str((shape, padding, layout))] = {
+            "error": ((got - want).abs() - FLOAT32_RTOL * want.abs()).max().item(),
+            "padding_is_zero": bool((got[..., :padding] == 0).all()),
+            "channels_last": got.dim() == 4 and got.is_contiguous(memory_format=torch.channels_last),
+            "contiguous": got.is_contiguous(),
+        }
+    # through torch.compile (the operator's fake implementation; no graph break)
+    hidden, alpha = make_inputs(*CASES[1][::2])
+    compiled = torch.compile(
+        lambda x, a: torch.ops.funaudiochat.snake(x, a, 6) * 2, fullgraph=True, backend="aot_eager"
+    )
+    errors["compiled"] = {"error": ((compiled(hidden, alpha) - 2 * expected(hidden, alpha, 6)).abs().max().item())}
+    # the tiny HiFT's filter with every Snake (and its conv's padding) as the kernel, in both layouts
+    hift = build_hift()
+    inputs = _filter_inputs(hift, 12)
+    for layout in ("default", "channels_last"):
+        hift.use_channels_last_convolutions(layout == "channels_last")
+        torch_path = hift.filter_body(*inputs)
+        snake_cosyvoice3._kernel_applies = lambda *args: True
+        kernel = hift.filter_body(*inputs)
+        snake_cosyvoice3._kernel_applies = lambda *args: False
+        errors["hift_" + layout] = {"error": ((kernel - torch_path).abs().max() / torch_path.abs().max()).item()}
+print(json.dumps(errors))
+"""
+
+
+def test_kernel_matches_the_torch_expression_in_the_triton_interpreter():
+    """float32 (the interpreter's bfloat16 is not faithful): the padding written as exact zeros, channels-last output
+    for a channels-last input, contiguous otherwise, a compiled call, and the tiny HiFT's filter."""
+    results = json.loads(run_in_triton_interpreter(_INTERPRETER_SCRIPT))
+    assert len(results) == len(CASES) + 3
+    for (shape, padding, layout), name in zip(CASES, results):
+        result = results[name]
+        assert result["error"] <= FLOAT32_ATOL, (name, result)  # |got - want| <= atol + rtol |want|
+        assert result["padding_is_zero"], name
+        assert result["channels_last" if layout == "channels_last" else "contiguous"], (name, result)
+    assert results["compiled"]["error"] < 1e-5
+    for layout in ("default", "channels_last"):
+        assert results["hift_" + layout]["error"] < 1e-5, results  # relative to the largest output
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernel_compiles_for_hopper_with_an_accurate_sine_and_division(dtype):
+    """On the GPU the kernel's float32 arithmetic is the torch path's: libdevice's sinf (no `sin.approx`, whose error
+    grows with the argument) and an IEEE-rounded 1 / (alpha + 1e-9) (`div.rn`, as torch's reciprocal)."""
+    pytest.importorskip("triton")
+    kernel = snake_cosyvoice3._snake_kernel
+    types = {"x_ptr": f"*{dtype}", "alpha_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    block_c, block_t = snake_cosyvoice3.FRAMES_MAJOR_TILE
+    ptx = hopper_ptx(kernel, {"BLOCK_C": block_c, "BLOCK_T": block_t, "stride_xt": 1, "stride_ot": 1}, types)
+    assert "__nv_sinf" in ptx and "sin.approx" not in ptx
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+
+
+def test_snake_off_cuda_is_the_torch_expression_and_keeps_gradients(monkeypatch):
+    """On CPU `snake` is the expression (bit for bit) followed by F.pad, the operator is not called, and a
+    gradient-requiring input gets its gradient."""
+    calls = []
+    monkeypatch.setattr(torch.ops.funaudiochat, "snake", lambda *args: calls.append(args), raising=False)
+    for shape, padding, layout in CASES:
+        hidden, alpha = make_inputs(shape, layout)
+        assert not snake_cosyvoice3._kernel_applies(hidden, alpha)
+        with torch.no_grad():
+            torch.testing.assert_close(snake(hidden, alpha, padding), expected(hidden, alpha, padding), rtol=0, atol=0)
+    leaf = hidden.detach().requires_grad_()
+    snake(leaf, alpha, 3).sum().backward()
+    assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+    assert not calls
+    with pytest.raises(ValueError, match="left_padding must be >= 0"):
+        snake(hidden, alpha, -1)
+
+
+def test_resblock_snakes_write_the_padding_of_their_convs():
+    """`CausalResBlock` with the padding written by each Snake equals padding inside each conv (bit for bit on CPU),
+    and a padded conv call takes no context."""
+    torch.manual_seed(0)
+    block = CausalResBlock(8, 5, (1, 3)).eval()
+    with torch.no_grad():
+        for activation in [*block.activations1, *block.activations2]:
+            activation.alpha.uniform_(0.2, 2.0)
+    hidden = torch.randn(2, 8, 29)
+
+    def unfused(x):
+        for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, block.activations1, block.activations2):
+            x = conv2(act2(conv1(act1(x)))) + x
+        return x
+
+    with torch.no_grad():
+        torch.testing.assert_close(block(hidden), unfused(hidden), rtol=0, atol=0)
+        out = Snake(8)(hidden, left_padding=4)
+        assert out.shape == (2, 8, 33) and (out[..., :4] == 0).all()
+    conv = CausalConv1d(8, 8, 5)
+    with pytest.raises(ValueError, match="padded=True takes no context"):
+        conv(out, context=hidden[..., :4], padded=True)
+
+
+# -- GPU -----------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, padding, layout", CASES + [((1, 64, 11881), 50, "contiguous")])
+def test_cuda_kernel_matches_the_torch_expression(shape, padding, layout, dtype):
+    """float32: a few ulp from the expression; 16-bit: within one rounding of the float32 expression of the same
+    inputs, closer to it than the torch path (which rounds after each op)."""
+    pytest.importorskip("triton")
+    hidden, alpha = make_inputs(shape, layout, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        assert snake_cosyvoice3._kernel_applies(hidden, alpha)
+        got = snake(hidden, alpha, padding)
+        want = expected(hidden, alpha, padding)
+    assert got.dtype == dtype and got.shape == want.shape and (got[..., :padding] == 0).all()
+    layout_kept = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert got.is_contiguous(memory_format=layout_kept)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)
+        return
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # the unit roundoff: half an ulp, relative
+    torch.testing.assert_close(got.float(), want, rtol=rounding, atol=1e-6)
+    with torch.no_grad():
+        torch_path = F.pad(snake_reference(hidden, alpha), (padding, 0))
+    assert (got.float() - want).abs().max() <= (torch_path.float() - want).abs().max()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_gradients_and_compiled_calls_take_the_torch_path():
+    """The kernel has no backward: a gradient-requiring input takes the torch path (and gets its gradient); inside
+    torch.compile the expression is traced for Inductor to fuse (no operator in the graph)."""
+    pytest.importorskip("triton")
+    hidden, alpha = make_inputs((2, 16, 40), "contiguous", device="cuda")
+    leaf = hidden.detach().requires_grad_()
+    assert not snake_cosyvoice3._kernel_applies(leaf, alpha)
+    snake(leaf, alpha, 2).sum().backward()
+    assert leaf.grad is not None
+    parameter = torch.nn.Parameter(alpha)
+    assert not snake_cosyvoice3._kernel_applies(hidden, parameter)
+    with torch.no_grad():
+        assert snake_cosyvoice3._kernel_applies(hidden, parameter)
+        graphs = []
+
+        def backend(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, a: snake(x, a, 2), fullgraph=True, backend=backend)
+        torch.testing.assert_close(compiled(hidden, alpha), expected(hidden, alpha, 2), rtol=FLOAT32_RTOL, atol=1e-6)
+        assert "funaudiochat" not in graphs[0].code and "sin" in graphs[0].code
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernel_replays_in_a_cuda_graph():
+    pytest.importorskip("triton")
+    hidden, alpha = make_inputs((1, 64, 1000), "contiguous", device="cuda")
+    with torch.no_grad():
+        snake(hidden, alpha, 6)  # compiles the kernel outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = snake(hidden, alpha, 6)
+        hidden.copy_(make_inputs((1, 64, 1000), "contiguous", device="cuda", seed=1)[0])
+        graph.replay()
+        torch.testing.assert_close(out, expected(hidden, alpha, 6), rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("channels_last", [False, True], ids=["default_layout", "channels_last"])
+def test_cuda_full_size_filter_with_the_kernel_matches_the_torch_path(monkeypatch, channels_last):
+    """Released channel counts on CUDA, float32 with TF32 convs: HiFT's filter with the kernel against the torch
+    path (the same convs; only the Snakes' few-ulp differences, carried through ~80 convs)."""
+    pytest.importorskip("triton")
+    from test_modeling_cosyvoice3_hift import _filter_inputs
+
+    from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+
+    torch.manual_seed(0)
+    hift = CosyVoice3HiFTGenerator().cuda().eval()
+    with torch.no_grad():
+        for module in hift.modules():
+            if isinstance(module, Snake):
+                module.alpha.uniform_(0.2, 2.0)
+        if channels_last:
+            hift.use_channels_last_convolutions()
+        inputs = [tensor.cuda() for tensor in _filter_inputs(hift, 23)]
+        got = hift.filter_body(*inputs)
+        monkeypatch.setattr(snake_cosyvoice3, "_kernel_applies", lambda *args: False)
+        want = hift.filter_body(*inputs)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
