@@ -52,7 +52,7 @@ def snake(
         bias: None or `(channels,)`, added first (the bias of the conv that wrote `hidden`).
     Returns:
         `(batch, channels, left_padding + frames)` (or `(batch, channels, 1, left_padding + frames)`); from the
-        kernel, channels-last if a 4-D input is, otherwise contiguous.
+        kernel, contiguous (3-D) or channels-last (4-D).
     """
     if left_padding < 0:
         raise ValueError(f"left_padding must be >= 0, got {left_padding}")
@@ -133,11 +133,11 @@ if triton is not None:
 
 
 def _output_like(hidden: torch.Tensor, left_padding: int) -> torch.Tensor:
-    """The operator's empty output: `hidden`'s shape with `left_padding` more frames; channels-last for a
-    channels-last 4-D input (the layout its conv reads without a conversion), otherwise contiguous."""
+    """The operator's empty output: `hidden`'s shape with `left_padding` more frames; channels-last for a 4-D input
+    (the layout of `use_channels_last_convolutions`, whose resblock convs read it without a conversion: the first
+    Snake of a source resblock switches the contiguous source_downs output to it), otherwise contiguous."""
     shape = (*hidden.shape[:-1], hidden.shape[-1] + left_padding)
-    channels_last = hidden.dim() == 4 and hidden.stride(1) == 1 and hidden.shape[1] > 1
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if hidden.dim() == 4 else torch.contiguous_format
     return torch.empty(shape, dtype=hidden.dtype, device=hidden.device, memory_format=memory_format)
 
 
