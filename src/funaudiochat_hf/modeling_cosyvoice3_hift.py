@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .istft_cosyvoice3 import hift_overlap_add, hift_spectrum
 from .modeling_cosyvoice3_hift_convs import (  # noqa: F401  (re-exported)
     CausalConv1d,
     CausalConv1dDownsample,
@@ -407,13 +408,11 @@ class CosyVoice3HiFTGenerator(nn.Module):
             real, imag = real[..., :-cut], imag[..., :-cut]
         source_stft = torch.cat([real, imag], dim=1).to(hidden.dtype)
         hidden = self.filter_body(hidden, source_stft)
-        num_bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(hidden[:, :num_bins])
-        phase = torch.sin(hidden[:, num_bins:])  # the extra sin is part of the trained model
-        wav = self._istft(magnitude, phase, window)
-        if not finalize:
-            wav = wav[:, : -self.upsample_scale]
-        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+        # The iSTFT: one kernel each before and after the inverse FFT on CUDA (`istft_cosyvoice3`).
+        spectrum = hift_spectrum(hidden, self.n_fft // 2 + 1)  # (batch, n_fft // 2 + 1, stft_frames) complex
+        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1)  # (batch, n_fft, stft_frames)
+        drop_last = 0 if finalize else self.upsample_scale
+        return hift_overlap_add(frames, window, self.hop_length, drop_last, self.audio_limit)
 
     def filter_body(self, hidden: torch.Tensor, source_stft: torch.Tensor) -> torch.Tensor:
         """The upsampling stack: conv_pre output (batch, base_channels, frames) + the source's STFT
@@ -489,22 +488,3 @@ class CosyVoice3HiFTGenerator(nn.Module):
     def _stft_window(self, device: torch.device) -> torch.Tensor:
         # Periodic Hann built in float64 and rounded, like the reference's scipy window (float32 hann_window differs).
         return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64, device=device).to(torch.float32)
-
-    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """magnitude, phase (batch, n_fft // 2 + 1, frames) -> (batch, hop * (frames - 1)).
-
-        Same arithmetic as `torch.istft(center=True)` (bit-identical on CPU) but without its host-synchronising
-        window-envelope check, so it can be captured in CUDA graphs: inverse rFFT per frame, window, overlap-add,
-        divide by the overlap-added squared window, drop n_fft // 2 samples at both ends."""
-        magnitude = torch.clip(magnitude, max=1e2)
-        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1) * window[:, None]  # (batch, n_fft, frames)
-        num_frames = frames.shape[-1]
-        length = self.n_fft + self.hop_length * (num_frames - 1)
-        squared_window = (window * window)[None, None, :].expand(1, num_frames, self.n_fft)
-        # unfold_backward is the overlap-add torch.istft itself uses (same summation order).
-        overlap_add = torch.ops.aten.unfold_backward
-        wav = overlap_add(frames.transpose(1, 2), [frames.shape[0], length], 1, self.n_fft, self.hop_length)
-        envelope = overlap_add(squared_window, [1, length], 1, self.n_fft, self.hop_length)
-        trim = slice(self.n_fft // 2, length - self.n_fft // 2)
-        return wav[:, trim] / envelope[:, trim]
