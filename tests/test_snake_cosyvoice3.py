@@ -129,20 +129,29 @@ def test_kernel_matches_the_torch_ops_in_the_triton_interpreter():
         assert results["hift_" + layout]["error"] < 1e-5, results  # relative to the largest output
 
 
+# The kernel's uses: a Snake (with the bias of the conv before it or without) and the bias + residual sum; each in
+# the frames-major layout (unit frame stride) and channels-last (unit channel stride).
+USES = [(True, False, True), (False, False, True), (True, True, False)]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_kernel_compiles_for_hopper_with_an_accurate_sine_and_division(dtype):
+@pytest.mark.parametrize("unit_stride", ["t", "c"], ids=["frames_major", "channels_last"])
+@pytest.mark.parametrize("use", USES, ids=["bias_snake", "snake", "bias_residual"])
+def test_kernel_compiles_for_hopper_with_an_accurate_sine_and_division(dtype, unit_stride, use):
     """On the GPU the kernel's float32 arithmetic is the torch path's: libdevice's sinf (no `sin.approx`, whose error
     grows with the argument) and an IEEE-rounded 1 / (alpha + 1e-9) (`div.rn`, as torch's reciprocal)."""
     pytest.importorskip("triton")
+    has_bias, has_residual, snake_on = use
     kernel = snake_cosyvoice3._conv_epilogue_kernel
     types = {name: f"*{dtype}" for name in kernel.arg_names if name.endswith("_ptr")}
-    block_c, block_t = snake_cosyvoice3.FRAMES_MAJOR_TILE
-    constexprs = dict(
-        HAS_BIAS=True, HAS_RESIDUAL=False, SNAKE=True, BLOCK_C=block_c, BLOCK_T=block_t, stride_xt=1, stride_ot=1
-    )
+    tiles = {"t": snake_cosyvoice3.FRAMES_MAJOR_TILE, "c": snake_cosyvoice3.CHANNELS_MAJOR_TILE}
+    block_c, block_t = tiles[unit_stride]
+    constexprs = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, SNAKE=snake_on, BLOCK_C=block_c, BLOCK_T=block_t)
+    constexprs.update({f"stride_x{unit_stride}": 1, f"stride_o{unit_stride}": 1})
     ptx = hopper_ptx(kernel, constexprs, types)
-    assert "__nv_sinf" in ptx and "sin.approx" not in ptx
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "sin.approx" not in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    if snake_on:
+        assert "__nv_sinf" in ptx and "div.rn.f32" in ptx
 
 
 def test_off_cuda_the_torch_ops_run_and_keep_gradients(monkeypatch):
@@ -257,6 +266,25 @@ def test_cuda_gradients_and_compiled_calls_take_the_torch_path():
         torch.testing.assert_close(got, want, rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)
         assert "funaudiochat" not in graphs[0].code and "sin" in graphs[0].code
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernel_compiles_once_for_every_window():
+    """Frame counts, paddings and slices of any alignment reuse one compiled kernel per use and layout (no
+    divisibility specialisation: a stream's HiFT window changes over its first chunks)."""
+    pytest.importorskip("triton")
+    compiled = snake_cosyvoice3._conv_epilogue_kernel.device_caches[torch.cuda.current_device()][0]
+    hidden, alpha, bias, _ = make_inputs((1, 64, 1000), "contiguous", device="cuda")
+    with torch.no_grad():
+        snake(hidden, alpha, 6, bias)
+        before = len(compiled)
+        for frames, padding in [(999, 2), (1000, 10), (257, 50), (112, 30)]:
+            for start in (0, 1, 3):  # misaligned views
+                out = snake(hidden[..., start : start + frames], alpha, padding, bias)
+                torch.testing.assert_close(out, expected(hidden[..., start : start + frames], alpha, padding, bias),
+                                           rtol=FLOAT32_RTOL, atol=FLOAT32_ATOL)  # fmt: skip
+    assert len(compiled) == before
 
 
 @pytest.mark.gpu

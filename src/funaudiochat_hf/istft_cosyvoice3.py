@@ -87,7 +87,12 @@ def _kernel_applies(*tensors: torch.Tensor) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # Frame counts and strides vary with the window: no divisibility specialisation, which would compile a new
+    # variant on many a streamed window (unit strides still specialise).
+    @triton.jit(
+        do_not_specialize=["frames"],
+        do_not_specialize_on_alignment=["h_ptr", "out_ptr", "stride_hb", "stride_hc", "stride_ht"],
+    )
     def _spectrum_kernel(
         h_ptr, out_ptr, frames, stride_hb, stride_hc, stride_ht, NUM_BINS: tl.constexpr, MAX_MAGNITUDE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -106,7 +111,10 @@ if triton is not None:
         tl.store(out, magnitude * tl.cos(phase), mask=ok)
         tl.store(out + 1, magnitude * tl.sin(phase), mask=ok)
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["num_frames", "samples"],
+        do_not_specialize_on_alignment=["f_ptr", "window_ptr", "out_ptr", "stride_fb", "stride_fk", "stride_ft"],
+    )
     def _overlap_add_kernel(
         f_ptr, window_ptr, out_ptr, num_frames, samples, limit, stride_fb, stride_fk, stride_ft,
         N_FFT: tl.constexpr, HOP: tl.constexpr, BLOCK: tl.constexpr,

@@ -96,7 +96,16 @@ def _kernel_applies(hidden: torch.Tensor, *others: Optional[torch.Tensor]) -> bo
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # Sizes, paddings and strides vary with the window (and the pointers' alignment with slicing): specialising on
+    # them (Triton's divisibility by 16) would compile a new variant on many a streamed window. Unit strides still
+    # specialise (the contiguous axis of the tile).
+    @triton.jit(
+        do_not_specialize=["channels", "frames", "left_padding"],
+        do_not_specialize_on_alignment=[
+            "x_ptr", "bias_ptr", "residual_ptr", "alpha_ptr", "out_ptr", "stride_xb", "stride_xc", "stride_xt",
+            "stride_rb", "stride_rc", "stride_rt", "stride_ob", "stride_oc", "stride_ot",
+        ],
+    )  # fmt: skip
     def _conv_epilogue_kernel(
         x_ptr, bias_ptr, residual_ptr, alpha_ptr, out_ptr, channels, frames, left_padding,
         stride_xb, stride_xc, stride_xt, stride_rb, stride_rc, stride_rt, stride_ob, stride_oc, stride_ot,
