@@ -50,6 +50,7 @@ from .modeling_cosyvoice3_hift_source import (  # noqa: F401  (re-exported)
     _skip_default_init,
     reference_rng_after_flow,
 )
+from .source_merge_cosyvoice3 import merge_linear
 
 
 _WEIGHT_NORM_SUFFIXES = (
@@ -362,12 +363,12 @@ class CosyVoice3HiFTGenerator(nn.Module):
         """The excitation from its sample-rate pieces, in float32: `sines` (batch, samples, harmonics) = 0.1 sin(phase),
         `f0_up` (batch, samples, 1) the held f0 in Hz, `noise` (1 or batch, samples, harmonics) the fixed uniform table
         at those samples -> tanh(Linear(sines * voiced + amp(voiced) * noise)) (batch, 1, samples)."""
-        voiced = (f0_up > self.voiced_threshold).to(torch.float32)
-        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        sines = sines * voiced + noise_amp * noise.to(torch.float32)
         linear = self.m_source.l_linear
-        merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
-        return merged.transpose(1, 2)
+        # one kernel (before the tanh) on CUDA at inference (`source_merge_cosyvoice3`)
+        merged = merge_linear(
+            sines, f0_up, noise, linear.weight, linear.bias, self.voiced_threshold, self.noise_std, self.sine_amp
+        )
+        return torch.tanh(merged).transpose(1, 2)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """The filter: mel (batch, in_channels, frames) + source (batch, 1, frames * 480) -> wav (batch, samples).
