@@ -18,7 +18,10 @@ Weight norm is folded into plain conv weights when an original checkpoint is loa
 keeps `weight_g`/`weight_v`, because the reference evaluates its weight norm in float64.
 
 This file holds the generator; its conv layers are in `modeling_cosyvoice3_hift_convs.py`, the F0 predictor and the
-source module's tables in `modeling_cosyvoice3_hift_source.py`.
+source module's tables in `modeling_cosyvoice3_hift_source.py`. On CUDA at inference its element-wise work runs as
+Triton kernels, each next to the torch ops it replaces (which run everywhere else): `snake_cosyvoice3.py` (the
+residual blocks' Snakes, conv biases, causal paddings and residual sums), `istft_cosyvoice3.py` (around the inverse
+FFT) and `source_merge_cosyvoice3.py` (the excitation's mixing and Linear).
 """
 
 import math
