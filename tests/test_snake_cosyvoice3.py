@@ -326,3 +326,38 @@ def test_cuda_full_size_filter_with_the_kernel_matches_the_torch_path(monkeypatc
         monkeypatch.setattr(snake_cosyvoice3, "_kernel_applies", lambda *args: False)
         want = hift.filter_body(*inputs)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graphed_streaming_vocoder_with_the_kernels_matches_the_torch_path(monkeypatch):
+    """A steady streamed chunk's HiFT call (full size, 96 mel frames, finalize=False) replayed from a CUDA graph with
+    every HiFT kernel (Snake / conv epilogue, iSTFT, source mixing) against the eager torch path, float32 with TF32
+    convs; a second replay with new inputs too."""
+    pytest.importorskip("triton")
+    import functools
+
+    from funaudiochat_hf import istft_cosyvoice3, source_merge_cosyvoice3
+    from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner
+    from funaudiochat_hf.modeling_cosyvoice3_hift import CosyVoice3HiFTGenerator
+
+    torch.manual_seed(0)
+    hift = CosyVoice3HiFTGenerator().cuda().eval()
+    hift.init_source_tables(max_samples=96 * 480)
+    runner = CUDAGraphRunner(functools.partial(hift.decode, finalize=False))
+    modules = (snake_cosyvoice3, istft_cosyvoice3, source_merge_cosyvoice3)
+    with torch.no_grad():
+        for seed in (1, 2):
+            generator = torch.Generator().manual_seed(seed)
+            mel = (torch.randn(1, 80, 96, generator=generator) * 2).cuda()
+            f0 = (torch.rand(1, 96, generator=generator) * 300).cuda()
+            source = hift.source_from_f0(f0)
+            got = runner(mel, source).clone()
+            with monkeypatch.context() as patch:
+                for module in modules:
+                    patch.setattr(module, "_kernel_applies", lambda *args: False)
+                want_source = hift.source_from_f0(f0)
+                want = hift.decode(mel, want_source, finalize=False)
+            torch.testing.assert_close(source, want_source, rtol=0, atol=1e-6)
+            assert got.shape == want.shape == (1, (96 - 5) * 480)
+            assert (got - want).abs().max() <= 1e-3 * want.abs().max()
