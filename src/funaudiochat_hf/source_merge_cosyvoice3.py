@@ -130,9 +130,9 @@ def hift_source_merge_op(
     out = sines.new_empty(batch, samples)
     if out.numel():
         _source_merge_kernel[(triton.cdiv(samples, BLOCK), batch)](
-            sines, f0_up, noise, weight, bias, out, samples, *sines.stride(), f0_up.stride(0), f0_up.stride(1),
-            *noise.stride(), voiced_threshold, noise_std, sine_amp, HARMONICS=harmonics,
-            BLOCK_H=triton.next_power_of_2(harmonics), BLOCK=BLOCK, num_warps=NUM_WARPS,
+            sines, f0_up, noise, weight.contiguous(), bias.contiguous(), out, samples, *sines.stride(),
+            f0_up.stride(0), f0_up.stride(1), *noise.stride(), voiced_threshold, noise_std, sine_amp,
+            HARMONICS=harmonics, BLOCK_H=triton.next_power_of_2(harmonics), BLOCK=BLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 
