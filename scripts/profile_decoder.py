@@ -2,7 +2,8 @@
 or with `--offline SECONDS` one offline call on that many seconds of tokens.
 
     python scripts/profile_decoder.py [--precision bfloat16] [--compile '{}'] [--compile-vocoder]
-                                      [--stream-options '{...}'] [--offline 10] [--trace chunk.json]
+                                      [--channels-last-vocoder] [--stream-options '{...}'] [--offline 10]
+                                      [--trace chunk.json]
 
 Prints where the time goes: the flow vs the vocoder (wall time, synchronised), how long a whole push keeps the host
 busy against when its GPU work ends (host-bound or GPU-bound), the number of kernel and graph launches, and the
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="float32", choices=["float32", "tf32", "bfloat16"])
     parser.add_argument("--compile", default=None, help="JSON kwargs of compile_estimator(); omitted = eager")
     parser.add_argument("--compile-vocoder", action="store_true", help="also run decoder.compile_vocoder()")
+    parser.add_argument(
+        "--channels-last-vocoder",
+        action="store_true",
+        help="run HiFT's filter channels-last without compiling it (hift.use_channels_last_convolutions())",
+    )
     parser.add_argument("--stream-options", default=None, help="JSON kwargs of streaming_decoder()")
     parser.add_argument("--hop", type=int, default=15)
     parser.add_argument("--warm-chunks", type=int, default=20, help="chunks before the profiled one (fill windows)")
@@ -49,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     benchmark.apply_decoder_precision(decoder, args.precision)
     if args.compile is not None:
         decoder.compile_estimator(**json.loads(args.compile))
+    if args.channels_last_vocoder:
+        decoder.hift.use_channels_last_convolutions()
     if args.compile_vocoder:
         decoder.compile_vocoder(**({} if args.device.startswith("cuda") else {"backend": "eager"}))
     if args.offline is not None:

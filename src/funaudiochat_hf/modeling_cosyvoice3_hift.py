@@ -18,7 +18,10 @@ Weight norm is folded into plain conv weights when an original checkpoint is loa
 keeps `weight_g`/`weight_v`, because the reference evaluates its weight norm in float64.
 
 This file holds the generator; its conv layers are in `modeling_cosyvoice3_hift_convs.py`, the F0 predictor and the
-source module's tables in `modeling_cosyvoice3_hift_source.py`.
+source module's tables in `modeling_cosyvoice3_hift_source.py`. On CUDA at inference its element-wise work runs as
+Triton kernels, each next to the torch ops it replaces (which run everywhere else): `snake_cosyvoice3.py` (the
+residual blocks' Snakes, conv biases, causal paddings and residual sums), `istft_cosyvoice3.py` (around the inverse
+FFT) and `source_merge_cosyvoice3.py` (the excitation's mixing and Linear).
 """
 
 import math
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .istft_cosyvoice3 import hift_overlap_add, hift_spectrum
 from .modeling_cosyvoice3_hift_convs import (  # noqa: F401  (re-exported)
     CausalConv1d,
     CausalConv1dDownsample,
@@ -49,6 +53,7 @@ from .modeling_cosyvoice3_hift_source import (  # noqa: F401  (re-exported)
     _skip_default_init,
     reference_rng_after_flow,
 )
+from .source_merge_cosyvoice3 import merge_linear
 
 
 _WEIGHT_NORM_SUFFIXES = (
@@ -361,12 +366,12 @@ class CosyVoice3HiFTGenerator(nn.Module):
         """The excitation from its sample-rate pieces, in float32: `sines` (batch, samples, harmonics) = 0.1 sin(phase),
         `f0_up` (batch, samples, 1) the held f0 in Hz, `noise` (1 or batch, samples, harmonics) the fixed uniform table
         at those samples -> tanh(Linear(sines * voiced + amp(voiced) * noise)) (batch, 1, samples)."""
-        voiced = (f0_up > self.voiced_threshold).to(torch.float32)
-        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        sines = sines * voiced + noise_amp * noise.to(torch.float32)
         linear = self.m_source.l_linear
-        merged = torch.tanh(F.linear(sines, linear.weight.float(), linear.bias.float()))
-        return merged.transpose(1, 2)
+        # one kernel (before the tanh) on CUDA at inference (`source_merge_cosyvoice3`)
+        merged = merge_linear(
+            sines, f0_up, noise, linear.weight, linear.bias, self.voiced_threshold, self.noise_std, self.sine_amp
+        )
+        return torch.tanh(merged).transpose(1, 2)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """The filter: mel (batch, in_channels, frames) + source (batch, 1, frames * 480) -> wav (batch, samples).
@@ -407,20 +412,19 @@ class CosyVoice3HiFTGenerator(nn.Module):
             real, imag = real[..., :-cut], imag[..., :-cut]
         source_stft = torch.cat([real, imag], dim=1).to(hidden.dtype)
         hidden = self.filter_body(hidden, source_stft)
-        num_bins = self.n_fft // 2 + 1
-        magnitude = torch.exp(hidden[:, :num_bins])
-        phase = torch.sin(hidden[:, num_bins:])  # the extra sin is part of the trained model
-        wav = self._istft(magnitude, phase, window)
-        if not finalize:
-            wav = wav[:, : -self.upsample_scale]
-        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+        # The iSTFT: one kernel each before and after the inverse FFT on CUDA (`istft_cosyvoice3`).
+        spectrum = hift_spectrum(hidden, self.n_fft // 2 + 1)  # (batch, n_fft // 2 + 1, stft_frames) complex
+        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1)  # (batch, n_fft, stft_frames)
+        drop_last = 0 if finalize else self.upsample_scale
+        return hift_overlap_add(frames, window, self.hop_length, drop_last, self.audio_limit)
 
     def filter_body(self, hidden: torch.Tensor, source_stft: torch.Tensor) -> torch.Tensor:
         """The upsampling stack: conv_pre output (batch, base_channels, frames) + the source's STFT
         (batch, n_fft + 2, stft_frames) -> conv_post output (batch, n_fft + 2, stft_frames).
 
         Convolutions, Snake residual blocks and element-wise ops only (no complex tensors), so it can be compiled on
-        its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the ~6 element-wise kernels of each Snake.
+        its own (`CosyVoice3Token2Wav.compile_vocoder`), fusing the element-wise ops between the convs (eagerly on
+        CUDA, each Snake is one Triton kernel already, `snake_cosyvoice3`).
         With `use_channels_last_convolutions()`, runs on (batch, channels, 1, frames) views; the output is
         contiguous unless conv_post runs channels-last (then strides (channels * frames, 1, channels)).
         """
@@ -488,22 +492,3 @@ class CosyVoice3HiFTGenerator(nn.Module):
     def _stft_window(self, device: torch.device) -> torch.Tensor:
         # Periodic Hann built in float64 and rounded, like the reference's scipy window (float32 hann_window differs).
         return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64, device=device).to(torch.float32)
-
-    def _istft(self, magnitude: torch.Tensor, phase: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """magnitude, phase (batch, n_fft // 2 + 1, frames) -> (batch, hop * (frames - 1)).
-
-        Same arithmetic as `torch.istft(center=True)` (bit-identical on CPU) but without its host-synchronising
-        window-envelope check, so it can be captured in CUDA graphs: inverse rFFT per frame, window, overlap-add,
-        divide by the overlap-added squared window, drop n_fft // 2 samples at both ends."""
-        magnitude = torch.clip(magnitude, max=1e2)
-        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1) * window[:, None]  # (batch, n_fft, frames)
-        num_frames = frames.shape[-1]
-        length = self.n_fft + self.hop_length * (num_frames - 1)
-        squared_window = (window * window)[None, None, :].expand(1, num_frames, self.n_fft)
-        # unfold_backward is the overlap-add torch.istft itself uses (same summation order).
-        overlap_add = torch.ops.aten.unfold_backward
-        wav = overlap_add(frames.transpose(1, 2), [frames.shape[0], length], 1, self.n_fft, self.hop_length)
-        envelope = overlap_add(squared_window, [1, length], 1, self.n_fft, self.hop_length)
-        trim = slice(self.n_fft // 2, length - self.n_fft // 2)
-        return wav[:, trim] / envelope[:, trim]

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .snake_cosyvoice3 import add_bias_and_residual, snake
+
 
 def _hold(values: torch.Tensor, factor: int) -> torch.Tensor:
     """Nearest-neighbour upsampling of the last dim by an integer factor: (..., n) -> (..., n * factor).
@@ -47,23 +49,23 @@ def _channels_last_eligible(conv: nn.Conv1d) -> bool:
     return conv.in_channels % _CHANNELS_LAST_ALIGNMENT == 0 and conv.out_channels % _CHANNELS_LAST_ALIGNMENT == 0
 
 
-def _conv(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
+def _conv(conv: nn.Conv1d, hidden: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """`conv(hidden)` (no padding) for (batch, in, frames) or for the (batch, in, 1, frames) layout that
-    `CosyVoice3HiFTGenerator.use_channels_last_convolutions` runs the filter in.
+    `CosyVoice3HiFTGenerator.use_channels_last_convolutions` runs the filter in; `bias=False` leaves out the bias
+    (for a caller that adds it in its next element-wise op).
 
     The 4-D case calls conv2d with the weight viewed as (out, in, 1, kernel): ATen's conv1d makes every 3-D input
     contiguous before viewing it as 4-D, so only a 4-D call lets a channels-last input reach cuDNN unconverted.
     A conv that is not `_channels_last_eligible` runs as a plain conv1d on the 3-D view (input made contiguous,
     which Inductor writes in the element-wise kernel before it) and returns a contiguous (batch, out, 1, frames)."""
+    bias = conv.bias if bias else None
     if hidden.dim() == 3:
-        return nn.Conv1d.forward(conv, hidden)
+        return conv._conv_forward(hidden, conv.weight, bias)
     if not _channels_last_eligible(conv):
-        return nn.Conv1d.forward(conv, hidden.squeeze(2)).unsqueeze(2)
+        return conv._conv_forward(hidden.squeeze(2), conv.weight, bias).unsqueeze(2)
     if conv.dilation[0] > 1 and conv.stride[0] == 1 and conv.groups == 1:
-        return _dilated_conv_channels_last(conv, hidden)
-    return F.conv2d(
-        hidden, conv.weight.unsqueeze(2), conv.bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups
-    )
+        return _dilated_conv_channels_last(conv, hidden, bias)
+    return F.conv2d(hidden, conv.weight.unsqueeze(2), bias, (1, conv.stride[0]), 0, (1, conv.dilation[0]), conv.groups)
 
 
 def _frames_major(hidden: torch.Tensor, columns: int) -> torch.Tensor:
@@ -80,7 +82,7 @@ def _as_frames(hidden: torch.Tensor, channels: int) -> torch.Tensor:
     return hidden.permute(0, 2, 3, 1).reshape(hidden.shape[0], 1, -1, channels).permute(0, 3, 1, 2)
 
 
-def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.Tensor:
+def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """A stride-1 conv with dilation d on a channels-last (batch, in, 1, frames) input, as an undilated conv.
 
     Frame t = h * d + w of the input viewed as a (frames / d, d) grid (the same memory, see `_frames_major`): the
@@ -94,7 +96,7 @@ def _dilated_conv_channels_last(conv: nn.Conv1d, hidden: torch.Tensor) -> torch.
     extra = -frames % dilation  # zero frames on the right (their outputs are dropped) to fill the last grid row
     if extra:
         hidden = F.pad(hidden, (0, extra))
-    out = F.conv2d(_frames_major(hidden, dilation), conv.weight.unsqueeze(3), conv.bias)
+    out = F.conv2d(_frames_major(hidden, dilation), conv.weight.unsqueeze(3), bias)
     return _as_frames(out, out.shape[1])[..., :out_frames]
 
 
@@ -121,9 +123,19 @@ class CausalConv1d(nn.Conv1d):
         self.causal_type = causal_type
         self.causal_padding = (kernel_size - 1) * dilation
 
-    def forward(self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(batch, in_channels, frames) -> (batch, out_channels, frames); also (batch, in_channels, 1, frames)."""
-        return _conv(self, _pad_one_side(hidden, self.causal_padding, self.causal_type, context))
+    def forward(
+        self, hidden: torch.Tensor, context: Optional[torch.Tensor] = None, padded: bool = False, bias: bool = True
+    ) -> torch.Tensor:
+        """(batch, in_channels, frames) -> (batch, out_channels, frames); also (batch, in_channels, 1, frames).
+
+        padded=True: `hidden` already holds the padding (`causal_padding` more frames, as `Snake(left_padding=...)`
+        writes them), so the conv runs on it as it is. bias=False: without the bias (the caller adds it in its next
+        element-wise op, as `CausalResBlock` does)."""
+        if padded:
+            if context is not None:
+                raise ValueError("padded=True takes no context: the padding frames are part of the input")
+            return _conv(self, hidden, bias)
+        return _conv(self, _pad_one_side(hidden, self.causal_padding, self.causal_type, context), bias)
 
 
 class WeightNormCausalConv1d(nn.Module):
@@ -275,17 +287,20 @@ class CausalConv1dDownsample(nn.Conv1d):
 
 
 class Snake(nn.Module):
-    """Snake activation `x + sin(alpha * x)^2 / alpha` with a per-channel alpha on a linear scale (no exp)."""
+    """Snake activation `x + sin(alpha * x)^2 / alpha` with a per-channel alpha on a linear scale (no exp); one
+    Triton kernel on CUDA at inference (`snake_cosyvoice3.snake`)."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(batch, channels, frames) -> same shape; also (batch, channels, 1, frames)."""
-        alpha = self.alpha.reshape((-1,) + (1,) * (hidden.dim() - 2))
-        # Same expression and evaluation order as the reference (the 1e-9 guards alpha == 0).
-        return hidden + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(hidden * alpha), 2)
+    def forward(
+        self, hidden: torch.Tensor, left_padding: int = 0, bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """(batch, channels, frames) -> (batch, channels, left_padding + frames): the activation of `hidden + bias`
+        (bias: None or (channels,), the bias of the conv before) after `left_padding` zero frames (the causal padding
+        of the conv after); also (batch, channels, 1, frames)."""
+        return snake(hidden, self.alpha, left_padding, bias)
 
 
 class CausalResBlock(nn.Module):
@@ -302,7 +317,11 @@ class CausalResBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(batch, channels, frames) -> same shape."""
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            hidden = conv2(act2(conv1(act1(hidden)))) + hidden
+            # The element-wise kernel after each conv adds its bias (ATen adds a conv's bias in a kernel of its own on
+            # CUDA), and each Snake writes the causal padding of the conv after it (no F.pad copy).
+            out = conv1(act1(hidden, conv1.causal_padding), padded=True, bias=False)
+            out = conv2(act2(out, conv2.causal_padding, conv1.bias), padded=True, bias=False)
+            hidden = add_bias_and_residual(out, conv2.bias, hidden)
         return hidden
 
 

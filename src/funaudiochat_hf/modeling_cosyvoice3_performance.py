@@ -50,11 +50,12 @@ class CosyVoice3PerformanceMixin:
     def compile_vocoder(self, channels_last_convolutions: Optional[bool] = None, **compile_kwargs) -> None:
         """`torch.compile` HiFT's upsampling stack (`hift.filter_body`: its convs and Snake residual blocks) in place.
 
-        The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses each Snake activation (~6 element-wise
-        kernels eagerly, ~70 of them per call) and the residual sums; streaming decoders replay the compiled stack
-        inside their CUDA graph. `compile_kwargs` go to `torch.compile`; `dynamic` defaults to True (the vocoder
-        windows of a stream and offline lengths vary). A streamed chunk's vocoder stage measured faster so, with
-        no offline gain; the first call compiles for about a minute longer (docs/performance.md).
+        The STFT / iSTFT around it stay eager (complex tensors). Inductor fuses the element-wise ops between the
+        convs: the 72 Snake activations (each one Triton kernel eagerly on CUDA, `snake_cosyvoice3`, which traces as
+        its torch expression for Inductor), the convs' bias adds and the residual sums; streaming decoders replay the
+        compiled stack inside their CUDA graph. `compile_kwargs` go to `torch.compile`; `dynamic` defaults to True
+        (the vocoder windows of a stream and offline lengths vary). A streamed chunk's vocoder stage measured faster
+        so, with no offline gain; the first call compiles for about a minute longer (docs/performance.md).
 
         `channels_last_convolutions` (None = True when the model is on a CUDA device) first calls
         `hift.use_channels_last_convolutions()`: the filter's convs and the element-wise ops between them run
