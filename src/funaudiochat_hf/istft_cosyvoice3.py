@@ -74,14 +74,17 @@ def hift_overlap_add(
     return overlap_add_reference(frames, window, hop_length, drop_last, limit)
 
 
-def _kernel_applies(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels run: float32 CUDA tensors with no gradient to keep, not inside torch.compile (which
-    fuses the torch ops itself). Shapes and flags only."""
+def float32_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether a float32-only HiFT Triton kernel runs (here and in `source_merge_cosyvoice3`): float32 CUDA tensors
+    with no gradient to keep, not inside torch.compile (which fuses the torch ops itself). Shapes and flags only."""
     if triton is None or torch.compiler.is_compiling():
         return False
     if not all(tensor.is_cuda and tensor.dtype == torch.float32 for tensor in tensors):
         return False
     return not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
+
+
+_kernel_applies = float32_kernel_applies  # the name the dispatchers read (tests replace it)
 
 
 if triton is not None:
@@ -193,6 +196,7 @@ def _overlap_add_samples(num_frames: int, hop_length: int, drop_last: int) -> in
 
 
 __all__ = [
+    "float32_kernel_applies",
     "hift_overlap_add",
     "hift_overlap_add_op",
     "hift_spectrum",
