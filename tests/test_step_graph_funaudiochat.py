@@ -111,6 +111,29 @@ def test_first_check_keeps_what_ran_warm(monkeypatch):
     assert calls[-1] == "ran"
 
 
+def test_a_moved_weight_is_checked_before_the_prompt_pass_replays(model, inputs, monkeypatch):
+    """The prompt pass is recorded too: from a workspace's second call on, its tensor addresses are checked before the
+    prompt pass, so that a replaced weight drops the recordings before one replays (the old tensor may be freed).
+    On a CPU, with the plan of a GPU whose Triton kernels are off and the recorded parts run directly, the order of
+    the prompt pass, the checks and the CRQ's first sub-steps of each call."""
+    from funaudiochat_hf import generation_plan_funaudiochat
+
+    monkeypatch.setattr(generation_plan_funaudiochat.DeviceFacts, "of", classmethod(lambda cls, m: cls("cuda", False)))
+    events = []
+    monkeypatch.setattr(CapturedStep, "__call__", lambda self, *args: events.append(self.key[0]) or self.function(*args))
+    check = StepGraphs.check
+    monkeypatch.setattr(StepGraphs, "check", lambda self, addresses: events.append("check") or check(self, addresses))
+    generator = model.speech_generator(backend="cuda_graphs")
+    first = generator.generate(**inputs, **GOLDEN_KWARGS)
+    first_call = events[: events.index("step")]
+    assert first_call[:2] == ["prompt", "check"]  # no cache yet before the prompt pass: checked after it
+    events.clear()
+    again = generator.generate(**inputs, **GOLDEN_KWARGS)
+    assert events[:2] == ["check", "prompt"] and events.count("check") == 1
+    assert torch.equal(again.sequences, first.sequences) and torch.equal(again.speech_ids, first.speech_ids)
+    generator.close()
+
+
 def test_step_graph_needs_cuda(model, inputs):
     """The CUDA-graph backend says it needs a GPU; the compiled backend on a CPU runs without a step graph."""
     with pytest.raises(ValueError, match="cuda_graphs.*CUDA"):

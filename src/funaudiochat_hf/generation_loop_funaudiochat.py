@@ -164,6 +164,12 @@ class SpeechRun:
             ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
         self._draw_noise()
+        # A workspace checked before has its caches: check now, before the prompt pass may replay a recording that
+        # reads a tensor replaced since (a weight's old memory may be freed). Its first call checks after the pass,
+        # which allocates the caches (a static cache makes its tensors on first use).
+        checked = cfg.plan.step_graph and ws.step_graphs.addresses is not None
+        if checked:
+            ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
         if self.bucket_padding is not None:
             # The prompt pass over fixed buffers: recorded once per padded length, then one replay.
             buffers = ws.prompt_buffers_for(length, inputs_embeds.shape[-1])
@@ -176,7 +182,7 @@ class SpeechRun:
             prompt_pass(model, ws, cfg)
         else:
             prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, self.prefill_halves)
-        if cfg.plan.step_graph:  # the caches exist now (a static cache allocates its tensors on first use)
+        if cfg.plan.step_graph and not checked:
             ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
         if not cfg.disable_speech:
             # The first group's other K - 1 CRQ sub-steps have a decode sub-step's shapes: they run as the decode
