@@ -131,6 +131,8 @@ def test_a_moved_weight_is_checked_before_the_prompt_pass_replays(model, inputs,
     again = generator.generate(**inputs, **GOLDEN_KWARGS)
     assert events[:2] == ["check", "prompt"] and events.count("check") == 1
     assert torch.equal(again.sequences, first.sequences) and torch.equal(again.speech_ids, first.speech_ids)
+    eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="eager")  # the padded prompt pass: same tokens
+    assert torch.equal(first.sequences, eager.sequences) and torch.equal(first.speech_ids, eager.speech_ids)
     generator.close()
 
 
