@@ -111,7 +111,7 @@ def test_first_check_keeps_what_ran_warm(monkeypatch):
     assert calls[-1] == "ran"
 
 
-def test_a_moved_weight_is_checked_before_the_prompt_pass_replays(model, inputs, monkeypatch):
+def test_addresses_are_checked_before_the_prompt_pass_replays(model, inputs, monkeypatch):
     """The prompt pass is recorded too: from a workspace's second call on, its tensor addresses are checked before the
     prompt pass, so that a replaced weight drops the recordings before one replays (the old tensor may be freed).
     On a CPU, with the plan of a GPU whose Triton kernels are off and the recorded parts run directly, the order of
