@@ -84,7 +84,9 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(pointer):
         options=adaln_cosyvoice3.KERNEL_OPTIONS,
     )
     assert "st.global" in ptx and "rsqrt" in ptx
-    assert "fma.rn.f32" not in ptx
+    # With fusion on, the residual `hidden + gate * update` compiles to `fma.rn.bf16` / `fma.rn.f32`: one rounding
+    # where the torch ops round twice (the stream then differs from torch's by an ulp here and there).
+    assert "fma." not in ptx
 
 
 def test_cpu_and_gradients_take_the_torch_path():
