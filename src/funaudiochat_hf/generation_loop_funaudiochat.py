@@ -24,7 +24,7 @@ from .generation_plan_funaudiochat import PROMPT_BUCKET, DecodePlan
 from .generation_state_funaudiochat import SpeechGenerator
 from .generation_step_funaudiochat import bucketed_prefill_forward, finish_part, prefill_forward
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
-from .step_graph_funaudiochat import CapturedStep, tensor_addresses
+from .step_graph_funaudiochat import CapturedStep
 from .triton_attention_funaudiochat import register_triton_decode_attention
 
 
@@ -169,7 +169,7 @@ class SpeechRun:
         # which allocates the caches (a static cache makes its tensors on first use).
         checked = cfg.plan.step_graph and ws.step_graphs.addresses is not None
         if checked:
-            ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
+            ws.check_graphs(model)
         if self.bucket_padding is not None:
             # The prompt pass over fixed buffers: recorded once per padded length, then one replay.
             buffers = ws.prompt_buffers_for(length, inputs_embeds.shape[-1])
@@ -183,7 +183,7 @@ class SpeechRun:
         else:
             prefill_forward(model, ws, cfg, self.input_ids, inputs_embeds, self.padding, self.prefill_halves)
         if cfg.plan.step_graph and not checked:
-            ws.step_graphs.check(tensor_addresses(model, ws.graph_inputs()))
+            ws.check_graphs(model)
         if not cfg.disable_speech:
             # The first group's other K - 1 CRQ sub-steps have a decode sub-step's shapes: they run as the decode
             # sub-step does (compiled / recorded in the fast backends; part of the time to first audio).

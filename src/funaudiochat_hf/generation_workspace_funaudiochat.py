@@ -10,7 +10,7 @@ from transformers import DynamicCache, StaticCache
 
 from .generation_plan_funaudiochat import DecodePlan
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches
-from .step_graph_funaudiochat import StepGraphs
+from .step_graph_funaudiochat import StepGraphs, tensor_addresses
 from .triton_linear_funaudiochat import split_k_counters_for
 
 
@@ -203,6 +203,11 @@ class DecodeWorkspace:
         """Everything of the workspace a recorded step reads or writes besides the model's own weights: its buffers,
         its caches' tensors and the run's weight copies (for `StepGraphs.check`)."""
         return [*self._buffers(), *self._cache_tensors(), self.fused_crq, self.folded, self.speech_head]
+
+    def check_graphs(self, model) -> None:
+        """Keep the recorded graphs only if `model`'s weights and everything in `graph_inputs` are where they were
+        recorded ([`StepGraphs.check`])."""
+        self.step_graphs.check(tensor_addresses(model, self.graph_inputs()))
 
     def memory_bytes(self) -> int:
         """Bytes held by the workspace's buffers and caches (each storage counted once)."""

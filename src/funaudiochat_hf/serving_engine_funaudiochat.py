@@ -53,7 +53,6 @@ from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
-from .step_graph_funaudiochat import tensor_addresses
 
 
 logger = logging.get_logger(__name__)
@@ -258,7 +257,7 @@ class _DecodeAdapter:
                 run = SpeechRun(self.model, self.generator, request, dummy[:rows], None, {}, None,
                                 per_row_sampling=True, rows_of=self.ws)  # fmt: skip
                 if run.cfg.plan.step_graph:  # as a prefill checks its workspace's graphs
-                    run.ws.step_graphs.check(tensor_addresses(self.model, run.ws.graph_inputs()))
+                    run.ws.check_graphs(self.model)
             self.row_runs[rows] = run
             # Twice: the first run compiles / warms the step up, the second records its CUDA graph
             # (`plan.step_graph`), so that no request waits for either and the graphs' memory is held from the start.
