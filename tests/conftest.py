@@ -44,6 +44,14 @@ def assert_close_to_golden_features(actual: torch.Tensor, expected: torch.Tensor
     torch.testing.assert_close(actual, expected, atol=FEATURES_ATOL, rtol=0)
 
 
+def load_module(path: Path, name: str):
+    """The Python file at `path` (a script, the demo app) imported as a module called `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     """Run a Python `script` under Triton's CPU interpreter and return its last stdout line; skips without Triton.
 

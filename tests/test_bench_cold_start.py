@@ -1,11 +1,11 @@
 """Smoke test of scripts/bench_cold_start.py on CPU with the tiny random configs (real numbers come from a GPU)."""
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import load_module
 
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_cold_start.py"
@@ -15,10 +15,7 @@ TIMINGS = ("load_s", "script_start_to_loaded_s", "first_audio_s", "first_reply_r
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_cold_start", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "bench_cold_start")
 
 
 def test_one_process_measures_a_first_and_a_second_reply(script):

@@ -1,12 +1,12 @@
 """scripts/bench_serving.py: the full-size processor's id mapping, and a CPU smoke run of the whole benchmark on the
 tiny model (real numbers come from a GPU)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_module
 
 
 pytest.importorskip("fastapi")
@@ -18,10 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "bench_serving")
 
 
 def test_full_size_processor_gives_the_full_configs_special_ids(script):

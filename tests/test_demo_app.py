@@ -1,7 +1,6 @@
 """The demo's settings (`demo/app.py`) without a browser: `FUNAUDIOCHAT_FAST`, the tiny offline pipeline, its
 serving engine (concurrent visitors share decode steps) and the start-up warm-up."""
 
-import importlib.util
 import threading
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from funaudiochat_hf.tiny_model import synthetic_question
+from conftest import load_module
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,10 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def app():
     pytest.importorskip("gradio")
-    spec = importlib.util.spec_from_file_location("demo_app", REPO / "demo" / "app.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "demo" / "app.py", "demo_app")
 
 
 def _tiny_pipe(app, monkeypatch, **env):

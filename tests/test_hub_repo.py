@@ -1,6 +1,5 @@
 """scripts/build_hub_repo.py: the one-folder repo, loaded with remote code where funaudiochat_hf is not importable."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from funaudiochat_hf.tiny_model import TINY_MODEL_VERSION, build_tiny_model
+from conftest import load_module
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,10 +20,7 @@ SCRIPT = ROOT / "scripts" / "build_hub_repo.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("build_hub_repo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPT, "build_hub_repo")
 
 
 @pytest.fixture(scope="module")

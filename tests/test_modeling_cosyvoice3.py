@@ -4,7 +4,6 @@ Fixture tolerances (MANIFEST.md section 5): 1e-4 for float32 tensors, 1e-3 allow
 """
 
 import contextlib
-import importlib.util
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from funaudiochat_hf.modeling_cosyvoice3 import (
     linear_gelu_tanh,
 )
 
-from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
+from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY, load_module
 
 
 ATOL = 1e-4
@@ -55,10 +54,7 @@ def original_model():
 
 @pytest.fixture(scope="module")
 def convert_script():
-    spec = importlib.util.spec_from_file_location("convert_cosyvoice3", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_module(SCRIPT, "convert_cosyvoice3")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 estimator moves the output from float32 (`scripts/decoder_precision_snr.py`)."""
 
 import contextlib
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from funaudiochat_hf import CosyVoice3Config, CosyVoice3Token2Wav
 
-from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY
+from conftest import COSYVOICE3_GOLDEN, COSYVOICE3_TINY, load_module
 
 
 SNR_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decoder_precision_snr.py"
@@ -22,10 +21,7 @@ LOGGER = "funaudiochat_hf.modeling_cosyvoice3_performance"  # where `apply_devic
 
 @pytest.fixture(scope="module")
 def snr_script():
-    spec = importlib.util.spec_from_file_location("decoder_precision_snr", SNR_SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_module(SNR_SCRIPT, "decoder_precision_snr")
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,15 @@
 """Smoke test of scripts/profile_ttfa.py on CPU with the tiny random configs (real numbers come from a GPU)."""
 
-import importlib.util
 from pathlib import Path
+
+from conftest import load_module
 
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_ttfa.py"
 
 
 def test_stages_of_the_first_audio_are_timed(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("profile_ttfa", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module(SCRIPT, "profile_ttfa")
     report = module.main(["--tiny", "--device", "cpu", "--warm-calls", "1", "--top", "2", "--json", str(tmp_path / "t.json")])
     timed = report["timed_call"]
     assert len(report["warm_calls"]) == 1 and timed["ttfa_ms"] > 0 and timed["events_ms"][-1] <= timed["ttfa_ms"]

@@ -4,7 +4,6 @@ arguments, scripts/multi_gpu_check.py's plan, and two processes on the gloo back
 own FSDP2 code (tests/fsdp_on_cpu.py: accelerate enables FSDP on accelerators only) with loss curves, weights,
 save / resume, LoRA and bf16. NCCL, CUDA memory and speed are left to scripts/multi_gpu_check.py on GPUs."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 from funaudiochat_hf import FunAudioChatForConditionalGeneration, FunAudioChatProcessor
 from funaudiochat_hf.training_funaudiochat import freeze_audio_encoder, lora_config, make_synthetic_dataset
 
-from conftest import FUNAUDIOCHAT_TINY
+from conftest import FUNAUDIOCHAT_TINY, load_module
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,10 +30,7 @@ TIED_SPEECH_HEAD = ("audio_tower.embed_tokens.weight", "audio_invert_tower.lm_he
 
 
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "scripts" / f"{name}.py", name)
 
 
 @pytest.fixture(scope="module")

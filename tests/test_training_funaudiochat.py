@@ -1,7 +1,6 @@
 """Fine-tuning: Trainer on the tiny model (loss, logging, gradient accumulation), gradient checkpointing, frozen audio
 encoder, LoRA (+ merge), the JSON-lines dataset and scripts/finetune.py (checkpoint, resume, save, generate_speech)."""
 
-import importlib.util
 import json
 import re
 import wave
@@ -25,7 +24,7 @@ from funaudiochat_hf.training_funaudiochat import (
     merge_lora,
 )
 
-from conftest import FUNAUDIOCHAT_TINY
+from conftest import FUNAUDIOCHAT_TINY, load_module
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,10 +298,7 @@ def test_jsonl_dataset_reports_bad_lines(tmp_path):
 
 
 def _finetune_script():
-    spec = importlib.util.spec_from_file_location("finetune_script", REPO / "scripts" / "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "scripts" / "finetune.py", "finetune_script")
 
 
 def _finetune(output_dir, *extra) -> Path:
