@@ -317,6 +317,10 @@ def main(argv: list[str] | None = None) -> Path | None:
         history.write_text(json.dumps(trainer.state.log_history, indent=1), encoding="utf-8")
         (output_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
         logger.info("Final model: %s; log history: %s; metrics: %s", final_dir, history, metrics)
+    # Every process waits for the writer, then destroys its process group: a gloo group left to interpreter exit
+    # can abort the process ("terminate called without an active exception") after a successful run.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return final_dir
 
 

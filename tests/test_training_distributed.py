@@ -464,6 +464,22 @@ def test_skip_final_save_and_no_checkpoints_write_only_logs_and_metrics(finetune
     assert metrics["steady_samples_per_second"] == pytest.approx(1 / metrics["steady_step_seconds"])
 
 
+def test_every_process_waits_for_the_writer_then_destroys_its_process_group(finetune, equal_length_dataset,
+                                                                            tmp_path, monkeypatch):
+    """A gloo process group left to interpreter exit can abort a process that finished its run ("terminate called
+    without an active exception", SIGABRT, a failed torchrun): the script waits for the writing process, then ends
+    training (which destroys the group), last."""
+    import accelerate
+
+    calls = []
+    monkeypatch.setattr(accelerate.Accelerator, "wait_for_everyone", lambda self: calls.append("wait"))
+    monkeypatch.setattr(accelerate.Accelerator, "end_training", lambda self: calls.append("end"))
+    argv = _script_args(equal_length_dataset, tmp_path, "--batch-size", "1", "--max-steps", "1", "--save-steps", "0",
+                        "--skip-final-save")  # fmt: skip
+    finetune.main(argv)
+    assert calls[-2:] == ["wait", "end"] and calls.count("end") == 1
+
+
 def test_only_the_writing_process_saves_the_processor(tmp_path, monkeypatch):
     """Under FSDP every process runs `Trainer._save` (to join the gathers); the processor must not be written by all
     of them at once into the same folder."""
