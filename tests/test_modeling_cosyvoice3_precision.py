@@ -106,6 +106,27 @@ def test_cuda_default_is_a_bfloat16_estimator_with_fused_weight_copies(caplog, f
     assert _state(model)[:2] == ({torch.bfloat16}, "bfloat16")  # "auto" on the CPU keeps what it runs in
 
 
+def test_auto_keeps_float32_on_a_gpu_without_bfloat16_tensor_cores(caplog, monkeypatch):
+    """On a GPU older than compute capability 8.0 (a T4, a V100) a bfloat16 estimator would be emulated, slower, and
+    the decoder's Triton kernels do not run there: "auto" keeps float32 and says so once; "bfloat16" still casts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    assert model.resolved_estimator_precision(torch.device("cuda")) == "float32"
+    with caplog.at_level(logging.INFO, logger=LOGGER), reported_on_cuda():
+        model.apply_device_defaults()
+        model.apply_device_defaults()
+    messages = [record.getMessage() for record in caplog.records if record.name == LOGGER]
+    assert len(messages) == 1 and "7.5" in messages[0] and "float32" in messages[0]
+    assert _state(model)[:2] == ({torch.float32}, None)
+
+    explicit = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+    explicit.config.estimator_precision = "bfloat16"
+    with reported_on_cuda():
+        explicit.apply_device_defaults()
+    assert _state(explicit)[:2] == ({torch.bfloat16}, "bfloat16")
+
+
 def test_cuda_float32_is_one_option_away(caplog, tmp_path):
     """`estimator_precision="float32"` (config or `from_pretrained` keyword) keeps the float32 weights on CUDA; the
     fused q/k/v copy is still taken, the tap-major copy (read by the 16-bit kernel only) is not."""

@@ -213,18 +213,6 @@ def test_decode_attention_choice():
         plan_decode("compiled", DeviceFacts("cpu", triton=False), speech, overrides={"triton_attention": True})
 
 
-def test_triton_available_needs_triton_and_a_recent_gpu(monkeypatch):
-    assert not triton_attention.triton_available("cpu")
-    monkeypatch.setattr(triton_attention, "triton", object())  # pretend Triton is installed
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100: no bf16 tl.dot
-    assert not triton_attention.triton_available("cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert triton_attention.triton_available("cuda:0") and not triton_attention.triton_available("cpu")
-    monkeypatch.setattr(triton_attention, "triton", None)
-    assert not triton_attention.triton_available("cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_matmul_attention(dtype):

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import kernels_run_on, triton
 
 
 # Compile and launch options: one program per row of `dim` elements (1024 at full size); no fused multiply-add, so
@@ -73,9 +73,10 @@ def residual_adaln(
 
 
 def _kernel_applies(hidden, update, gate, shift, scale) -> bool:
-    """Whether [`residual_adaln`] runs the Triton kernel: CUDA, one floating dtype for every input, no gradient to
-    keep, 3-d rows of at most `MAX_DIM` elements. Shapes and flags only, so torch.compile decides it while tracing."""
-    if triton is None or not hidden.is_cuda or hidden.dim() != 3 or hidden.shape[-1] > MAX_DIM:
+    """Whether [`residual_adaln`] runs the Triton kernel: a GPU the kernels run on (`kernels_run_on`), one floating
+    dtype for every input, no gradient to keep, 3-d rows of at most `MAX_DIM` elements. Shapes and flags only, so
+    torch.compile decides it while tracing."""
+    if not kernels_run_on(hidden) or hidden.dim() != 3 or hidden.shape[-1] > MAX_DIM:
         return False
     tensors = [t for t in (hidden, update, gate, shift, scale) if t is not None]
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):

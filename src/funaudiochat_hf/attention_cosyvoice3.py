@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import kernels_run_on, triton
 from .triton_config_funaudiochat import supports_programmatic_launch
 
 
@@ -104,7 +104,7 @@ def _kernel_applies(query, key, value, cos, heads, attention_mask) -> bool:
     """Whether `dit_attention` runs the Triton kernel: its dtypes on a GPU that has them, no gradient to keep, the
     rotary table one head wide, a mask (if any) additive and shared by the heads. Shapes and flags only (no values),
     so torch.compile decides it while tracing."""
-    if not (triton is not None and query.is_cuda):
+    if not kernels_run_on(query):
         return False
     if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
         return False
@@ -112,16 +112,9 @@ def _kernel_applies(query, key, value, cos, heads, attention_mask) -> bool:
         return False
     if query.shape[1] > KERNEL_MAX_FRAMES or query.shape[-1] % heads or cos.shape[-1] != query.shape[-1] // heads:
         return False
-    if attention_mask is not None and (
-        attention_mask.dtype == torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-    ):
-        return False
-    return _bfloat16_tensor_cores(query.device.index if query.device.index is not None else 0)
-
-
-@torch.compiler.assume_constant_result
-def _bfloat16_tensor_cores(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+    return attention_mask is None or (
+        attention_mask.dtype != torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    )
 
 
 if triton is not None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .fused_crq_funaudiochat import can_fold_crq_matching, can_fuse_crq_projections
-from .triton_attention_funaudiochat import triton_available
+from .triton_support import triton_available
 from .triton_linear_funaudiochat import MAX_ROWS, decode_kernels_supported, kernel_readable
 from .triton_sampling_funaudiochat import sampler_kernel_supported
 from .triton_text_head_funaudiochat import text_head_supported

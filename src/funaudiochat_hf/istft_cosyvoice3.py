@@ -17,7 +17,7 @@ ulp apart (the kernel's `exp` is `ex2.approx` of x log2(e); the sums use fused m
 
 import torch
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import kernels_run_on, triton
 
 
 # Frames (spectrum) and samples (overlap-add) per program.
@@ -75,11 +75,12 @@ def hift_overlap_add(
 
 
 def float32_kernel_applies(*tensors: torch.Tensor) -> bool:
-    """Whether a float32-only HiFT Triton kernel runs (here and in `source_merge_cosyvoice3`): float32 CUDA tensors
-    with no gradient to keep, not inside torch.compile (which fuses the torch ops itself). Shapes and flags only."""
-    if triton is None or torch.compiler.is_compiling():
+    """Whether a float32-only HiFT Triton kernel runs (here and in `source_merge_cosyvoice3`): float32 tensors on a
+    GPU the kernels run on (`kernels_run_on`) with no gradient to keep, not inside torch.compile (which fuses the
+    torch ops itself). Shapes and flags only."""
+    if torch.compiler.is_compiling():
         return False
-    if not all(tensor.is_cuda and tensor.dtype == torch.float32 for tensor in tensors):
+    if not all(kernels_run_on(tensor) and tensor.dtype == torch.float32 for tensor in tensors):
         return False
     return not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors))
 

@@ -8,6 +8,7 @@ import torch
 from transformers.utils import logging
 
 from .configuration_cosyvoice3 import ESTIMATOR_PRECISIONS
+from .triton_support import MIN_CAPABILITY
 
 
 logger = logging.get_logger(__name__)
@@ -102,15 +103,17 @@ class CosyVoice3PerformanceMixin:
 
     def resolved_estimator_precision(self, device: Optional[torch.device] = None) -> str:
         """What `config.estimator_precision` means on `device` (default: the model's): an explicit precision is
-        itself; "auto" is bfloat16 on CUDA (or the 16-bit dtype the estimator already runs in) and, elsewhere, the
-        precision it runs in now (float32 for a freshly loaded model), which `apply_device_defaults` leaves alone."""
+        itself; "auto" is bfloat16 on CUDA (or the 16-bit dtype the estimator already runs in) and, elsewhere or on a
+        GPU without bfloat16 tensor cores (`older_gpu`), the precision it runs in now (float32 for a freshly loaded
+        model), which `apply_device_defaults` leaves alone."""
         precision = self.config.estimator_precision
         if precision not in ESTIMATOR_PRECISIONS:
             raise ValueError(f"config.estimator_precision must be one of {ESTIMATOR_PRECISIONS}, got {precision!r}")
         if precision != "auto":
             return precision
         current = self.config.estimator_autocast_dtype
-        if (device or self.device).type == "cuda":
+        device = device or self.device
+        if device.type == "cuda" and not older_gpu(device):
             return current or "bfloat16"
         return current or "float32"
 
@@ -136,8 +139,17 @@ class CosyVoice3PerformanceMixin:
             precision = self.resolved_estimator_precision()
             weights = {parameter.dtype for parameter in self.flow.decoder.estimator.parameters()}
             running = self.config.estimator_autocast_dtype or "float32"
-            # "auto" off CUDA leaves the estimator as it is (also autocast set over float32 weights).
-            leave = self.config.estimator_precision == "auto" and device_type != "cuda"
+            # "auto" off CUDA, or on a GPU without bfloat16 tensor cores, leaves the estimator as it is (also
+            # autocast set over float32 weights).
+            older = device_type == "cuda" and older_gpu(self.device)
+            leave = self.config.estimator_precision == "auto" and (device_type != "cuda" or older)
+            if leave and older:
+                major, minor = torch.cuda.get_device_capability(self.device)
+                logger.info(
+                    f"CosyVoice3 decoder on a GPU of compute capability {major}.{minor}: DiT estimator kept in "
+                    f"{running} (estimator_precision='auto' picks bfloat16 on GPUs with bfloat16 tensor cores, "
+                    f"{'.'.join(map(str, MIN_CAPABILITY))} and newer)"
+                )
             if not leave and (running != precision or weights != {getattr(torch, precision)}):
                 logger.info(
                     f"CosyVoice3 decoder on {device_type}: DiT estimator in {precision} "
@@ -183,3 +195,9 @@ class CosyVoice3PerformanceMixin:
 
 
 __all__ = ["CosyVoice3PerformanceMixin"]
+
+
+def older_gpu(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU without bfloat16 tensor cores (compute capability below `MIN_CAPABILITY`: a T4,
+    a V100), where a bfloat16 estimator would be slower, not faster. False on a host without CUDA."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) < MIN_CAPABILITY

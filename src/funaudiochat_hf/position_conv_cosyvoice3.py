@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_cosyvoice3 import _bfloat16_tensor_cores
-from .triton_attention_funaudiochat import triton
+from .triton_support import kernels_run_on, triton
 from .triton_config_funaudiochat import supports_programmatic_launch
 
 
@@ -114,15 +113,13 @@ def _kernel_applies(hidden: torch.Tensor, conv: nn.Conv1d, residual: Optional[to
     """Whether `causal_conv_mish` runs the Triton kernel: 16-bit activations on a GPU that has them (the weight is
     cast to them, as autocast casts a conv's weight), no gradient to keep. Shapes and flags only, so torch.compile
     decides it while tracing."""
-    if not (triton is not None and hidden.is_cuda):
+    if not kernels_run_on(hidden):
         return False
     if hidden.dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != hidden.dtype):
         return False
-    if torch.is_grad_enabled() and (
+    return not torch.is_grad_enabled() or not (
         hidden.requires_grad or conv.weight.requires_grad or (residual is not None and residual.requires_grad)
-    ):
-        return False
-    return _bfloat16_tensor_cores(hidden.device.index if hidden.device.index is not None else 0)
+    )
 
 
 if triton is not None:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import kernels_run_on, triton
 
 
 # Tiles of the kernel: (channels, frames) per program, frames-major inputs, then channels-major (channels-last) ones:
@@ -77,11 +77,11 @@ def _per_channel(values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_applies(hidden: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
-    """Whether the Triton kernel runs: a CUDA input of a floating dtype the kernel takes, the other tensors (alpha,
-    bias, residual; None where absent) of the same dtype (the torch path would promote a mixed set), a 3-D or
-    (batch, channels, 1, frames) shape, no gradient to keep, and not inside torch.compile (see the module
-    docstring). Shapes and flags only."""
-    if triton is None or not hidden.is_cuda or torch.compiler.is_compiling():
+    """Whether the Triton kernel runs: an input on a GPU the kernels run on (`kernels_run_on`) of a floating dtype
+    the kernel takes, the other tensors (alpha, bias, residual; None where absent) of the same dtype (the torch path
+    would promote a mixed set), a 3-D or (batch, channels, 1, frames) shape, no gradient to keep, and not inside
+    torch.compile (see the module docstring). Shapes and flags only."""
+    if not kernels_run_on(hidden) or torch.compiler.is_compiling():
         return False
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .istft_cosyvoice3 import float32_kernel_applies
-from .triton_attention_funaudiochat import triton
+from .triton_support import triton
 
 
 BLOCK = 256  # samples per program

@@ -45,13 +45,9 @@ import torch
 
 from .attention_funaudiochat import gqa_decode_attention
 from .triton_config_funaudiochat import DecodeKernelConfig
+from .triton_support import triton
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the matmul attention is used instead.
-    triton = None
 
 
 TRITON_DECODE_ATTENTION = "funaudiochat_triton_decode"
@@ -62,16 +58,8 @@ MAX_SPLITS = 64
 MAX_MASK_BLOCKS = 64
 
 
-def triton_available(device: torch.device | str) -> bool:
-    """Whether the Triton kernels can run on `device`: Triton importable and an NVIDIA GPU with bfloat16 tensor cores
-    (compute capability 8.0 or newer: the 16-bit `tl.dot` of the kernels)."""
-    device = torch.device(device)
-    if triton is None or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _load_heads(row_ptr, heads, NUM_HEADS: tl.constexpr, d, d_ok, partner, HEAD_DIM: tl.constexpr):
@@ -612,6 +600,5 @@ __all__ = [
     "AttentionLaunch",
     "launch_decode_attention",
     "register_triton_decode_attention",
-    "triton_available",
     "triton_decode_attention",
 ]

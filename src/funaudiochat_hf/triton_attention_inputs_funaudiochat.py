@@ -27,9 +27,9 @@ from .triton_attention_funaudiochat import (
     AttentionLaunch,
     _flat_bool_mask,
     launch_decode_attention,
-    triton,
 )
 from .triton_config_funaudiochat import DecodeKernelConfig
+from .triton_support import triton
 
 
 if triton is not None:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import triton
 from .triton_config_funaudiochat import MIN_ROWS_BLOCK_N, DecodeKernelConfig
 from .triton_linear_gemv_funaudiochat import launch_gemv, part_tile
 from .triton_linear_rows_funaudiochat import (

@@ -20,7 +20,7 @@ kernel finishes. `triton_linear_funaudiochat.launch_decode_linear` picks this ke
 
 import torch
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import triton
 
 
 if triton is not None:

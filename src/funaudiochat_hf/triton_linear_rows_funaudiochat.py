@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .triton_attention_funaudiochat import check_arrival_counters, triton
+from .triton_attention_funaudiochat import check_arrival_counters
+from .triton_support import triton
 from .triton_config_funaudiochat import MIN_ROWS_BLOCK_N, RowsTile, rows_tile_candidates
 from .triton_linear_gemv_funaudiochat import part_flags, part_tile
 

@@ -29,7 +29,7 @@ programmatic dependent launch like the other decode kernels.
 import torch
 
 from .sampling_funaudiochat import SamplingParameters, SamplingSwitches, select_tokens
-from .triton_attention_funaudiochat import triton
+from .triton_support import triton
 from .triton_config_funaudiochat import DecodeKernelConfig
 
 

@@ -26,7 +26,7 @@ Inductor does not schedule streams), and the whole step, fork and join included,
 import torch
 from torch import nn
 
-from .triton_attention_funaudiochat import triton
+from .triton_support import triton
 from .triton_config_funaudiochat import DecodeKernelConfig
 
 
