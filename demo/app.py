@@ -208,7 +208,7 @@ def prepare_inputs(pipe, engine, history: list, turn: dict, system_prompt: str |
 def stream_reply(engine, inputs: dict, **request) -> Iterator:
     """The engine's events for one reply (`SpeechRequest` keywords in `request`); the request is cancelled when the
     caller stops early (a visitor who leaves frees the slot at the next decode step)."""
-    from funaudiochat_hf.serving_engine_funaudiochat import QueueFull, SpeechRequest
+    from funaudiochat_hf.serving_requests_funaudiochat import QueueFull, SpeechRequest
 
     try:
         handle = engine.submit(SpeechRequest(inputs=inputs, **request))

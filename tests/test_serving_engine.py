@@ -9,7 +9,9 @@ import torch
 
 from funaudiochat_hf import CosyVoice3Token2Wav, serving_vocoder_funaudiochat
 from funaudiochat_hf.generation_vocoding_funaudiochat import decoder_speaker_kwargs, valid_speech_tokens
-from funaudiochat_hf.serving_engine_funaudiochat import QueueFull, SpeechEngine, SpeechRequest
+from funaudiochat_hf.serving_batch_funaudiochat import step_row_counts
+from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
+from funaudiochat_hf.serving_requests_funaudiochat import QueueFull, SpeechRequest
 
 from conftest import COSYVOICE3_TINY
 from test_modeling_cosyvoice3 import _close_wav
@@ -142,7 +144,7 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
         release.set()
         engine.close()
     assert max(batches) == 3, batches  # rounds with the chunks of all three requests
-    bos = engine.adapter.cfg.speech_bos_id
+    bos = engine.batch.cfg.speech_bos_id
     for voice, reply in zip(voices, events):
         assert reply[-1].finish_reason in ("stop", "length"), reply[-1].error
         alone = decoder.streaming_decoder(**decoder_speaker_kwargs(voice), **engine.stream_options)
@@ -199,7 +201,7 @@ def test_idle_slots_never_attend_to_nothing(model, prompts):
     engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
     try:
         _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8, seed=0)))
-        ws = engine.adapter.ws
+        ws = engine.batch.ws
         assert bool(ws.llm_mask.all()) and bool(ws.crq_mask.all()) and bool(ws.done.all())
         for cache in (ws.llm_cache, ws.crq_cache):
             assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
@@ -234,7 +236,7 @@ def test_backend_and_settings_are_checked_as_generate_speech_checks_them(model, 
         SpeechEngine(model, generation_options={"cache_implementation": "dynamic"}, **sizes)
     engine = SpeechEngine(model, **sizes)
     try:
-        assert engine.adapter.cfg.plan.backend == "eager"  # "auto" on a CPU
+        assert engine.batch.cfg.plan.backend == "eager"  # "auto" on a CPU
         with pytest.raises(ValueError) as from_engine:
             engine.submit(SpeechRequest(prompts["text25"], temperature=float("nan")))
         with pytest.raises(ValueError) as from_generate:
@@ -320,7 +322,7 @@ def test_a_request_is_prefilled_with_the_caches_generate_speech_uses(model, prom
     engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
     try:
         assert _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))[-1].finished
-        assert engine.adapter.ws.static  # the batch's
+        assert engine.batch.ws.static  # the batch's
     finally:
         engine.close()
     direct, batch, request = kinds
@@ -328,8 +330,6 @@ def test_a_request_is_prefilled_with_the_caches_generate_speech_uses(model, prom
 
 
 def test_step_row_counts():
-    from funaudiochat_hf.serving_engine_funaudiochat import step_row_counts
-
     assert step_row_counts(16) == (1, 2, 4, 8, 16)
     assert step_row_counts(12) == (1, 2, 4, 8, 12)
     assert step_row_counts(3) == (1, 2, 3)
@@ -377,8 +377,8 @@ def test_row_counts_replay_their_graphs_and_give_the_single_runs_tokens_on_gpu(p
     engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=12, backend="cuda_graphs",
                           generation_options=options)  # fmt: skip
     try:
-        assert list(engine.adapter.row_runs) == [1, 2, 4]
-        assert all(len(run.ws.step_graphs) == 1 for run in engine.adapter.row_runs.values())
+        assert list(engine.batch.row_runs) == [1, 2, 4]
+        assert all(len(run.ws.step_graphs) == 1 for run in engine.batch.row_runs.values())
         first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12))
         events = {0: _take(first, 3)}  # alone: one row
         second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))  # two rows

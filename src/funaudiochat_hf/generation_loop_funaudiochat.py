@@ -107,7 +107,7 @@ class SpeechRun:
         self.step_fn, self.prefill_crq_part, self.prefill_halves = generator.step_functions(
             self.cfg, request.compile_options
         )
-        # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_engine_funaudiochat`);
+        # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_batch_funaudiochat`);
         # `rows_of`: the run steps the first rows of that workspace (no prefill of its own: the rows are that one's).
         self.ws = generator.workspace(batch, cache_length, self.cfg, per_row_sampling, rows_of)
         self.prompt_inputs = prompt_inputs

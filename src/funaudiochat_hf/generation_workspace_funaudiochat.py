@@ -166,7 +166,7 @@ class DecodeWorkspace:
         buffer and cache tensor is a view of this one's (the same storage, so a step of the view reads and writes
         these rows here), the run's tensors are shared, and it has graphs of its own. A step of fewer rows costs
         less: a continuous batch whose busy rows are the first ones steps only those
-        (`serving_engine_funaudiochat`). The weight copies and text head are attached by the generator."""
+        (`serving_batch_funaudiochat`). The weight copies and text head are attached by the generator."""
         if not 1 <= rows <= self.batch_size:
             raise ValueError(f"`rows` must be between 1 and the workspace's {self.batch_size}, got {rows}.")
         if not self.static:

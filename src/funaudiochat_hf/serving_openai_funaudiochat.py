@@ -35,7 +35,7 @@ from .limits_funaudiochat import (
     check_text_length,
 )
 from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
-from .serving_engine_funaudiochat import SpeechRequest
+from .serving_requests_funaudiochat import SpeechRequest
 
 
 # Base64 audio larger than this is refused before decoding (OpenAI's own upload limit).

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .generation_plan_funaudiochat import BACKENDS
-from .serving_engine_funaudiochat import EngineClosed, QueueFull, SpeechEngine
+from .serving_engine_funaudiochat import SpeechEngine
 from .serving_openai_funaudiochat import (
     DEFAULT_VOICE,
     RequestError,
@@ -35,6 +35,7 @@ from .serving_openai_funaudiochat import (
     stream_chunk,
     usage,
 )
+from .serving_requests_funaudiochat import EngineClosed, QueueFull
 
 
 TINY_MODEL_MAX_NEW_TOKENS = 48  # as the CLI: the random tiny model rarely stops by itself
