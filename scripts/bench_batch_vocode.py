@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchmark  # noqa: E402  (scripts/benchmark.py)
+import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
+import benchmark_common  # noqa: E402  (puts the repo's src/ on sys.path)
+import benchmark_decoder  # noqa: E402  (the decoder builder)
 
 from funaudiochat_hf.streaming_batch_cosyvoice3 import decode_ready  # noqa: E402
 
@@ -69,10 +71,10 @@ def measure(decoder, count: int, own: argparse.Namespace, device: str) -> dict:
         times = []
         for _ in range(own.rounds):
             tokens = torch.randint(0, vocab, (count, HOP), generator=generator)  # on the CPU, as the engine's
-            benchmark.synchronize(device)
+            benchmark_common.synchronize(device)
             start = time.perf_counter()
             audio = _round(streams, tokens, batched)
-            benchmark.synchronize(device)
+            benchmark_common.synchronize(device)
             times.append(time.perf_counter() - start)
             if any(piece.numel() == 0 for piece in audio):
                 raise RuntimeError("a round decoded no chunk for some stream: the benchmark's feeding is off")
@@ -87,8 +89,8 @@ def measure(decoder, count: int, own: argparse.Namespace, device: str) -> dict:
 
 def main(argv: list[str]) -> None:
     own, args = parse_args(argv)
-    decoder, info = benchmark.build_decoder(args)
-    benchmark.apply_decoder_precision(decoder, args.decoder_precision)
+    decoder, info = benchmark_decoder.build_decoder(args)
+    benchmark_decoder.apply_decoder_precision(decoder, args.decoder_precision)
     print(json.dumps({"decoder": info, "device": args.device}), flush=True)
     with torch.no_grad():
         for count in (int(value) for value in own.streams.split(",")):

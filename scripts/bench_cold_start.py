@@ -9,8 +9,8 @@ Runs two fresh Python processes one after the other. Both get the same new tempo
 and CUDA's JIT kernels. The first starts with it empty; the second finds what the first left there, as a restarted
 Space or a second CLI run does. Each process:
 
-  (a) builds the chat model and the decoder (`scripts/benchmark.py`'s builders: full-size random weights directly
-      on the device, or the tiny configs with `--tiny`);
+  (a) builds the chat model and the decoder (the builders of `scripts/benchmark_chat.py` and
+      `benchmark_decoder.py`: full-size random weights directly on the device, or the tiny configs with `--tiny`);
   (b) times, from there, the first audio samples of a first reply: `model.generate_speech_stream(**inputs,
       speech_decoder=decoder, speaker=..., max_new_tokens=N)` with no performance option at all, i.e. whatever the
       package does by default (compilation, kernels, CUDA graphs and the decoder's device defaults happen here);
@@ -77,7 +77,10 @@ def measure_process(args: argparse.Namespace, caches: str) -> dict:
     """(a)-(d) in this process (see the module docstring); the row of one process."""
     sys.path.insert(0, str(SCRIPT.parent))
     import_start = time.perf_counter()
-    import benchmark  # noqa: E402  (scripts/benchmark.py; imports torch and transformers)
+    import benchmark  # noqa: E402  (scripts/benchmark.py and its benchmark_* modules; imports torch and transformers)
+    import benchmark_chat
+    import benchmark_common
+    import benchmark_decoder
     import torch
 
     import funaudiochat_hf  # noqa: F401
@@ -85,27 +88,27 @@ def measure_process(args: argparse.Namespace, caches: str) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     import_s = time.perf_counter() - import_start
     bench_args = benchmark.parse_args(["--device", device] + (["--tiny"] if args.tiny else []))
-    cuda = benchmark.is_cuda(device)
+    cuda = benchmark_common.is_cuda(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     start = time.perf_counter()
-    model, _ = benchmark.build_chat_model(bench_args)
-    decoder, _ = benchmark.build_decoder(bench_args)
-    benchmark.synchronize(device)
+    model, _ = benchmark_chat.build_chat_model(bench_args)
+    decoder, _ = benchmark_decoder.build_decoder(bench_args)
+    benchmark_common.synchronize(device)
     loaded = time.perf_counter()
     load_s = loaded - start
 
-    inputs = benchmark.make_chat_inputs(model, 1, args.input_seconds, device)
+    inputs = benchmark_chat.make_chat_inputs(model, 1, args.input_seconds, device)
     kwargs = {
         "speech_decoder": decoder,
-        "speaker": benchmark.speaker_embedding(device)[0],
+        "speaker": benchmark_decoder.speaker_embedding(device)[0],
         "max_new_tokens": args.max_new_tokens,
         "seed": 0,
         "eos_token_id": [],  # no stop token: every reply runs max_new_tokens steps
     }
-    first = timed_reply(model, inputs, kwargs, device, benchmark)
-    second = timed_reply(model, inputs, kwargs, device, benchmark)
+    first = timed_reply(model, inputs, kwargs, device, benchmark_common)
+    second = timed_reply(model, inputs, kwargs, device, benchmark_common)
     return {
         "caches": caches,
         "device": device,
@@ -125,22 +128,22 @@ def measure_process(args: argparse.Namespace, caches: str) -> dict:
     }
 
 
-def timed_reply(model, inputs: dict, kwargs: dict, device: str, benchmark) -> dict:
+def timed_reply(model, inputs: dict, kwargs: dict, device: str, benchmark_common) -> dict:
     """One streamed reply: seconds to its first audio samples (synchronised), to its end, and its audio seconds."""
     import torch
 
-    benchmark.synchronize(device)
+    benchmark_common.synchronize(device)
     start = time.perf_counter()
     first_audio_s, samples, rate = None, 0, 24000
     with torch.no_grad():
         for event in model.generate_speech_stream(**inputs, **kwargs):
             if event.audio is not None and event.audio.numel():
                 if first_audio_s is None:
-                    benchmark.synchronize(device)
+                    benchmark_common.synchronize(device)
                     first_audio_s = time.perf_counter() - start
                 samples += event.audio.numel()
                 rate = event.sampling_rate
-    benchmark.synchronize(device)
+    benchmark_common.synchronize(device)
     total_s = time.perf_counter() - start
     if first_audio_s is None:
         raise RuntimeError(f"the reply ({kwargs['max_new_tokens']} steps) produced no audio")

@@ -4,11 +4,11 @@
     PYTHONPATH=$PWD/src python scripts/bench_serving.py --json serving.json     # full size, random weights, cuda
     python scripts/bench_serving.py --tiny --device cpu --conversations 3 --max-tokens 8   # smoke test
 
-Builds the full-size chat model and CosyVoice3 decoder with random weights (`scripts/benchmark.py`'s builders; the
-decoder with its CUDA defaults applied as a loaded one gets them: bf16 estimator, fused q/k/v), a processor that
-gives the full-size token ids (the tiny processor files, ids remapped: `FullSizeProcessor`), starts a `SpeechEngine`
-and the server (`serving_server_funaudiochat.create_app`) with uvicorn in a thread on a free loopback port, warms up,
-and measures:
+Builds the full-size chat model and CosyVoice3 decoder with random weights (the builders of
+`scripts/benchmark_chat.py` and `benchmark_decoder.py`; the decoder with its CUDA defaults applied as a loaded one
+gets them: bf16 estimator, fused q/k/v), a processor that gives the full-size token ids (the tiny processor files, ids
+remapped: `FullSizeProcessor`), starts a `SpeechEngine` and the server (`serving_server_funaudiochat.create_app`) with
+uvicorn in a thread on a free loopback port, warms up, and measures:
 
   a. idle server: one streamed request at a time (median of 3): time to first audio (TTFA) and the step time derived
      from its chunks, side by side with `model.generate_speech_stream` called directly on the same processor inputs
@@ -47,7 +47,10 @@ PROCESS_START = time.perf_counter()
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))
 
-import benchmark  # noqa: E402  (scripts/benchmark.py: full-size builders; puts the repo's src/ on sys.path)
+import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
+import benchmark_chat  # noqa: E402  (the full-size chat model builder)
+import benchmark_common  # noqa: E402  (puts the repo's src/ on sys.path)
+import benchmark_decoder  # noqa: E402  (the full-size decoder builder)
 import loadgen  # noqa: E402  (scripts/loadgen.py)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -110,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--json {args.json}: its folder does not exist")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if benchmark.is_cuda(args.device) and not torch.cuda.is_available():
+    if benchmark_common.is_cuda(args.device) and not torch.cuda.is_available():
         parser.error("CUDA is not available: use --device cpu (with --tiny)")
     return args
 
@@ -187,14 +190,14 @@ def build_models(args) -> tuple[object, object, object, dict]:
         from funaudiochat_hf.tiny_model import ASSETS_DIR
 
         bench_args = benchmark.parse_args(["--device", args.device])
-        model, info = benchmark.build_chat_model(bench_args)
+        model, info = benchmark_chat.build_chat_model(bench_args)
         log(f"chat model built: {info['parameters'] / 1e9:.2f} B parameters, {info['dtype']}")
-        decoder, decoder_info = benchmark.build_decoder(bench_args)
+        decoder, decoder_info = benchmark_decoder.build_decoder(bench_args)
         # The defaults a loaded decoder gets on its first call on the device (CUDA: bf16 estimator, fused q/k/v).
         decoder.apply_device_defaults()
         # One stored voice (a random-weight decoder has none), as an official decoder's default speaker.
         decoder.config.speaker_names = ["bench"]
-        decoder.speaker_embeddings = benchmark.speaker_embedding(args.device)
+        decoder.speaker_embeddings = benchmark_decoder.speaker_embedding(args.device)
         tiny = with_window(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), args.feature_window_seconds)
         processor = FullSizeProcessor(tiny, model.config)
         info = {"source": "full-size configs, random weights (scripts/benchmark.py)", "chat": info,
@@ -337,13 +340,13 @@ def step_seconds(times: list[float], samples: list[int], samples_per_step: float
 
 def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, device: str) -> dict:
     """The same prompt through `model.generate_speech_stream` (seed 0, no stop id), timed as the server stream."""
-    benchmark.synchronize(device)
+    benchmark_common.synchronize(device)
     start = time.perf_counter()
     times, samples, audio, text, events, event_times, first_audio_event = [], [], [], [], 0, [], None
     with torch.no_grad():
         for event in model.generate_speech_stream(**inputs, speech_decoder=decoder, tokenizer=tokenizer,
                                                   max_new_tokens=max_tokens, eos_token_id=[], seed=0):  # fmt: skip
-            benchmark.synchronize(device)
+            benchmark_common.synchronize(device)
             now = time.perf_counter() - start
             events += 1
             event_times.append(now)
@@ -370,11 +373,11 @@ def decode_step_seconds(model, inputs: dict, max_tokens: int, device: str) -> fl
         return None
     seconds = {}
     for steps in (max_tokens, short):
-        benchmark.synchronize(device)
+        benchmark_common.synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
             model.generate_speech(**inputs, max_new_tokens=steps, return_audio=False, eos_token_id=[], seed=0)
-        benchmark.synchronize(device)
+        benchmark_common.synchronize(device)
         seconds[steps] = time.perf_counter() - start
     return (seconds[max_tokens] - seconds[short]) / (max_tokens - short)
 
@@ -416,7 +419,8 @@ class Run:
         if os.environ.get("OUT"):
             self.paths.append(Path(os.environ["OUT"]) / "bench_serving.json")
         self.report: dict = {"meta": {
-            "device": args.device, "gpu": torch.cuda.get_device_name() if benchmark.is_cuda(args.device) else None,
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if benchmark_common.is_cuda(args.device) else None,
             "torch": torch.__version__, "tiny": args.tiny, "command": " ".join(sys.argv),
             "options": {k: v for k, v in vars(args).items()},
         }, "skipped": [], "status": "running"}  # fmt: skip
@@ -458,7 +462,7 @@ class Run:
 
 
 def memory_mb(device: str) -> float | None:
-    if not benchmark.is_cuda(device):
+    if not benchmark_common.is_cuda(device):
         return None
     gc.collect()
     torch.cuda.synchronize(device)
@@ -753,8 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = chat.speech.inputs  # what the server hands the engine for this prompt (CPU tensors)
         run.report["prompt_tokens"] = int(inputs["input_ids"].shape[1])
         group = int(model.config.audio_config.group_size)
-        samples_per_step = engine.sampling_rate * group / benchmark.TOKENS_PER_SECOND
-        run.report["reply_seconds"] = args.max_tokens * group / benchmark.TOKENS_PER_SECOND
+        samples_per_step = engine.sampling_rate * group / benchmark_common.TOKENS_PER_SECOND
+        run.report["reply_seconds"] = args.max_tokens * group / benchmark_common.TOKENS_PER_SECOND
 
         warm_up(run, server, engine, model, decoder, processor, inputs, question)
         warm_mb = memory_mb(args.device)
@@ -767,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             run.save()
         if run.fits("load", 60):
             idle_mb = memory_mb(args.device)  # everything warm, nothing running
-            if benchmark.is_cuda(args.device):
+            if benchmark_common.is_cuda(args.device):
                 torch.cuda.reset_peak_memory_stats(args.device)
             measure_load(run, server, engine, question_file.name, question, reference)
             run.report["memory"] = memory_report(args.device, warm_mb, idle_mb)

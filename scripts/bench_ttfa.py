@@ -4,7 +4,7 @@
         --compile-vocoder --stream-options '{"first_token_hop_len": 5, "flow_left_context_tokens": 50}'
 
 Builds the full-size chat model and decoder once (as `scripts/benchmark.py`, whose options follow `--`), then runs
-`benchmark.ttfa_row` (a warm-up call that compiles, then the median of `--repeats` timed calls) once per value of
+`benchmark_chat.ttfa_row` (a warm-up call that compiles, then the median of `--repeats` timed calls) once per value of
 `--backends` (`generate_speech(backend=...)`), in the order given, and prints one row each with the arrival time of every stream event.
 
 The prefill (the first event) is host-bound, and its time depends on what the process compiled before: compare
@@ -21,7 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchmark  # noqa: E402  (scripts/benchmark.py)
+import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
+import benchmark_chat  # noqa: E402
+import benchmark_common  # noqa: E402
+import benchmark_decoder  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -34,22 +37,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--backends", default="compiled,cuda_graphs", help="backends to compare, in this order")
     options = parser.parse_args(own)
     args = benchmark.parse_args(["--parts", "chat,decoder", "--modes", "compiled", "--decoder-modes", "compiled", *rest])
-    model, _ = benchmark.build_chat_model(args)
-    decoder, _ = benchmark.build_decoder(args)
-    benchmark.apply_decoder_precision(decoder, args.decoder_precision)
-    print("decoder:", benchmark.compile_decoder(decoder, args), flush=True)
+    model, _ = benchmark_chat.build_chat_model(args)
+    decoder, _ = benchmark_decoder.build_decoder(args)
+    benchmark_decoder.apply_decoder_precision(decoder, args.decoder_precision)
+    print("decoder:", benchmark_decoder.compile_decoder(decoder, args), flush=True)
     print("| order | backend | time to first audio ms | stream events ms | first call s |")
     print("|---|---|---|---|---|", flush=True)
     for order, backend in enumerate(benchmark.csv(options.backends), start=1):
         args.chat_backend = backend
         start = time.perf_counter()
-        row = benchmark.ttfa_row(model, decoder, "compiled", args)
+        row = benchmark_chat.ttfa_row(model, decoder, "compiled", args)
         events = ", ".join(f"{ms:.1f}" for ms in row["event_ms"])
         print(
             f"| {order} | {backend} | {row['ttfa_ms']:.0f} | {events} | {row['first_call_ttfa_ms'] / 1e3:.1f} |",
             flush=True,
         )
-        benchmark.log(f"{backend}: {time.perf_counter() - start:.0f} s")
+        benchmark_common.log(f"{backend}: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

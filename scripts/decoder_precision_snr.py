@@ -5,7 +5,7 @@
     python scripts/decoder_precision_snr.py PATH                  # a converted (config.json) or official folder
     python scripts/decoder_precision_snr.py --tiny --device cpu   # tests/fixtures/cosyvoice3_tiny, its golden tokens
 
-Offline decoding of the same tokens twice on the same weights (`scripts/benchmark.py`'s `decoder_precision_row`:
+Offline decoding of the same tokens twice on the same weights (`scripts/benchmark_decoder.py`'s `decoder_precision_row`:
 float32, then autocast to the lower precision, which gives exactly the numbers of weights stored in it). Prints one
 JSON line per precision and a short table: mel SNR, waveform SNR, F0 SNR and the waveform's SNR when vocoded with
 float32's excitation (see `decoder_precision_row` for why the last two are there).
@@ -23,19 +23,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchmark  # noqa: E402  (scripts/benchmark.py: its builders, precision row and SNR)
+import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
+import benchmark_common  # noqa: E402
+import benchmark_decoder  # noqa: E402  (the decoder builder, precision row and SNR)
 
 
-GOLDEN_FLOW = benchmark.REPO / "tests" / "fixtures" / "cosyvoice3_golden" / "flow_full.safetensors"
+GOLDEN_FLOW = benchmark_common.REPO / "tests" / "fixtures" / "cosyvoice3_golden" / "flow_full.safetensors"
 
 
 def load_decoder(path: str | None, args: argparse.Namespace):
     """(decoder in float32, its description): from `path` (a `save_pretrained` folder or an official CosyVoice3
-    folder; `--tiny`: tests/fixtures/cosyvoice3_tiny), else `benchmark.build_decoder` (full-size random weights)."""
+    folder; `--tiny`: tests/fixtures/cosyvoice3_tiny), else `benchmark_decoder.build_decoder` (full-size random
+    weights)."""
     if path is None and args.tiny:
-        path = str(benchmark.COSYVOICE3_TINY)
+        path = str(benchmark_common.COSYVOICE3_TINY)
     if path is None:
-        decoder, info = benchmark.build_decoder(args)
+        decoder, info = benchmark_decoder.build_decoder(args)
         return decoder, info["source"]
     from funaudiochat_hf import CosyVoice3Token2Wav
 
@@ -58,9 +61,9 @@ def fixture_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def precision_snr(decoder, precision: str, device: str, tokens=None, speaker=None) -> dict:
-    """`benchmark.decoder_precision_row` for `precision` on `decoder` (float32 weights; left so)."""
+    """`benchmark_decoder.decoder_precision_row` for `precision` on `decoder` (float32 weights; left so)."""
     args = argparse.Namespace(device=device, decoder_precision=precision)
-    return benchmark.decoder_precision_row(decoder, args, tokens, speaker)
+    return benchmark_decoder.decoder_precision_row(decoder, args, tokens, speaker)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.tiny and options.path is None:
         tokens, speaker = fixture_inputs()
     else:
-        tokens, speaker = benchmark.random_speech_tokens(options.seconds, seed=7), None
+        tokens, speaker = benchmark_decoder.random_speech_tokens(options.seconds, seed=7), None
     rows = []
     for precision in precisions:
         row = precision_snr(decoder, precision, options.device, tokens, speaker)

@@ -23,7 +23,9 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-import benchmark  # noqa: E402  (same folder: reuse its decoder builder and inputs)
+import benchmark  # noqa: E402  (same folder: its options)
+import benchmark_common  # noqa: E402
+import benchmark_decoder  # noqa: E402  (its decoder builder and inputs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         ["--device", args.device, "--decoder-precision", args.precision]
         + (["--tiny"] if args.tiny else [])
     )
-    decoder, info = benchmark.build_decoder(bench_args)
+    decoder, info = benchmark_decoder.build_decoder(bench_args)
     print(f"decoder: {info}", flush=True)
-    benchmark.apply_decoder_precision(decoder, args.precision)
+    benchmark_decoder.apply_decoder_precision(decoder, args.precision)
     if args.compile is not None:
         decoder.compile_estimator(**json.loads(args.compile))
     if args.channels_last_vocoder:
@@ -66,10 +68,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def new_stream():
         return decoder.streaming_decoder(
-            speaker_embedding=benchmark.speaker_embedding(args.device), token_hop_len=args.hop, **options
+            speaker_embedding=benchmark_decoder.speaker_embedding(args.device), token_hop_len=args.hop, **options
         )
 
-    tokens = benchmark.random_speech_tokens(60.0, seed=5).reshape(-1).to(args.device)
+    tokens = benchmark_decoder.random_speech_tokens(60.0, seed=5).reshape(-1).to(args.device)
     with torch.no_grad():  # a first reply compiles / records the graphs; the measured reply is the second
         warm_up = new_stream()
         for start in range(0, 4 * args.hop, args.hop):
@@ -83,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
         original = getattr(stream, attribute)
 
         def timed(*a, _original=original, _name=name, **k):
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             start = time.perf_counter()
             result = _original(*a, **k)
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             seconds[_name].append(time.perf_counter() - start)
             return result
 
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.warm_chunks):
             start = time.perf_counter()
             stream.push(tokens[pushed : pushed + args.hop])
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             if seconds["flow"]:  # pushes that decoded a chunk
                 push_seconds.append(time.perf_counter() - start)
             pushed += args.hop
@@ -115,11 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     host_ms, done_ms = [], []
     with torch.no_grad():
         for _ in range(4):
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             start = time.perf_counter()
             stream.push(tokens[pushed : pushed + args.hop])
             host_ms.append(1e3 * (time.perf_counter() - start))
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             done_ms.append(1e3 * (time.perf_counter() - start))
             pushed += args.hop
     print(f"whole push, unsynchronised: host returns after {sum(host_ms) / 4:.2f} ms, GPU done after "
@@ -130,17 +132,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def profile_offline(decoder, args: argparse.Namespace) -> None:
     """Wall time of `tokens_to_mel` and `mel_to_wav` on `args.offline` seconds of tokens, then a profile of one call."""
-    tokens = benchmark.random_speech_tokens(args.offline, seed=int(args.offline)).to(args.device)
-    speaker = benchmark.speaker_embedding(args.device)
+    tokens = benchmark_decoder.random_speech_tokens(args.offline, seed=int(args.offline)).to(args.device)
+    speaker = benchmark_decoder.speaker_embedding(args.device)
     seconds = {"flow (tokens_to_mel)": [], "vocode (mel_to_wav)": []}
     with torch.no_grad():
         for _ in range(4):  # the first call compiles / autotunes: not counted
             start = time.perf_counter()
             mel = decoder.tokens_to_mel(tokens, speaker)
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             middle = time.perf_counter()
             decoder.mel_to_wav(mel)
-            benchmark.synchronize(args.device)
+            benchmark_common.synchronize(args.device)
             seconds["flow (tokens_to_mel)"].append(middle - start)
             seconds["vocode (mel_to_wav)"].append(time.perf_counter() - middle)
     for name, values in seconds.items():
@@ -155,7 +157,7 @@ def print_profile(fn, label: str, args: argparse.Namespace) -> None:
     with profile(activities=activities) as prof:
         with torch.no_grad():
             fn()
-        benchmark.synchronize(args.device)
+        benchmark_common.synchronize(args.device)
     events = prof.key_averages()
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
     launches = {e.key: e.count for e in events if e.key in launch_names}

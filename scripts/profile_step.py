@@ -33,7 +33,9 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-import benchmark  # noqa: E402  (same folder: reuse its model builder and inputs)
+import benchmark  # noqa: E402  (same folder: its options)
+import benchmark_chat  # noqa: E402  (its model builder and inputs)
+import benchmark_common  # noqa: E402
 
 
 def main() -> None:
@@ -66,13 +68,13 @@ def main() -> None:
         ["--chat-backend", args.backend]
         + (["--compile-config", args.compile_config] if args.compile_config else [])
     )
-    model, info = benchmark.build_chat_model(bench_args)
+    model, info = benchmark_chat.build_chat_model(bench_args)
     print(f"built {info['parameters'] / 1e9:.2f} G parameters in {info['build_s']} s", flush=True)
-    inputs = benchmark.make_chat_inputs(model, args.batch, 10.0, "cuda")
+    inputs = benchmark_chat.make_chat_inputs(model, args.batch, 10.0, "cuda")
     prompt_len = inputs["input_ids"].shape[1]
     steps = 1 if args.prefill else args.steps
-    kwargs = benchmark.generation_kwargs(model, "compiled", bench_args, steps,
-                                         cache_max_length=benchmark.cache_length(prompt_len, bench_args),
+    kwargs = benchmark_chat.generation_kwargs(model, "compiled", bench_args, steps,
+                                         cache_max_length=benchmark_chat.cache_length(prompt_len, bench_args),
                                          eager_prefill=args.eager_prefill)
     for attempt in range(3):  # compile, capture, warm
         start = time.perf_counter()
@@ -84,7 +86,7 @@ def main() -> None:
     if args.prefill:  # wall-clock split: the prompt's embeddings (audio encoders) vs the whole one-step call
         def wall_ms(fn, repeats=5):
             with torch.no_grad():
-                return statistics.median(benchmark.timed(fn, "cuda")[0] for _ in range(repeats)) * 1e3
+                return statistics.median(benchmark_common.timed(fn, "cuda")[0] for _ in range(repeats)) * 1e3
 
         prompt = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
         embed = wall_ms(lambda: model.embed_prompt(inputs["input_ids"], **prompt))

@@ -22,7 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchmark  # noqa: E402  (scripts/benchmark.py: builders and inputs; puts the repo's src/ on sys.path)
+import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
+import benchmark_chat  # noqa: E402  (builders and inputs)
+import benchmark_common  # noqa: E402  (puts the repo's src/ on sys.path)
+import benchmark_decoder  # noqa: E402
 import torch  # noqa: E402
 
 from funaudiochat_hf import generation_loop_funaudiochat as loop  # noqa: E402
@@ -30,7 +33,7 @@ from funaudiochat_hf import generation_loop_funaudiochat as loop  # noqa: E402
 
 def first_audio(model, inputs: dict, kwargs: dict, device: str) -> tuple[float, list[float]]:
     """(ms to the first non-empty audio chunk, arrival ms of every event until then) of one streamed reply."""
-    benchmark.synchronize(device)
+    benchmark_common.synchronize(device)
     start, events = time.perf_counter(), []
     with torch.no_grad():
         stream = model.generate_speech_stream(**inputs, **kwargs)
@@ -38,7 +41,7 @@ def first_audio(model, inputs: dict, kwargs: dict, device: str) -> tuple[float, 
             for event in stream:
                 events.append(round((time.perf_counter() - start) * 1e3, 1))
                 if event.audio is not None and event.audio.numel():
-                    benchmark.synchronize(device)
+                    benchmark_common.synchronize(device)
                     return (time.perf_counter() - start) * 1e3, events
         finally:
             stream.close()
@@ -55,11 +58,11 @@ class StageTimes:
         function = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            benchmark.synchronize(self.device)
+            benchmark_common.synchronize(self.device)
             start = time.perf_counter()
             result = function(*args, **kwargs)
             host = time.perf_counter()
-            benchmark.synchronize(self.device)
+            benchmark_common.synchronize(self.device)
             done = time.perf_counter()
             self.times.setdefault(stage, []).append((round((host - start) * 1e3, 2), round((done - start) * 1e3, 2)))
             return result
@@ -85,12 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     seconds = args.input_seconds or (2.0 if args.tiny else 10.0)
     bench_args = benchmark.parse_args(["--device", args.device] + (["--tiny"] if args.tiny else []))
-    model, _ = benchmark.build_chat_model(bench_args)
-    decoder, _ = benchmark.build_decoder(bench_args)
-    inputs = benchmark.make_chat_inputs(model, 1, seconds, args.device)
+    model, _ = benchmark_chat.build_chat_model(bench_args)
+    decoder, _ = benchmark_decoder.build_decoder(bench_args)
+    inputs = benchmark_chat.make_chat_inputs(model, 1, seconds, args.device)
     kwargs = {
         "speech_decoder": decoder,
-        "speaker": benchmark.speaker_embedding(args.device)[0],
+        "speaker": benchmark_decoder.speaker_embedding(args.device)[0],
         "max_new_tokens": 12,
         "seed": 0,
         "eos_token_id": [],  # random weights would otherwise stop at a random step
@@ -117,13 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if benchmark.is_cuda(args.device) else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if benchmark_common.is_cuda(args.device) else [])
     with profile(activities=activities) as profiler:
         ms, _ = first_audio(model, inputs, kwargs, args.device)
     print(f"profiled call: first audio {ms:.1f} ms (slower: profiled)")
     averages = profiler.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
-    if benchmark.is_cuda(args.device):
+    if benchmark_common.is_cuda(args.device):
         print(averages.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
     if args.trace:
         profiler.export_chrome_trace(args.trace)

@@ -140,16 +140,17 @@ def test_hard_stop_interrupts_a_measurement():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import benchmark
+        import benchmark_results
     finally:
         sys.path.pop(0)
     import time
 
     args = benchmark.parse_args(["--tiny", "--device", "cpu"])
-    results = benchmark.Results(args, [])
-    budget = benchmark.Budget(0.2, hard_margin=0.5)  # alarm after 1 s
+    results = benchmark_results.Results(args, [])
+    budget = benchmark_results.Budget(0.2, hard_margin=0.5)  # alarm after 1 s
     try:
-        value = benchmark.run_measurement(results, budget, "sleeper", lambda: time.sleep(5), "cpu")
-        after = benchmark.run_measurement(results, budget, "next", lambda: 1, "cpu")
+        value = benchmark_results.run_measurement(results, budget, "sleeper", lambda: time.sleep(5), "cpu")
+        after = benchmark_results.run_measurement(results, budget, "next", lambda: 1, "cpu")
     finally:
         budget.cancel_alarm()
     assert value["status"].startswith("failed: BudgetExceeded")
@@ -215,6 +216,7 @@ def test_eager_prefill_adds_a_side_by_side_time_to_first_audio_row():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import benchmark
+        import benchmark_chat
     finally:
         sys.path.remove(str(SCRIPT.parent))
     args = benchmark.parse_args(["--eager-prefill"])
@@ -227,9 +229,9 @@ def test_eager_prefill_adds_a_side_by_side_time_to_first_audio_row():
     from funaudiochat_hf import FunAudioChatConfig
 
     model = type("Model", (), {"config": FunAudioChatConfig()})()
-    assert benchmark.generation_kwargs(model, "compiled", args, 4)["backend"] == "compiled"
-    assert benchmark.generation_kwargs(model, "compiled", args, 4, eager_prefill=True)["backend"] == "cuda_graphs"
-    assert benchmark.generation_kwargs(model, "eager", args, 4)["backend"] == "eager"
+    assert benchmark_chat.generation_kwargs(model, "compiled", args, 4)["backend"] == "compiled"
+    assert benchmark_chat.generation_kwargs(model, "compiled", args, 4, eager_prefill=True)["backend"] == "cuda_graphs"
+    assert benchmark_chat.generation_kwargs(model, "eager", args, 4)["backend"] == "eager"
 
 
 def test_bench_ttfa_smoke():
@@ -253,24 +255,27 @@ def test_step_time_is_never_negative(monkeypatch):
     reported as a negative ms / step (CI saw -7.9). The long run's time per step is reported instead, with a note."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
+    import benchmark_chat
 
     def scripted_run(fn, device):  # `fn` generates n steps; its time comes from the script
         steps = fn()
         return seconds[steps].pop(), steps
 
-    monkeypatch.setattr(benchmark, "timed", scripted_run)
-    monkeypatch.setattr(benchmark, "generate", lambda model, inputs, kwargs, notes: kwargs["max_new_tokens"])
-    monkeypatch.setattr(benchmark, "generation_kwargs", lambda model, mode, args, n, **extra: {"max_new_tokens": n})
-    monkeypatch.setattr(benchmark, "generated_steps", lambda out, prompt_len: out)
+    monkeypatch.setattr(benchmark_chat, "timed", scripted_run)
+    monkeypatch.setattr(benchmark_chat, "generate", lambda model, inputs, kwargs, notes: kwargs["max_new_tokens"])
+    monkeypatch.setattr(
+        benchmark_chat, "generation_kwargs", lambda model, mode, args, n, **extra: {"max_new_tokens": n}
+    )
+    monkeypatch.setattr(benchmark_chat, "generated_steps", lambda out, prompt_len: out)
     args = benchmark.parse_args(["--tiny", "--device", "cpu", "--repeats", "2"])
     inputs = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
 
     seconds = {1: [0.30] * 3, 4: [0.25] * 3}  # warm-up and two repeats each: the short run slower
-    row = benchmark.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
+    row = benchmark_chat.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
     assert row["ms_per_step"] == pytest.approx(250.0 / 4)
     assert any("slope not positive" in note for note in row["notes"])
     seconds = {1: [0.10] * 3, 4: [0.40] * 3}
-    row = benchmark.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
+    row = benchmark_chat.measure_step_time(None, inputs, "eager", args, "cpu", 1, 4)
     assert row["ms_per_step"] == pytest.approx(100.0) and not row["notes"]
 
 
@@ -279,11 +284,12 @@ def test_cache_steps_size_the_caches_for_a_longer_call():
     128 positions), as a reply that ends before its limit; by default the longest measured run sizes them."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
+    import benchmark_chat
 
     args = benchmark.parse_args(["--steps", "64", "--ttfa-steps", "40", "--repeat-steps", "8"])
-    assert benchmark.cache_length(100, args) == 256  # 100 + 64 -> 256
+    assert benchmark_chat.cache_length(100, args) == 256  # 100 + 64 -> 256
     args = benchmark.parse_args(["--steps", "64", "--cache-steps", "1024"])
-    assert benchmark.cache_length(100, args) == 1152  # 100 + 1024 -> 1152
+    assert benchmark_chat.cache_length(100, args) == 1152  # 100 + 1024 -> 1152
 
 
 def test_kernel_config_overrides_build_config_objects(tmp_path):
@@ -293,24 +299,25 @@ def test_kernel_config_overrides_build_config_objects(tmp_path):
     anything runs."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark
+    import benchmark_chat
     from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
     args = benchmark.parse_args(["--kernel-config", '{"attention_pipeline_stages": 3}', "--plain-launches"])
     assert args.kernel_config == {"attention_pipeline_stages": 3, "programmatic_launch": False}
     model = torch.nn.Linear(1, 1)
     expected = DecodeKernelConfig().replace(attention_pipeline_stages=3, programmatic_launch=False)
-    assert benchmark.kernel_config(model, args.kernel_config) == expected
+    assert benchmark_chat.kernel_config(model, args.kernel_config) == expected
     args = benchmark.parse_args(
         ["--kernel-config", '{"attention_pipeline_stages": 3}', "--compare", "{}",
          '{"plan_overrides": {"overlap_text_head": false}, "kernel_config": {"attention_split_warps": [[1, 4]], "attention_pipeline_stages": 1}}']
     )  # fmt: skip
-    first, second = (benchmark.variant_kwargs(model, spec, args) for spec in args.compare)
+    first, second = (benchmark_chat.variant_kwargs(model, spec, args) for spec in args.compare)
     assert first == {"kernel_config": DecodeKernelConfig(attention_pipeline_stages=3)}
     assert second == {
         "plan_overrides": {"overlap_text_head": False},
         "kernel_config": DecodeKernelConfig(attention_split_warps=((1, 4),), attention_pipeline_stages=1),
     }
-    assert benchmark.variant_kwargs(model, {}, benchmark.parse_args([])) == {}  # no overrides: the run's default
+    assert benchmark_chat.variant_kwargs(model, {}, benchmark.parse_args([])) == {}  # no overrides: the run's default
     for argv in (["--kernel-config", '{"no_such_field": 1}'], ["--kernel-config", "{"],
                  ["--compare", '{"kernel_config": {"split_num_warps": 8}}']):  # fmt: skip
         with pytest.raises(SystemExit):
