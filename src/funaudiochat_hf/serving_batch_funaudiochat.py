@@ -1,8 +1,8 @@
 """The speech engine's static batch: `ServingBatch`, the only class of the serving files that touches the decode
 internals (workspace buffers, the step functions, the prefill).
 
-A slot is a left-padded row: a request placed in one decodes exactly as it would alone (`generate_speech` at batch 1,
-same seed).
+A slot is a left-padded row: a request placed in one computes what it would alone (`generate_speech` at batch 1, same
+seed); a GPU's kernels may round it differently (their summation order follows the row count and cache offset).
 
 * Columns. The batch's static caches have `cache_length` LLM columns (K times that for the CRQ) written left to right
   by every step at one shared column `C` (the caches' `cumulative_length`). A request with an `L`-token prompt joins
@@ -12,8 +12,8 @@ same seed).
   `rebase` shifts every column by one offset (one copy of the caches and masks, no recomputation) when the engine
   needs room on the left or the right.
 * Randomness. Each request draws its exponential noise from its own `torch.Generator` (seeded by the request, else
-  from the global RNG), row by row before each step, in the order a single run draws it: its tokens equal its single
-  run's whatever joins or leaves around it.
+  from the global RNG), row by row before each step, in the order a single run draws it, whatever joins or leaves
+  around it.
 * Sampling values (temperature, top-p, repetition penalty) are per-row tensors read by the step. Which processors run
   at all (sampling or greedy) is fixed per engine: a top-p of 1 or a penalty of 1 in a row of a batch that runs those
   processors changes nothing, so every value rides along exactly.

@@ -7,10 +7,11 @@ own sampling values, seed, length limit and voice, and streams text deltas and 2
 CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step; the chunks ready
 across requests are decoded together, see `serving_vocoder_funaudiochat`).
 
-A request decodes exactly as it would alone (`generate_speech` at batch 1, same seed): a slot is a left-padded row
-joined right-aligned at the batch's shared cache column `C`, with its own noise generator and sampling values. How a
-slot is filled, shifted, stepped and freed is in `serving_batch_funaudiochat` (`ServingBatch`, the engine's only view
-of the decode internals); the requests, events and handles are in `serving_requests_funaudiochat`.
+A request computes what it would alone (`generate_speech` at batch 1, same seed; a GPU may round it differently, see
+docs/serving.md): a slot is a left-padded row joined right-aligned at the batch's shared cache column `C`, with its own
+noise generator and sampling values. How a slot is filled, shifted, stepped and freed is in
+`serving_batch_funaudiochat` (`ServingBatch`, the engine's only view of the decode internals); the requests, events
+and handles are in `serving_requests_funaudiochat`.
 
 * Room. A request with an `L`-token prompt reserves `L + max_new_tokens` columns from its start. It joins at the
   current `C` when `L <= C` and `C + max_new_tokens <= cache_length`; otherwise every column is shifted left (or
