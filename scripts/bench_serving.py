@@ -66,6 +66,8 @@ from funaudiochat_hf.tiny_model import synthetic_question  # noqa: E402
 
 
 IDLE_REPEATS = 3
+SAMPLING_RATE = 24000  # the server's audio (pcm16 chunks)
+DIVERGED_FRACTION = 0.05  # of full scale: an audio difference past rounding
 WARMUP_CAP_SECONDS = 240.0  # no new warm-up request after this long (a first request may compile for a while)
 WATCHDOG_GRACE_SECONDS = 30.0  # past the budget: write the report and exit (a hung phase)
 ISSUE_TARGETS = {  # the serving issue's acceptance numbers (full size, one GPU)
@@ -388,15 +390,20 @@ def compare_audio(reference: dict, other: dict) -> dict:
     b = np.frombuffer(other["pcm"], dtype="<i2").astype(np.float64)
     same_length = len(a) == len(b)
     identical = same_length and reference["pcm"] == other["pcm"]
-    snr = None
+    snr = diverged = None
     if same_length and not identical:
         noise = float(((a - b) ** 2).sum())
         snr = float(10 * np.log10(max(float((a**2).sum()), 1e-30) / max(noise, 1e-30)))
+        # Rounding differences stay small everywhere; a token that went the other way changes the audio from its
+        # chunk on: the first sample off by more than DIVERGED_FRACTION of full scale says which, and where.
+        off = np.flatnonzero(np.abs(a - b) > DIVERGED_FRACTION * 32768)
+        diverged = float(off[0]) / SAMPLING_RATE if len(off) else None
     return {
         "samples": [len(a), len(b)],
         "same_transcript": reference["transcript"] == other["transcript"],
         "audio_identical": identical,
         "audio_snr_db": snr,
+        "diverged_at_seconds": diverged,
         "match": same_length and reference["transcript"] == other["transcript"] and (identical or snr >= 30.0),
     }
 
@@ -685,7 +692,8 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
             checks.append(compare_audio(reference, result))
     correct = all(c["match"] for c in checks)
     run.report["correctness"] = {"against": against, "requests": checks, "correct_under_load": correct}
-    shown = [{k: c.get(k) for k in ("samples", "audio_identical", "audio_snr_db", "error")} for c in checks]
+    shown = [{k: c.get(k) for k in ("samples", "audio_identical", "audio_snr_db", "diverged_at_seconds", "error")}
+             for c in checks]
     log(f"correctness under load: {len(checks)} seed-0 request(s) {'match' if correct else 'do NOT match'} "
         f"{against}: {json.dumps(shown)}")
 

@@ -109,3 +109,24 @@ def test_a_short_budget_skips_the_idle_phase_and_compares_the_load_requests_with
     correctness = report["correctness"]
     assert correctness["against"] == "the first seed-0 request of the load" and len(correctness["requests"]) == 1
     assert correctness["correct_under_load"] is True
+
+
+def test_compare_audio_tells_rounding_from_a_reply_that_went_its_own_way(script):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    reference = (rng.standard_normal(48000) * 3000).astype("<i2")
+    rounded = reference.copy()
+    rounded[::7] += 1  # rounding: one step of 16-bit audio here and there
+    diverged = reference.copy()
+    diverged[36000:] = (rng.standard_normal(12000) * 3000).astype("<i2")  # a token went the other way at 1.5 s
+
+    def reply(pcm):
+        return {"pcm": pcm.tobytes(), "transcript": ""}
+
+    same = script.compare_audio(reply(reference), reply(reference))
+    assert same["audio_identical"] and same["match"] and same["diverged_at_seconds"] is None
+    close = script.compare_audio(reply(reference), reply(rounded))
+    assert close["match"] and close["audio_snr_db"] > 60 and close["diverged_at_seconds"] is None
+    apart = script.compare_audio(reply(reference), reply(diverged))
+    assert not apart["match"] and 1.5 <= apart["diverged_at_seconds"] < 1.51
