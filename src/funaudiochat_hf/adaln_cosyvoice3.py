@@ -95,7 +95,9 @@ MAX_DIM = 8192
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # Window lengths vary from chunk to chunk: one compiled variant for all (a row index divided by `frames` gains
+    # nothing from Triton's specialisation of integers divisible by 16, which would compile a second).
+    @triton.jit(do_not_specialize=["frames"])
     def _residual_adaln_kernel(
         hidden_ptr, update_ptr, gate_ptr, shift_ptr, scale_ptr, hidden_out_ptr, normed_ptr,
         frames, dim, eps,
