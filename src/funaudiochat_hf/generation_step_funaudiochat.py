@@ -133,9 +133,10 @@ def _run_crq(
     # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
     # reference's `lm_head.weight[token]`.
     ws.prev_speech_token.copy_(token)
-    ws.crq_position.copy_(positions[:, -1] + 1)
+    torch.add(positions[:, -1], 1, out=ws.crq_position)  # one kernel (a decode sub-step's positions are these)
     ws.group.index_copy_(1, k, token[:, None])
-    ws.group_logits.index_copy_(1, k, logits[:, None])
+    if cfg.output_logits:  # read only to return the logits
+        ws.group_logits.index_copy_(1, k, logits[:, None])
     ws.sub_step.add_(1)
 
 
