@@ -640,11 +640,12 @@ def test_stream_options_reach_the_streaming_decoder(model, inputs):
         return made[-1]
 
     decoder.streaming_decoder = recording_streaming_decoder
-    options = {"flow_left_context_tokens": 10, "hift_left_context_frames": 16}
+    options = {"flow_left_context_tokens": 10, "hift_left_context_frames": 16, "token_max_hop_len": 40}
     stream_kwargs = dict(GOLDEN_KWARGS, speech_decoder=decoder, stream_options=options)
     events = list(model.generate_speech_stream(**inputs, **stream_kwargs))
     (stream,) = made
     assert stream.flow_left_context == 10 and stream.hift_left_context == 16
+    assert stream.hop_schedule == (5, 15, 30, 40)  # first_token_hop_len, token_hop_len, then growth
     assert sum(len(e.audio) for e in events) > 0
     with pytest.raises(TypeError, match="no_such_option"):
         list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder,

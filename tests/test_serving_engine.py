@@ -267,7 +267,17 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert handle.first_audio == handle.timeline["first_audio"] > 0
 
 
-def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypatch):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16},
+        # hops 5, 5, 10, 20: the windows are full after the second chunk, the hop grows on for two more
+        {"token_hop_len": 5, "token_max_hop_len": 20, "flow_left_context_tokens": 5, "hift_left_context_frames": 8,
+         "flow_window_bucket_tokens": 8},
+    ],
+    ids=["fixed-hop", "hop-growth"],
+)
+def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypatch, options):
     """Where the decoders run fixed shapes (CUDA graphs: each new shape records a graph that keeps its memory), the
     engine decodes every batch size and window shape before it takes requests: concurrent replies then decode no
     shape the warm-up did not (so memory after a load equals memory after the warm-up). On a CPU: fixed shapes
@@ -291,7 +301,6 @@ def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypa
         return hift(mel, source, finalize=finalize)
 
     monkeypatch.setattr(decoder.hift, "decode", hift_spy)
-    options = {"flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16}
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=3, max_prompt_tokens=48, max_new_tokens=16,
                           stream_options=options)  # fmt: skip
     warmed = set(shapes)

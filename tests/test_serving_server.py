@@ -285,15 +285,21 @@ def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
 def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, capsys):
     """--stream-options: the streaming decoder's window settings (the lever between quality and conversations per
     GPU) reach the engine; unknown names and non-integers are refused before anything loads."""
+    options = json.dumps({"flow_left_context_tokens": 50, "token_hop_len": 25, "token_max_hop_len": 100,
+                          "stream_scale_factor": 1.5})  # fmt: skip
     args = _parser().parse_args(["--model", str(tiny_path), "--device", "cpu", "--max-new-tokens", "8",
-                                 "--stream-options", '{"flow_left_context_tokens": 50, "token_hop_len": 25}'])  # fmt: skip
+                                 "--stream-options", options])  # fmt: skip
     engine, _, _ = build_engine(args)
     try:
         assert engine.stream_options["flow_left_context_tokens"] == 50 and engine.stream_options["token_hop_len"] == 25
         assert engine.stream_options["first_token_hop_len"] == 5  # the other defaults stay
+        stream = engine.decoder.streaming_decoder(**engine.stream_options)
+        assert stream.hop_schedule == (5, 25, 37, 55, 82, 100)  # hop growth
     finally:
         engine.close()
-    for bad in ('{"voice": 1}', '{"token_hop_len": "25"}', "[25]", "{"):
+    bad_options = ('{"voice": 1}', '{"token_hop_len": "25"}', '{"token_max_hop_len": 1.5}',
+                   '{"stream_scale_factor": true}', "[25]", "{")  # fmt: skip
+    for bad in bad_options:
         with pytest.raises(SystemExit):
             _parser().parse_args(["--stream-options", bad])
         assert "--stream-options" in capsys.readouterr().err

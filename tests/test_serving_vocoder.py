@@ -83,9 +83,18 @@ def test_warm_up_batch_sizes_cover_every_round():
     assert sizes(40) == (1, 2, 4, 8, 16)  # larger rounds are split into calls of 16
 
 
-def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch):
+@pytest.mark.parametrize(
+    "growth, longest",
+    [
+        ({}, 20 + 15 + 3),  # left context + hop + look-ahead
+        # hops 5, 15, 30, 60: both windows are full after the second chunk, the hop grows for two more
+        ({"token_max_hop_len": 60, "flow_left_context_tokens": 10, "hift_left_context_frames": 16}, 10 + 60 + 3),
+    ],
+    ids=["fixed-hop", "hop-growth"],
+)
+def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch, growth, longest):
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
-    options = {"token_hop_len": 15, "first_token_hop_len": 5, "flow_left_context_tokens": 20}
+    options = {"token_hop_len": 15, "first_token_hop_len": 5, "flow_left_context_tokens": 20, **growth}
     vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
     calls = []  # (streams, flow window tokens of the call's chunk)
     batched = serving_vocoder_funaudiochat.decode_ready
@@ -99,8 +108,9 @@ def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch
     monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready", spy)
     chunks = vocoder.warm_up(3)
     assert list(chunks) == [1, 2, 4]
-    longest = 20 + 15 + 3  # left context + hop + look-ahead
     for size in (1, 2, 4):
         windows = [window for streams, window in calls if streams == size]
         assert windows[0] == 5 + 3 and windows[-1] == longest  # from the first chunk to a full window
+        if growth:
+            assert windows[-2] < longest  # the windows were full before the hop stopped growing
         assert len(windows) == chunks[size]

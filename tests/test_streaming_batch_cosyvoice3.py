@@ -186,3 +186,43 @@ def test_a_compiled_flow_gets_bucketed_batch_sizes(monkeypatch):
     assert all(piece.numel() > 0 for piece in audio)
     frames = model.config.token_mel_ratio * decoders[0].max_flow_window
     assert batches == [(4, model.config.mel_bins, frames)], batches
+
+
+@pytest.mark.parametrize("options", [{}, {"flow_window_bucket_tokens": (24, 48)}], ids=["exact-shapes", "padded"])
+def test_streams_at_different_hops_decode_together_as_alone(model, options):
+    """Hop growth: streams at different stages of their hop schedule (5, 15, 30, 60) share rounds; each row's flow
+    window is padded to the round's largest and HiFT runs per window shape, so each stream's mel and audio are its
+    own `push`'s."""
+    growth = dict(token_hop_len=15, first_token_hop_len=5, token_max_hop_len=60, flow_left_context_tokens=30)
+    growth.update(options)
+    prefixes, tokens = (0, 25, 60), [_tokens(model, 200, seed) for seed in range(3)]
+    pairs = []
+    for seed, prefix in enumerate(prefixes):
+        pair = [model.streaming_decoder(speaker_embedding=_voice(seed, model), **growth) for _ in range(2)]
+        for decoder in pair:
+            decoder.push(tokens[seed][:prefix])
+        pairs.append(pair)
+    sequential, batched = [pair[0] for pair in pairs], [pair[1] for pair in pairs]
+    seq_mels = [_recording(decoder) for decoder in sequential]
+    bat_mels = [_recording(decoder) for decoder in batched]
+    seq_audio, bat_audio = [[] for _ in pairs], [[] for _ in pairs]
+    mixed_rounds = 0
+    for start in range(0, 140, 10):
+        for index, prefix in enumerate(prefixes):
+            piece = tokens[index][prefix + start : prefix + start + 10]
+            seq_audio[index].append(sequential[index].push(piece))
+            batched[index].add_tokens(piece)
+        hops = {decoder._next_hop() for decoder in batched if decoder.chunk_ready()}
+        mixed_rounds += len(hops) > 1
+        for index, audio in enumerate(decode_ready(batched)):
+            bat_audio[index].append(audio)
+    assert mixed_rounds >= 2
+    for index in range(len(pairs)):
+        seq_audio[index].append(sequential[index].finalize())
+        bat_audio[index].append(batched[index].finalize())
+        assert batched[index].chunks_decoded == sequential[index].chunks_decoded >= 4  # chunk 3 on: the largest hop
+        assert len(seq_mels[index]) == len(bat_mels[index])
+        for seq_mel, bat_mel in zip(seq_mels[index], bat_mels[index]):
+            _close(bat_mel, seq_mel, atol=1e-5)
+        assert [piece.shape for piece in bat_audio[index]] == [piece.shape for piece in seq_audio[index]]
+        _close_wav(torch.cat(bat_audio[index]), torch.cat(seq_audio[index]))

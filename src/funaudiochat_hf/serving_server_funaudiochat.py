@@ -248,18 +248,28 @@ def _parser() -> argparse.ArgumentParser:
     add("--backend", default="auto", choices=list(BACKENDS), help="decode backend, as generate_speech's (default: "
         "%(default)s: eager on a CPU, the fast CUDA backend on a GPU; 'compiled': minutes of warm-up)")  # fmt: skip
     add("--stream-options", type=_stream_options, default=None, metavar="JSON",
-        help="keywords of the speech decoder's streaming_decoder as JSON, e.g. '{\"flow_left_context_tokens\": 50, "
-             "\"token_hop_len\": 25}': a streamed chunk's flow recomputes its left context, so a shorter context or a "
-             "longer hop serves more conversations per GPU (default: generate_speech_stream's)")  # fmt: skip
+        help="keywords of the speech decoder's streaming_decoder as JSON, e.g. '{\"token_max_hop_len\": 100}' "
+             "(hops 5, 15, 30, 60, 100, ...) or '{\"flow_left_context_tokens\": 50}': a streamed chunk's flow "
+             "recomputes its left context, so a longer hop or a shorter context serves more conversations per GPU "
+             "(default: generate_speech_stream's)")  # fmt: skip
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     return parser
 
 
-_STREAM_OPTION_NAMES = ("token_hop_len", "first_token_hop_len", "flow_left_context_tokens", "hift_left_context_frames")
+_STREAM_OPTION_NAMES = (
+    "token_hop_len",
+    "first_token_hop_len",
+    "token_max_hop_len",
+    "stream_scale_factor",
+    "flow_left_context_tokens",
+    "hift_left_context_frames",
+)
+_NUMBER_STREAM_OPTIONS = ("stream_scale_factor",)  # the others take integers
 
 
 def _stream_options(text: str) -> dict:
-    """`--stream-options`: a JSON object of the streaming decoder's integer window settings."""
+    """`--stream-options`: a JSON object of the streaming decoder's window and hop settings (the decoder checks
+    their ranges when the engine starts)."""
     try:
         options = json.loads(text)
     except json.JSONDecodeError as error:
@@ -269,8 +279,10 @@ def _stream_options(text: str) -> dict:
     for name, value in options.items():
         if name not in _STREAM_OPTION_NAMES:
             raise argparse.ArgumentTypeError(f"unknown option {name!r}; the options are {', '.join(_STREAM_OPTION_NAMES)}")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise argparse.ArgumentTypeError(f"{name} takes an integer >= 0, got {value!r}")
+        kinds = (int, float) if name in _NUMBER_STREAM_OPTIONS else int
+        if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
+            kind = "a number" if name in _NUMBER_STREAM_OPTIONS else "an integer"
+            raise argparse.ArgumentTypeError(f"{name} takes {kind} >= 0, got {value!r}")
     return options
 
 

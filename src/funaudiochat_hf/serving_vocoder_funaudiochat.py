@@ -17,11 +17,11 @@ queued before the engine started, see `__init__`), and their audio reaches the h
 the vocoder's stream.
 
 The shapes of a batched call (batch sizes padded to `GRAPH_BATCH_SIZES`, flow windows padded to a few sizes, HiFT
-windows that grow over a reply's first chunks) each get a CUDA graph when they first occur, and each graph keeps its
-own copies of its inputs (the flow's per-row time conditioning among them). `warm_up` decodes synthetic streams at
-every batch size a round can have, from a reply's first chunk until its windows stop growing, before the engine takes
-requests: every graph a load replays is then recorded up front, and memory after a load equals memory after the
-warm-up instead of growing the first time more requests run together.
+windows that grow over a reply's first chunks, and with hop growth over its hops) each get a CUDA graph when they
+first occur, and each graph keeps its own copies of its inputs (the flow's per-row time conditioning among them).
+`warm_up` decodes synthetic streams at every batch size a round can have, from a reply's first chunk until its windows
+and hop stop growing, before the engine takes requests: every graph a load replays is then recorded up front, and
+memory after a load equals memory after the warm-up instead of growing the first time more requests run together.
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ class ServingVocoder:
     @torch.no_grad()
     def warm_up(self, max_streams: int, max_chunks: int = 1000) -> dict[int, int]:
         """Decode synthetic replies together, `size` at a time for every size of `warm_up_batch_sizes(max_streams)`,
-        one decode step's tokens at a time (as the engine feeds them), from their first chunk until their flow and
-        HiFT windows are full (the chunk shapes then repeat) and one chunk more: every shape a round of the engine
-        can have is decoded once (recorded, under CUDA graphs). Returns {size: chunks decoded per stream}."""
+        one decode step's tokens at a time (as the engine feeds them), from their first chunk until their hop has
+        reached its largest and their flow and HiFT windows are full (`steady`: the chunk shapes then repeat) and one
+        chunk more: every shape a round of the engine can have is decoded once (recorded, under CUDA graphs).
+        Returns {size: chunks decoded per stream}."""
         context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
         tokens_per_step = 5  # a decode step's speech group; the chunk boundaries do not depend on it
         vocab_size = self.decoder.config.vocab_size
@@ -117,12 +118,10 @@ class ServingVocoder:
                         continue
                     decode_ready(streams)
                     decoded += 1
-                    # Full windows: the flow's token history and HiFT's mel history are trimmed on the left.
-                    full = streams[0].token_start > 0 and streams[0].mel_start > 0
                     if steady is not None:
                         break
-                    if full:
-                        steady = decoded  # one chunk more: the first one with full windows on both sides
+                    if streams[0].steady:
+                        steady = decoded  # one chunk more: the first one of the repeating shapes
                 chunks[size] = decoded
             if self.cuda_stream is not None:
                 self.cuda_stream.synchronize()

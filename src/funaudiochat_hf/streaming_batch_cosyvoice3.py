@@ -36,9 +36,10 @@ def decode_ready(
     (samples,) (possibly empty), in order: what `decoder.decode_ready()` returns for each, with one flow call (and
     HiFT calls grouped by window shape) per round instead of one per decoder.
 
-    While any decoder has a ready chunk (`chunk_ready()`), one chunk of every ready decoder is decoded per round: its
-    flow window is right-padded to the largest padded size among the round's rows (`padded_window`; the longest row
-    with exact shapes) and hidden from attention past its real frames.
+    While any decoder has a ready chunk (`chunk_ready()`), one chunk of every ready decoder is decoded per round, each
+    with its own next hop (streams with hop growth may be at different hops): its flow window is right-padded to the
+    largest padded size among the round's rows (`padded_window`; the longest row with exact shapes) and hidden from
+    attention past its real frames; HiFT runs once per group of rows with equal windows.
 
     batch_sizes: the batch sizes a call may have, ascending; a round's rows are padded up to the smallest that holds
     them (copies of a real row, whose outputs are dropped) and split into calls of the largest when there are more.
@@ -147,7 +148,7 @@ def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes) -> list[to
     for row, (decoder, (_, window_start, end)) in enumerate(zip(decoders, windows)):
         decoder._take_mel(mel[row : row + 1, :, : real_frames[row]], window_start, end, finalize=False)
 
-    # HiFT: rows with equal window shapes (the steady state: all of them) in one filter call.
+    # HiFT: rows with equal window shapes (the steady state: all of them, once at the same hop) in one filter call.
     audio: list[Optional[torch.Tensor]] = [None] * len(decoders)
     groups: dict[int, list[tuple[int, tuple]]] = {}
     for row, decoder in enumerate(decoders):

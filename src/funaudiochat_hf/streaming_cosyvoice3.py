@@ -19,8 +19,9 @@ class CosyVoice3StreamingDecoder:
     """Decode one reply's speech tokens chunk by chunk: `push(tokens)` returns only the new audio, `finalize()` the
     rest.
 
-    Chunking (Fun-Audio-Chat's `token2wav` loop / web demo): chunk k covers tokens [k*hop, (k+1)*hop). Its mel comes
-    from a flow call (full attention, `finalize=False`) over the tokens up to (k+1)*hop + `pre_lookahead_len`, the
+    Chunking (Fun-Audio-Chat's `token2wav` loop / web demo): chunk k covers tokens [start, start + hop), start being
+    where chunk k - 1 ended and hop `token_hop_len` (for the first chunk and hop growth, see below). Its mel comes
+    from a flow call (full attention, `finalize=False`) over the tokens up to start + hop + `pre_lookahead_len`, the
     last `pre_lookahead_len` tokens serving only as look-ahead. HiFT then runs with `finalize=False`, holding back
     the last 8 mel frames (3 for the F0 look-ahead, 4 for conv_pre, 1 for the iSTFT tail), which the next chunk or
     `finalize()` emits. A chunk is decoded once a token *beyond* its look-ahead has arrived, so the last chunk is
@@ -34,9 +35,20 @@ class CosyVoice3StreamingDecoder:
     described here (so the audio differs from the reference's stream where the boundaries differ, as it does between
     any two hop sizes).
 
+    Hop growth (`token_max_hop_len`, `stream_scale_factor`: the CosyVoice2/3 streaming driver's names and rule):
+    chunk 0 covers `first_token_hop_len` tokens, chunk 1 `token_hop_len`, and each later chunk
+    `min(token_max_hop_len, int(previous hop * stream_scale_factor))`, so the hop of chunk k is a function of k alone
+    (`chunk_hop(k)`; `hop_schedule` lists them up to the largest), e.g. 5, 15, 30, 60, 100, 100, ... for
+    `token_max_hop_len=100` and the default factor 2. The default None (= `token_hop_len`) keeps the hop fixed. The
+    first chunks, hence the time to first audio, are unchanged; the later, longer chunks come when the decoded audio is
+    already far ahead of playback (speech tokens arrive several times faster than real time) and cost less flow work
+    per second of audio: each steady chunk recomputes its left context, so a hop h costs (left context + h + 3) / h
+    tokens of flow per token of audio (218 / 15 = 14.5 at a hop of 15, 303 / 100 = 3 at 100 with the default
+    200-token context).
+
     Bounded cost (the reference re-runs the flow on all tokens so far and HiFT on the whole mel history for every
     chunk):
-      * flow: the call for chunk k starts at token max(0, k*hop - flow_left_context_tokens); the start noise is
+      * flow: the call for chunk k starts at token max(0, start - flow_left_context_tokens); the start noise is
         taken at the absolute frame positions (as an offline call over all tokens would), so while the reply is
         shorter than `flow_left_context_tokens + hop` tokens every chunk equals the reference's chunk exactly;
         later chunks see only `flow_left_context_tokens` tokens of left context (the reference's web demo similarly
@@ -47,13 +59,14 @@ class CosyVoice3StreamingDecoder:
         HiFT's output equals the reference's whole-history run up to float rounding (tested), as long as
         `hift_left_context_frames` covers its receptive field (about 30 frames; default 64).
 
-    Cost per chunk: once the windows are full, every chunk runs exactly the same work (a
-    flow call over `flow_left_context_tokens + token_hop_len + pre_lookahead_len` tokens and HiFT over
-    `hift_left_context_frames` + 2 * hop + 8 frames) and allocates no more than that; no intermediate is
-    proportional to the reply length or to the 300 s noise / source tables (tested). The flow call dominates and
-    its compute is proportional to its window: with the default 200 tokens of left context a steady chunk costs
-    about 12x the flow compute of the 18-token first chunk; `flow_left_context_tokens` trades that cost against
-    how much past the flow sees.
+    Cost per chunk: once the windows are full and the hop has stopped growing (`steady`), every chunk runs exactly
+    the same work (a flow call over `flow_left_context_tokens + hop + pre_lookahead_len` tokens, the hop being the
+    largest of the schedule, `max_flow_window`, and HiFT over `hift_left_context_frames` + 2 * hop + 8 frames) and
+    allocates no more than that; no intermediate is proportional to the reply length or to the 300 s noise / source
+    tables (tested). The flow call dominates and its compute is proportional to its window: with the default 200
+    tokens of left context and a fixed hop of 15 a steady chunk costs about 12x the flow compute of the 18-token
+    first chunk; `flow_left_context_tokens` trades that cost against how much past the flow sees, hop growth against
+    how long the later chunks are.
 
     `flow_window_bucket_tokens`: right-pad every flow window to one of a few sizes, hiding the padding from attention
     with a key mask, so that kernel plans (cuDNN, cuFFT), compiled graphs and CUDA graphs are reused across chunks
@@ -61,10 +74,12 @@ class CosyVoice3StreamingDecoder:
     the padding. The mel is unchanged up to float rounding (~1e-6). An int pads to a multiple of it (capped at the
     longest window); a tuple of ints pads to the smallest of those sizes that holds the window (the longest window
     is always a size); None = exact shapes; "auto" (default): when the flow runs as CUDA graphs, sizes 32, 128, ...
-    (x4) below the longest window plus the longest window: a graph replay costs about the same for any short window,
-    so the first chunks (the time to first audio) get a short graph of their own while only a few graphs are
-    recorded; when the estimator has been compiled (`compile_estimator`), one size (the longest window: every call
-    then runs the same compiled graph); otherwise None (eager on CPU: the short first windows are cheaper unpadded).
+    (x4) below the longest window plus the steady window of every hop after the first (left context + hop +
+    look-ahead: with hop growth, a steady chunk of a shorter hop does not pay for the longest window) and the longest
+    window: a graph replay costs about the same for any short window, so the first chunks (the time to first audio)
+    get a short graph of their own while only a few graphs are recorded; when the estimator has been compiled
+    (`compile_estimator`), one size (the longest window: every call then runs the same compiled graph); otherwise
+    None (eager on CPU: the short first windows are cheaper unpadded).
     `flow_window_sizes` holds the resulting sizes (None: exact shapes).
 
     `cuda_graphs` ("auto" = on when the model is on a CUDA device, unless its flow was compiled with its own CUDA
@@ -76,7 +91,7 @@ class CosyVoice3StreamingDecoder:
 
     Many streams (a server): `add_tokens` to each, then `streaming_batch_cosyvoice3.decode_ready(decoders)` decodes
     the chunks ready across them in one flow call per round, each stream's audio as its own `push` would give it
-    (`push` is `add_tokens` + `decode_ready()`).
+    (`push` is `add_tokens` + `decode_ready()`), whatever hop each stream is at.
 
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
@@ -96,6 +111,8 @@ class CosyVoice3StreamingDecoder:
         flow_window_bucket_tokens: Union[int, tuple[int, ...], str, None] = "auto",
         cuda_graphs: Union[bool, str] = "auto",
         first_token_hop_len: Optional[int] = None,
+        token_max_hop_len: Optional[int] = None,
+        stream_scale_factor: float = 2.0,
     ):
         if token_hop_len < 1:
             raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
@@ -103,6 +120,8 @@ class CosyVoice3StreamingDecoder:
             first_token_hop_len = token_hop_len
         if first_token_hop_len < 1:
             raise ValueError(f"first_token_hop_len must be None or >= 1, got {first_token_hop_len}")
+        # The hops of chunks 0, 1, 2, ... until the largest; every later chunk has the last one.
+        self.hop_schedule = hop_schedule(first_token_hop_len, token_hop_len, token_max_hop_len, stream_scale_factor)
         if pre_lookahead_len != model.config.pre_lookahead_len:
             raise ValueError(
                 f"pre_lookahead_len must equal the model's pre-lookahead ({model.config.pre_lookahead_len}); "
@@ -120,17 +139,21 @@ class CosyVoice3StreamingDecoder:
         elif cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}")
         # The longest flow window any call can see (push decodes as soon as a chunk plus look-ahead is available).
-        self.max_flow_window = flow_left_context_tokens + max(token_hop_len, first_token_hop_len) + pre_lookahead_len
+        self.max_flow_window = flow_left_context_tokens + max(self.hop_schedule) + pre_lookahead_len
+        # The window of a chunk of each later hop once the left context is full.
+        steady_windows = tuple(flow_left_context_tokens + hop + pre_lookahead_len for hop in self.hop_schedule[1:])
         self.flow_window_sizes = _flow_window_sizes(
-            flow_window_bucket_tokens, self.max_flow_window, compiled=model.flow_is_compiled, graphed=cuda_graphs
+            flow_window_bucket_tokens,
+            self.max_flow_window,
+            compiled=model.flow_is_compiled,
+            graphed=cuda_graphs,
+            steady_windows=steady_windows,
         )
         self.model = model
         self.speaker_embedding = speaker_embedding
         self._speaker_condition = None  # flow.speaker_condition of it, on first use
         self._conditioning = None  # flow.decoder.cached_time_conditioning, on first use
         self._window_inputs: dict = {}  # (token count, mask) of each flow window shape, see `_flow`
-        self.hop = token_hop_len
-        self.first_hop = first_token_hop_len
         self.lookahead = pre_lookahead_len
         self.flow_left_context = flow_left_context_tokens
         self.hift_left_context = hift_left_context_frames
@@ -147,6 +170,7 @@ class CosyVoice3StreamingDecoder:
         self._pending: list[tuple[torch.Tensor, bool]] = []
         self.token_start = 0
         self.token_offset = 0
+        self.chunks_decoded = 0  # non-final chunks: the next chunk's index
         # Mel history frames [mel_start, mel_start + mel.shape[-1]); audio of frames [0, emitted_frames) returned.
         self.mel = torch.zeros(1, model.config.mel_bins, 0, device=device)
         self.mel_start = 0
@@ -243,9 +267,21 @@ class CosyVoice3StreamingDecoder:
                 raise ValueError(message) from None
         self.tokens = torch.cat([self.tokens, *pieces])
 
+    def chunk_hop(self, index: int) -> int:
+        """Tokens chunk `index` (0, 1, ...) covers unless it is the final one: `first_token_hop_len`, then
+        `token_hop_len`, then each hop `stream_scale_factor` times the one before, up to `token_max_hop_len`."""
+        return self.hop_schedule[min(index, len(self.hop_schedule) - 1)]
+
     def _next_hop(self) -> int:
-        """Tokens the next chunk covers: `first_token_hop_len` for the first chunk, `token_hop_len` after."""
-        return self.first_hop if self.token_offset == 0 else self.hop
+        """Tokens the next chunk covers (`chunk_hop` of its index)."""
+        return self.chunk_hop(self.chunks_decoded)
+
+    @property
+    def steady(self) -> bool:
+        """Whether every later non-final chunk runs the shapes of the next one: its hop is the largest and the flow
+        and HiFT windows are full (their histories are trimmed on the left)."""
+        grown = self.chunks_decoded >= len(self.hop_schedule) - 1
+        return grown and self.token_start > 0 and self.mel_start > 0
 
     def _decode_chunk(self, finalize: bool) -> torch.Tensor:
         flow_window = self._flow_window(finalize)
@@ -269,6 +305,8 @@ class CosyVoice3StreamingDecoder:
         from `_flow_window`: the look-ahead tokens follow the chunk unless it is the final one)."""
         self.mel = torch.cat([self.mel, mel[:, :, self.ratio * (self.token_offset - window_start) :]], dim=2)
         self.token_offset = end if finalize else end - self.lookahead
+        if not finalize:
+            self.chunks_decoded += 1
         # Keep only the tokens the next flow window can reach.
         keep_from = max(0, self.token_offset - self.flow_left_context)
         self.tokens = self.tokens[keep_from - self.token_start :]
@@ -436,6 +474,35 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def hop_schedule(
+    first_token_hop_len: int, token_hop_len: int, token_max_hop_len: Optional[int], stream_scale_factor: float
+) -> tuple[int, ...]:
+    """The hops of chunks 0, 1, 2, ... up to the first that reaches `token_max_hop_len` (None = `token_hop_len`: no
+    growth); every later chunk has the last one. The reference's growth: each hop after the second is
+    `min(token_max_hop_len, int(previous * stream_scale_factor))`."""
+    if token_max_hop_len is None:
+        token_max_hop_len = token_hop_len
+    if not _positive_int(token_max_hop_len) or token_max_hop_len < token_hop_len:
+        raise ValueError(
+            f"token_max_hop_len must be None or an int >= token_hop_len ({token_hop_len}), got {token_max_hop_len!r}"
+        )
+    if isinstance(stream_scale_factor, bool) or not isinstance(stream_scale_factor, (int, float)):
+        raise ValueError(f"stream_scale_factor must be a number >= 1, got {stream_scale_factor!r}")
+    if not math.isfinite(stream_scale_factor) or stream_scale_factor < 1:
+        raise ValueError(f"stream_scale_factor must be a finite number >= 1, got {stream_scale_factor!r}")
+    hops = [first_token_hop_len, token_hop_len]
+    if token_max_hop_len > token_hop_len and int(token_hop_len * stream_scale_factor) <= token_hop_len:
+        # A hop that grows grows more the next time: checking the first step rules out a schedule that stalls.
+        raise ValueError(
+            f"stream_scale_factor={stream_scale_factor} does not grow token_hop_len={token_hop_len} towards "
+            f"token_max_hop_len={token_max_hop_len} (int({token_hop_len} * {stream_scale_factor}) = "
+            f"{int(token_hop_len * stream_scale_factor)}); use a larger factor"
+        )
+    while hops[-1] < token_max_hop_len:
+        hops.append(min(token_max_hop_len, int(hops[-1] * stream_scale_factor)))
+    return tuple(hops)
+
+
 def positive_int_sizes(value) -> bool:
     """Whether `value` is a non-empty tuple or list of ints >= 1 (window or batch sizes)."""
     return isinstance(value, (tuple, list)) and bool(value) and all(_positive_int(size) for size in value)
@@ -445,19 +512,22 @@ def positive_int_sizes(value) -> bool:
 _AUTO_FIRST_WINDOW, _AUTO_WINDOW_GROWTH = 32, 4
 
 
-def _flow_window_sizes(bucket, longest: int, compiled: bool, graphed: bool) -> Optional[tuple[int, ...]]:
+def _flow_window_sizes(
+    bucket, longest: int, compiled: bool, graphed: bool, steady_windows: tuple[int, ...] = ()
+) -> Optional[tuple[int, ...]]:
     """The padded flow window sizes of `flow_window_bucket_tokens` (see `CosyVoice3StreamingDecoder`), ascending,
-    the last one `longest`; None = exact shapes."""
+    the last one `longest`; None = exact shapes. "auto" under CUDA graphs also takes `steady_windows` (the window of
+    a chunk of each hop with full left context) as sizes."""
     if bucket == "auto":
         if compiled:
             return (longest,)
         if not graphed:
             return None
-        sizes, size = [], _AUTO_FIRST_WINDOW
+        sizes, size = set(steady_windows), _AUTO_FIRST_WINDOW
         while size < longest:
-            sizes.append(size)
+            sizes.add(size)
             size *= _AUTO_WINDOW_GROWTH
-        return (*sizes, longest)
+        return (*sorted(size for size in sizes if size < longest), longest)
     if bucket is None:
         return None
     if _positive_int(bucket):
@@ -497,9 +567,10 @@ def flow_window_to_mel(
     return flow.decoder.solve(noise, mu, speaker_condition, torch.zeros_like(mu), mask, *conditioning)
 
 
-# Recordings a model's runners keep. Flow: one per window size ("auto": 3 at the default settings) and batch size
-# (`streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES`: 5). HiFT: its window grows over the first few chunks, then stays
-# the same, per batch size. One memory pool per runner: more recordings cost their static inputs and outputs only.
+# Recordings a model's runners keep. Flow: one per window size a stream meets ("auto": 3 at the default settings, 4
+# with the hop growing to 100) and batch size (`streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES`: 5). HiFT: its window
+# grows over the first few chunks (and hops), then stays the same, per batch size. One memory pool per runner: more
+# recordings cost their static inputs and outputs only.
 _MAX_FLOW_GRAPHS, _MAX_HIFT_GRAPHS = 24, 40
 
 # Serialises the first creation of a model's runners (streams of one model may start in several threads).
@@ -553,4 +624,4 @@ def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
     return runners
 
 
-__all__ = ["CosyVoice3StreamingDecoder"]
+__all__ = ["CosyVoice3StreamingDecoder", "hop_schedule"]
