@@ -156,6 +156,34 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
         _close_wav(torch.cat([torch.from_numpy(event.audio) for event in reply]), torch.cat(expected))
 
 
+def test_a_replys_first_chunk_is_vocoded_apart_from_the_steady_chunks(model, prompts, monkeypatch):
+    """A request that joins while another streams gets its first audio from a vocoder call of its own, delivered
+    before the round's steady chunks are decoded: their shared flow call grows with its rows and windows."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    calls = []  # per vocoder call: [(request id, waiting for its first audio)]
+    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
+
+    def recorded(self, items):
+        calls.append([(item.request_id, self.awaits_first_audio(item.request_id)) for item in items])
+        return audio(self, items)
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=40)
+    try:
+        streaming = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=40, seed=0))
+        events = streaming.events(timeout=TIMEOUT)
+        while not len(next(events).audio):  # until it streams
+            pass
+        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=12, seed=1))
+        assert _drain(joining)[-1].finished and list(events)[-1].finished
+    finally:
+        engine.close()
+    mixed = [call for call in calls if len({waiting for _, waiting in call}) > 1]
+    assert not mixed, mixed
+    together = [call for call in calls if {streaming.id, joining.id} <= {rid for rid, _ in call}]
+    assert together, calls  # the two streamed side by side after the joining one's first chunk
+
+
 def test_cancel_frees_the_slot_for_the_next_request(model, prompts):
     engine = SpeechEngine(model, max_batch_size=1, max_queue=1, max_prompt_tokens=48, max_new_tokens=64)
     try:

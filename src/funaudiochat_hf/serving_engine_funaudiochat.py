@@ -416,8 +416,23 @@ class SpeechEngine:
                 return
 
     def _emit_round(self, items: list) -> None:
-        """Emit the events of queued items of distinct requests, in order; a vocoder error fails its request only."""
+        """Emit the events of queued items of distinct requests, in order; a vocoder error fails its request only.
+
+        The items of requests still waiting for their first audio go first, in a vocoder call of their own: a round's
+        chunks share one flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady
+        window), so a reply's short first chunk would otherwise wait for every other stream's steady chunk."""
         items = [item for item in items if not item[0].finished.is_set()]  # e.g. a cancellation after the end
+        if self._vocoder is not None:
+            waiting = [self._vocoder.awaits_first_audio(item[0].id) for item in items]
+            if any(waiting) and not all(waiting):
+                self._emit_items([item for item, first in zip(items, waiting) if first])
+                items = [item for item, first in zip(items, waiting) if not first]
+        self._emit_items(items)
+
+    def _emit_items(self, items: list) -> None:
+        """`_emit_round`'s work for one vocoder call: decode the items' audio together and emit their events."""
+        if not items:
+            return
         parts = [VocodeItem(handle.id, handle.request.voice, speech_ids, finish is not None,
                             finish not in ("cancelled", "error"))
                  for handle, _, speech_ids, finish, _ in items]  # fmt: skip

@@ -80,6 +80,11 @@ class ServingVocoder:
     def drop(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
 
+    def awaits_first_audio(self, request_id: int) -> bool:
+        """Whether the request has had no chunk decoded yet (no decoder yet, or one before its first chunk)."""
+        stream = self._streams.get(request_id)
+        return stream is None or stream.chunks_decoded == 0
+
     def _new_stream(self, voice):
         return self.decoder.streaming_decoder(**decoder_speaker_kwargs(voice), **self.stream_options)
 
