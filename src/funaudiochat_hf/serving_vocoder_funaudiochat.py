@@ -3,8 +3,8 @@
 A decode step of the engine yields a few speech tokens for each of up to `max_batch_size` requests. Each request's
 tokens go to its own `CosyVoice3StreamingDecoder` (its voice, its chunk boundaries, its state), but the chunks that
 become ready across requests are decoded by one batched call (`streaming_batch_cosyvoice3.decode_ready`): one flow
-call for all of them instead of one per request, which on a GPU costs about as much as one. A request's audio equals
-what its decoder alone would give (rows are independent; equal up to float rounding).
+call per padded window size instead of one per request. A request's audio equals what its decoder alone would give
+(rows are independent; equal up to float rounding).
 
 On a GPU the decoders run on a CUDA stream of their own (owned here), so that their kernels overlap the engine's decode
 steps on the default stream instead of queueing behind them. That stream has the device's highest priority: the

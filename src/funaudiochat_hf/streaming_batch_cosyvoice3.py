@@ -1,9 +1,11 @@
 """Decode the ready chunks of several CosyVoice3 streaming decoders together (a server's concurrent replies).
 
 A streamed chunk's flow call (10 Euler steps over the 22 DiT blocks, with classifier-free guidance) is thousands of
-small kernels: on a GPU its time hardly depends on how many rows it computes. Decoding the chunks of N streams one
-after another costs N such calls; `decode_ready` stacks one chunk of every ready stream into one flow call (and one
-HiFT filter call per group of equal HiFT windows), so serving N streams costs about one stream's calls per chunk.
+kernels. Decoding the chunks of N streams one after another costs N such calls, each with its launches and its
+GEMMs on a single row; `decode_ready` stacks one chunk of every ready stream into one flow call per padded window
+size (and one HiFT filter call per group of equal HiFT windows). Rows are grouped by window size, not padded to the
+round's longest: at full size the DiT's GEMMs dominate a long window's call, so its cost grows with rows x window,
+and a reply's short first window padded to a steady one would cost about as much as the steady chunk.
 
 Every row is computed as its own decoder would compute it alone (`CosyVoice3StreamingDecoder.push`): rows are
 independent in the flow (per-row key mask over its own window, its own token count, start noise at its own absolute
@@ -37,9 +39,10 @@ def decode_ready(
     HiFT calls grouped by window shape) per round instead of one per decoder.
 
     While any decoder has a ready chunk (`chunk_ready()`), one chunk of every ready decoder is decoded per round, each
-    with its own next hop (streams with hop growth may be at different hops): its flow window is right-padded to the
-    largest padded size among the round's rows (`padded_window`; the longest row with exact shapes) and hidden from
-    attention past its real frames; HiFT runs once per group of rows with equal windows.
+    with its own next hop (streams with hop growth may be at different hops): rows whose windows are padded to the
+    same size (`padded_window`) share a flow call, smallest size first (with exact shapes, all rows share one, padded
+    to the longest), each row hidden from attention past its real frames; HiFT runs once per group of rows with equal
+    windows.
 
     batch_sizes: the batch sizes a call may have, ascending; a round's rows are padded up to the smallest that holds
     them (copies of a real row, whose outputs are dropped) and split into calls of the largest when there are more.
@@ -88,17 +91,33 @@ def decode_ready(
                 except ValueError as error:
                     states[index] = dict(vars(decoders[index]))  # without the discarded tokens, as `push` leaves it
                     raise ValueError(f"streaming decoder {index}: {error}") from None
-            step = len(ready) if sizes is None else sizes[-1]
-            for first in range(0, len(ready), step):
-                group = ready[first : first + step]
-                for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
-                    pieces[index].append(audio)
+            for window_group in _by_window_size(ready, decoders):
+                step = len(window_group) if sizes is None else sizes[-1]
+                for first in range(0, len(window_group), step):
+                    group = window_group[first : first + step]
+                    for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
+                        pieces[index].append(audio)
     except BaseException:
         for decoder, state in zip(decoders, states):
             vars(decoder).clear()
             vars(decoder).update(state)
         raise
     return [decoder._concat(audio) for decoder, audio in zip(decoders, pieces)]
+
+
+def _by_window_size(ready: list[int], decoders: list[CosyVoice3StreamingDecoder]) -> list[list[int]]:
+    """The ready decoders' indices grouped by the size their next flow window is padded to, smallest first: a row
+    padded to a larger window would pay for its padding (the flow's cost grows with rows x window). Decoders with
+    exact shapes (`flow_window_sizes` None) form one group, padded to its longest window."""
+    groups: dict[int, list[int]] = {}
+    for index in ready:
+        decoder = decoders[index]
+        size = 0
+        if decoder.flow_window_sizes is not None:
+            window, _, _ = decoder._flow_window(finalize=False)
+            size = decoder.padded_window(window.shape[0])
+        groups.setdefault(size, []).append(index)
+    return [groups[size] for size in sorted(groups)]
 
 
 def _batch_sizes(batch_sizes, fixed_shapes: bool) -> Optional[tuple[int, ...]]:
