@@ -90,8 +90,8 @@ class CosyVoice3StreamingDecoder:
     the recording.
 
     Many streams (a server): `add_tokens` to each, then `streaming_batch_cosyvoice3.decode_ready(decoders)` decodes
-    the chunks ready across them in one flow call per round, each stream's audio as its own `push` would give it
-    (`push` is `add_tokens` + `decode_ready()`), whatever hop each stream is at.
+    the chunks ready across them in one flow call per round and padded window size, each stream's audio as its own
+    `push` would give it (`push` is `add_tokens` + `decode_ready()`), whatever hop each stream is at.
 
     How the audio differs from offline decoding (`model(tokens)`): only through the flow, exactly as the reference
     streaming path does: each chunk's mel is computed without the tokens after its look-ahead (and, past
