@@ -184,6 +184,62 @@ def test_a_replys_first_chunk_is_vocoded_apart_from_the_steady_chunks(model, pro
     assert together, calls  # the two streamed side by side after the joining one's first chunk
 
 
+def test_queued_first_chunks_are_vocoded_before_queued_steady_ones(model, prompts, monkeypatch):
+    """When vocoding falls behind the decode steps, the queued items of a request still waiting for its first audio
+    are vocoded before those of requests already streaming (each request's items in order)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    calls = []  # per vocoder call: [(request id, audio returned)]
+    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
+
+    def recorded(self, items):
+        results = audio(self, items)
+        calls.append([(item.request_id, not isinstance(out, Exception) and len(out) > 0)
+                      for item, out in zip(items, results)])  # fmt: skip
+        return results
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded)
+    streamed, hold, held, release = [], threading.Event(), threading.Event(), threading.Event()
+
+    def holding_sink(event):  # once `hold` is set, the streaming request's next event stops the output thread
+        streamed.append(event)
+        if hold.is_set() and not release.is_set():
+            held.set()
+            release.wait(TIMEOUT)
+
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=40)
+    try:
+        streaming = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=40, seed=0), sink=holding_sink)
+        deadline = time.monotonic() + TIMEOUT
+        while not any(len(event.audio) for event in streamed):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        hold.set()
+        assert held.wait(TIMEOUT)
+        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=12, seed=1))
+        while engine.snapshot()["running"] < 2 and not joining.finished.is_set():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while engine.snapshot()["running"] > 1:  # the joining request's steps are all queued behind the held event
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        mark = len(calls)
+        release.set()
+        assert _drain(joining)[-1].finished
+        while not streamed[-1].finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        release.set()
+        engine.close()
+    # From the joining request's first queued item on (the held thread may first finish items taken before it joined).
+    after = calls[mark:]
+    start = next(i for i, call in enumerate(after) if any(rid == joining.id for rid, _ in call))
+    after = after[start:]
+    first_audio = next(i for i, call in enumerate(after) if (joining.id, True) in call)
+    first_streaming = next(i for i, call in enumerate(after) if any(rid == streaming.id for rid, _ in call))
+    assert first_audio < first_streaming, after
+
+
 def test_cancel_frees_the_slot_for_the_next_request(model, prompts):
     engine = SpeechEngine(model, max_batch_size=1, max_queue=1, max_prompt_tokens=48, max_new_tokens=64)
     try:

@@ -408,6 +408,13 @@ class SpeechEngine:
                     break
             closing = items[-1] is None  # the last item ever (put after the decode thread ended)
             items = items[:-1] if closing else items
+            # Requests still waiting for their first audio first (each request's items stay in order): when the
+            # vocoding falls behind the steps, a new reply's first chunk does not wait for rounds of steady chunks.
+            if self._vocoder is not None:
+                waiting = {item[0].id for item in items if self._vocoder.awaits_first_audio(item[0].id)}
+                items = [item for item in items if item[0].id in waiting] + [
+                    item for item in items if item[0].id not in waiting
+                ]
             while items:  # rounds of at most one item per request, in order: each event as if taken alone
                 count = _distinct_requests_prefix(items)
                 self._emit_round(items[:count])
