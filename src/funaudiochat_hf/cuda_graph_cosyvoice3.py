@@ -8,7 +8,8 @@ it works with the eager model (and with an estimator compiled without CUDA graph
 
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
 semantics; an input broadcast along a dimension (stride 0, as `expand` makes it) keeps one copy of that dimension
-(part of the signature: a dense input of the same shape is another recording); a lock serialises replays of one runner (the static buffers are shared). An input passed again as the very
+(part of the signature: a dense input of the same shape is another recording); a lock serialises replays of one
+runner (the static buffers are shared). An input passed again as the very
 same tensor, unmodified since (same version counter; a raw kernel that writes it without a PyTorch in-place op is not
 seen), is not copied again: a streamed chunk's constant inputs (time conditioning, speaker condition, key mask) then
 cost no launches before the replay, while the GPU waits for it.
@@ -24,7 +25,8 @@ import torch
 
 def broadcast_dims(tensor: torch.Tensor) -> tuple[int, ...]:
     """The dimensions along which `tensor` repeats one slice (stride 0, more than one element)."""
-    return tuple(dim for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())) if stride == 0 and size > 1)
+    sizes_and_strides = enumerate(zip(tensor.shape, tensor.stride()))
+    return tuple(dim for dim, (size, stride) in sizes_and_strides if stride == 0 and size > 1)
 
 
 def _one_slice(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -40,7 +42,8 @@ class _Recording:
         # What the graph reads (broadcast inputs as expanded views) and, per input, the dense storage written before a
         # replay with its broadcast dimensions.
         self.inputs = inputs
-        self.storage = [(_one_slice(static, broadcast_dims(static)), broadcast_dims(static)) for static in inputs]
+        broadcast = [broadcast_dims(static) for static in inputs]
+        self.storage = [(_one_slice(static, dims), dims) for static, dims in zip(inputs, broadcast)]
         # (tensor, its version) last copied into each static input; None = copy on the next call.
         self.sources: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(inputs)
 

@@ -279,8 +279,8 @@ class FunAudioChatSpeechGenerationMixin:
         `tokenizer` (the processor's tokenizer) turns the text ids into `text`. `stream_options` go to
         `streaming_decoder` as well and take precedence (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
         look-back, cheaper chunks; `{"token_max_hop_len": 100}`: hops that grow after the first chunks, 5, 15, 30,
-        60, 100, ..., less flow work per second of audio; `{"cuda_graphs": False}`). The generator is held until the iterator finishes
-        or is closed.
+        60, 100, ..., less flow work per second of audio; `{"cuda_graphs": False}`). The generator is held until the
+        iterator finishes or is closed.
         """
         if isinstance(input_ids, torch.Tensor) and (input_ids.ndim != 2 or input_ids.shape[0] != 1):
             raise ValueError(

@@ -303,7 +303,8 @@ class CosyVoice3DiT(nn.Module):
                 next_shift, next_scale = torch.chunk(block_modulations[index + 1], 6, dim=1)[:2]
             else:
                 next_shift, next_scale = final_shift, final_scale
-            hidden, normed = block(hidden, normed, block_modulations[index], next_shift, next_scale, rotary, attention_mask)
+            modulation = block_modulations[index]
+            hidden, normed = block(hidden, normed, modulation, next_shift, next_scale, rotary, attention_mask)
         return self.proj_out(normed).transpose(1, 2)
 
 

@@ -58,7 +58,7 @@ def snake(
         raise ValueError(f"left_padding must be >= 0, got {left_padding}")
     if _kernel_applies(hidden, alpha, bias):
         return torch.ops.funaudiochat.conv_epilogue(hidden, bias, None, alpha, left_padding)
-    out = snake_reference(hidden if bias is None else hidden + _per_channel(bias, hidden), alpha)
+    out = snake_reference(_with_bias(hidden, bias), alpha)
     return F.pad(out, (left_padding, 0)) if left_padding else out
 
 
@@ -69,7 +69,11 @@ def add_bias_and_residual(
     its bias `(channels,)` or None, and a residual of hidden's shape; one kernel on CUDA at inference."""
     if _kernel_applies(hidden, bias, residual):
         return torch.ops.funaudiochat.conv_epilogue(hidden, bias, residual, None, 0)
-    return (hidden if bias is None else hidden + _per_channel(bias, hidden)) + residual
+    return _with_bias(hidden, bias) + residual
+
+
+def _with_bias(hidden: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return hidden if bias is None else hidden + _per_channel(bias, hidden)
 
 
 def _per_channel(values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
