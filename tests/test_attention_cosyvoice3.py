@@ -101,6 +101,20 @@ def test_sdpa_path_rotates_head_zero_only():
     torch.testing.assert_close(rotated_pairs.norm(dim=-1), pairs.norm(dim=-1))
 
 
+def test_sdpa_path_takes_16_bit_projections_with_a_float32_table():
+    """A bf16 estimator without the kernel (CPU, no Triton, an explicit bf16 estimator on an older GPU): the rotary
+    table is float32, so the rotated channels must be rounded back (as x-transformers does), or SDPA refuses q/k in
+    float32 next to a bf16 v."""
+    query, key, value, cos, sin, mask = make_inputs(*CASES[1])
+    want = sdpa_dit_attention(query, key, value, cos, sin, 2, mask)
+    half = [t.bfloat16() for t in (query, key, value)]
+    assert cos.dtype == torch.float32
+    assert attention_cosyvoice3.apply_partial_rotary(half[0], cos, sin).dtype == torch.bfloat16
+    got = sdpa_dit_attention(*half, cos, sin, 2, mask.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-2)
+
+
 # -- GPU -----------------------------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

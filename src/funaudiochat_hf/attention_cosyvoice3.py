@@ -54,7 +54,8 @@ def apply_partial_rotary(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     rot_dim = cos.shape[-1]
     rotated, passthrough = hidden[..., :rot_dim], hidden[..., rot_dim:]
     rotated = rotated * cos + _rotate_pairs(rotated) * sin
-    return torch.cat((rotated, passthrough), dim=-1)
+    # The table may be float32 under 16-bit projections: round back, as x-transformers does (`out.type(orig_dtype)`).
+    return torch.cat((rotated.to(hidden.dtype), passthrough), dim=-1)
 
 
 def sdpa_dit_attention(
