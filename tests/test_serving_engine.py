@@ -351,15 +351,37 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert handle.first_audio == handle.timeline["first_audio"] > 0
 
 
+def test_the_engine_streams_with_a_growing_hop_by_default(model):
+    """Serving's decoder default: `generate_speech_stream`'s first chunks (5 tokens, then 15: the first audio is as
+    early), then hops doubling to 100. A fixed hop of 15 recomputes the 200-token left context 14.5 times over and
+    caps the conversations a GPU serves; an explicit setting still wins."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    hops = {}
+    for name, options in (("default", None), ("fixed", {"token_max_hop_len": 15})):
+        engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=4,
+                              stream_options=options)  # fmt: skip
+        try:
+            stream = engine._vocoder._new_stream(None)
+        finally:
+            engine.close()
+        hops[name] = [stream.chunk_hop(index) for index in range(7)]
+    assert hops["default"] == [5, 15, 30, 60, 100, 100, 100]
+    assert hops["fixed"] == [5] + [15] * 6
+    direct = decoder.streaming_decoder(token_hop_len=15, first_token_hop_len=5)  # generate_speech_stream's
+    assert [direct.chunk_hop(index) for index in range(2)] == hops["default"][:2]
+
+
 @pytest.mark.parametrize(
     "options",
     [
+        # the default hops (5, 15, 30, 60, 100): a last chunk's window can fall between two chunks' windows
         {"flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16},
+        {"token_max_hop_len": 15, "flow_left_context_tokens": 20, "flow_window_bucket_tokens": 16},
         # hops 5, 5, 10, 20: the windows are full after the second chunk, the hop grows on for two more
         {"token_hop_len": 5, "token_max_hop_len": 20, "flow_left_context_tokens": 5, "hift_left_context_frames": 8,
          "flow_window_bucket_tokens": 8},
     ],
-    ids=["fixed-hop", "hop-growth"],
+    ids=["default-hops", "fixed-hop", "hop-growth"],
 )
 def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypatch, options):
     """Where the decoders run fixed shapes (CUDA graphs: each new shape records a graph that keeps its memory), the

@@ -49,6 +49,13 @@ logger = logging.get_logger(__name__)
 # text limits of `limits_funaudiochat` are checked before tokenization (processor, server); these bound the tokens.
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 DEFAULT_MAX_NEW_TOKENS = 512
+# A reply's first chunks as `generate_speech_stream`'s (5 tokens, then 15: the first audio is as early), then the hop
+# doubles up to 100 tokens (CosyVoice's own streaming driver's rule). A streamed chunk's flow recomputes its 200-token
+# left context: at a fixed hop of 15 the decoder does 14.5 times the work of the tokens it emits, which caps what one
+# GPU serves over all streams; at 100 it does 3 times.
+DEFAULT_STREAM_OPTIONS = {
+    "token_hop_len": 15, "pre_lookahead_len": 3, "first_token_hop_len": 5, "token_max_hop_len": 100,
+}  # fmt: skip
 
 
 def _distinct_requests_prefix(items: list) -> int:
@@ -121,7 +128,8 @@ class SpeechEngine:
             `compile_config`, ...); per-request values come with each `SpeechRequest`.
         backend: the decode backend, as `generate_speech`'s: "auto" (eager on a CPU, the fast CUDA backend on a GPU),
             "eager", "cuda_graphs" or "compiled".
-        stream_options: keywords of the decoder's `streaming_decoder` (defaults as `generate_speech_stream`).
+        stream_options: keywords of the decoder's `streaming_decoder`, over `DEFAULT_STREAM_OPTIONS`
+            (`generate_speech_stream`'s chunks, with the hop growing to 100 tokens).
     """
 
     def __init__(
@@ -160,7 +168,7 @@ class SpeechEngine:
         decoder = speech_decoder if speech_decoder is not None else getattr(model, "token2wav", None)
         self.decoder = decoder
         self.sampling_rate = decoder_sampling_rate(decoder) if decoder is not None else 24000
-        self.stream_options = {"token_hop_len": 15, "pre_lookahead_len": 3, "first_token_hop_len": 5}
+        self.stream_options = dict(DEFAULT_STREAM_OPTIONS)
         self.stream_options.update(stream_options or {})
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens

@@ -248,10 +248,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--backend", default="auto", choices=list(BACKENDS), help="decode backend, as generate_speech's (default: "
         "%(default)s: eager on a CPU, the fast CUDA backend on a GPU; 'compiled': minutes of warm-up)")  # fmt: skip
     add("--stream-options", type=_stream_options, default=None, metavar="JSON",
-        help="keywords of the speech decoder's streaming_decoder as JSON, e.g. '{\"token_max_hop_len\": 100}' "
-             "(hops 5, 15, 30, 60, 100, ...) or '{\"flow_left_context_tokens\": 50}': a streamed chunk's flow "
-             "recomputes its left context, so a longer hop or a shorter context serves more conversations per GPU "
-             "(default: generate_speech_stream's)")  # fmt: skip
+        help="keywords of the speech decoder's streaming_decoder as JSON, over the engine's defaults (hops 5, 15, "
+             "30, 60, 100, 100, ...), e.g. '{\"token_max_hop_len\": 15}' (a fixed hop: steadier chunks, several "
+             "times the GPU work) or '{\"flow_left_context_tokens\": 50}': a streamed chunk's flow recomputes its "
+             "left context, so a longer hop or a shorter context serves more conversations per GPU")  # fmt: skip
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     return parser
 

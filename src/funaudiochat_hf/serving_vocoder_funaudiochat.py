@@ -105,7 +105,8 @@ class ServingVocoder:
         """Decode synthetic replies together, `size` at a time for every size of `warm_up_batch_sizes(max_streams)`,
         one decode step's tokens at a time (as the engine feeds them), from their first chunk until their hop has
         reached its largest and their flow and HiFT windows are full (`steady`: the chunk shapes then repeat) and one
-        chunk more: every shape a round of the engine can have is decoded once (recorded, under CUDA graphs).
+        chunk more: every shape a round of the engine can have is decoded once (recorded, under CUDA graphs). Then
+        one stream's final chunk at every flow window size (a reply's last chunk is finalized alone).
         Returns {size: chunks decoded per stream}."""
         context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
         tokens_per_step = 5  # a decode step's speech group; the chunk boundaries do not depend on it
@@ -128,6 +129,12 @@ class ServingVocoder:
                     if streams[0].steady:
                         steady = decoded  # one chunk more: the first one of the repeating shapes
                 chunks[size] = decoded
+            # A reply's last chunk is decoded alone (`finalize`) over whatever is left, so its window can be any of
+            # the sizes, also one that no earlier chunk has (with hop growth: a window between two steady ones).
+            for window in self._new_stream(None).flow_window_sizes or ():
+                stream = self._new_stream(None)
+                stream.add_tokens(torch.randint(0, vocab_size, (window,), generator=generator))
+                stream.finalize()
             if self.cuda_stream is not None:
                 self.cuda_stream.synchronize()
         return chunks
