@@ -480,9 +480,15 @@ def test_a_step_runs_the_first_rows_that_hold_every_busy_one(model, prompts, mon
 
 
 @pytest.mark.gpu
-def test_row_counts_replay_their_graphs_and_give_the_single_runs_tokens_on_gpu(prompts):
+def test_row_counts_replay_the_graphs_recorded_at_the_start_on_gpu(prompts):
     """On CUDA each row count's step is recorded at the start (one graph on each view of the batch's workspace) and
-    replayed: requests that join and leave get their single runs' tokens (`generate_speech`, same backend)."""
+    only replayed while requests join and leave; a request's first step (its prefill, `generate_speech`'s recorded
+    prompt pass) gives its single run's first tokens.
+
+    Later tokens equal the single run's only up to rounding on a GPU: the decode attention splits the cache by the
+    step's rows and the cache's length (`triton_attention_funaudiochat._num_splits`), so its float32 sums run in
+    another order than the single run's, and a near-tie can resolve differently (the CPU tests above check exact
+    equality, where every row count computes alike)."""
     from transformers import AutoModel
 
     from conftest import FUNAUDIOCHAT_TINY
@@ -492,18 +498,25 @@ def test_row_counts_replay_their_graphs_and_give_the_single_runs_tokens_on_gpu(p
     engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=12, backend="cuda_graphs",
                           generation_options=options)  # fmt: skip
     try:
-        assert list(engine.batch.row_runs) == [1, 2, 4]
-        assert all(len(run.ws.step_graphs) == 1 for run in engine.batch.row_runs.values())
+        runs = engine.batch.row_runs
+        assert list(runs) == [1, 2, 4]
+        graphs = {rows: list(run.ws.step_graphs.graphs.values()) for rows, run in runs.items()}
+        assert all(len(recorded) == 1 for recorded in graphs.values()), graphs
         first = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12))
         events = {0: _take(first, 3)}  # alone: one row
         second = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))  # two rows
         events[1] = _drain(second)
         events[0] += _drain(first)
+        # replayed, never recorded again
+        assert {rows: list(run.ws.step_graphs.graphs.values()) for rows, run in runs.items()} == graphs
     finally:
         engine.close()
     for index, (name, steps) in enumerate([("text40", 12), ("text25", 6)]):
         expected = model.generate_speech(**prompts[name], max_new_tokens=steps, return_audio=False,
                                          backend="cuda_graphs", **options)  # fmt: skip
         length = prompts[name]["input_ids"].shape[1]
-        assert [t for e in events[index] for t in e.text_ids] == expected.sequences[0, length:].tolist()
-        assert [t for e in events[index] for t in e.speech_ids] == expected.speech_ids[0].tolist()
+        assert events[index][-1].finish_reason == "length"
+        assert sum(len(event.text_ids) for event in events[index]) == steps
+        assert events[index][0].text_ids == expected.sequences[0, length : length + 1].tolist()
+        group = len(events[index][0].speech_ids)
+        assert events[index][0].speech_ids == expected.speech_ids[0, :group].tolist()

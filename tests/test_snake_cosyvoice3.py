@@ -233,7 +233,10 @@ def test_cuda_kernel_matches_the_torch_ops(shape, padding, layout, dtype):
     torch.testing.assert_close(summed.float(), expected_sum(hidden, bias, residual), rtol=rounding, atol=1e-6)
     with torch.no_grad():
         torch_path = F.pad(snake_reference(hidden + bias.view(-1, *[1] * (hidden.dim() - 2)), alpha), (padding, 0))
-    assert (got.float() - want).abs().max() <= (torch_path.float() - want).abs().max()
+    # In float16 the torch path's 1 / (alpha + 1e-9) is inf at alpha = 0 (the 1e-9 underflows) and its Snake NaN:
+    # as far from the expression as it gets (the kernel computes in float32).
+    torch_error = (torch_path.float() - want).abs().nan_to_num(nan=float("inf"))
+    assert (got.float() - want).abs().max() <= torch_error.max()
 
 
 @pytest.mark.gpu
