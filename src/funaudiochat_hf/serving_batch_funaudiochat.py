@@ -27,6 +27,7 @@ import torch
 
 from .generation_config_funaudiochat import SpeechRequest as ResolvedRequest
 from .generation_loop_funaudiochat import SpeechRun
+from .serving_host_copy_funaudiochat import to_host
 from .serving_requests_funaudiochat import SpeechRequest
 
 
@@ -162,11 +163,10 @@ class ServingBatch:
     def prefill(self, run: SpeechRun) -> dict:
         """Run a request's prompt alone in its batch-1 workspace; returns its first step's outputs (as `read`)."""
         ws = run.prefill()
-        return {
-            "token": int(ws.next_ids[0]),
-            "done": bool(ws.done[0]),
-            "speech": ws.speech_out[0, : int(ws.groups[0]) * self.k].tolist(),
-        }
+        token, done, groups, *speech = to_host(
+            torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0]])
+        ).tolist()  # one copy
+        return {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots
     @property
@@ -260,7 +260,7 @@ class ServingBatch:
     def read(self) -> tuple[list[int], list[bool], list[int], list[list[int]]]:
         """The last step's text token, done flag, speech-group count and last group of every row (one copy)."""
         ws = self.ws
-        snapshot = torch.cat([ws.next_ids, ws.done.long(), ws.groups, ws.last_group.flatten()]).tolist()
+        snapshot = to_host(torch.cat([ws.next_ids, ws.done.long(), ws.groups, ws.last_group.flatten()])).tolist()
         b, k = self.batch_size, self.k
         groups = snapshot[3 * b :]
         return (

@@ -13,8 +13,8 @@ one before) would otherwise wait for SM room behind the step's kernels at every 
 request's first audio far past what the same chunk costs alone (`generate_speech_stream`, which decodes and vocodes in
 turn). With the priority the chunk's kernels are scheduled first and the steps fill the rest of the GPU. Nothing
 crosses the two streams: the decoders read only their own tensors and the vocoder's weights (ordered after everything
-queued before the engine started, see `__init__`), and their audio reaches the host with `.cpu()`, which waits for
-the vocoder's stream.
+queued before the engine started, see `__init__`), and their audio reaches the host with `to_host`, which waits for
+the vocoder's stream without stalling the decode thread's launches.
 
 The shapes of a batched call (batch sizes padded to `GRAPH_BATCH_SIZES`, flow windows padded to a few sizes, HiFT
 windows that grow over a reply's first chunks, and with hop growth over its hops) each get a CUDA graph when they
@@ -34,6 +34,7 @@ import torch
 from transformers.utils import logging
 
 from .generation_vocoding_funaudiochat import decoder_speaker_kwargs, valid_speech_tokens
+from .serving_host_copy_funaudiochat import to_host
 from .streaming_batch_cosyvoice3 import GRAPH_BATCH_SIZES, decode_ready
 
 
@@ -186,10 +187,19 @@ class ServingVocoder:
                     pieces[position].append(stream.finalize())
                 except Exception as error:
                     results[position] = error
-        for position, result in enumerate(results):
-            if result is None:
-                audio = [piece.reshape(-1).float().cpu() for piece in pieces[position]]  # waits for the stream
-                results[position] = torch.cat(audio).numpy() if audio else np.zeros(0, dtype=np.float32)
+        # Every item's audio in one copy, which waits for the stream (`to_host`: not stalling the decode thread).
+        open_positions = [position for position, result in enumerate(results) if result is None]
+        if not open_positions:
+            return results
+        device = getattr(self.decoder, "device", torch.device("cpu"))
+        audio = [torch.cat([piece.reshape(-1).float() for piece in pieces[position]]) if pieces[position]
+                 else torch.zeros(0, device=device) for position in open_positions]  # fmt: skip
+        host = to_host(torch.cat(audio))
+        offset = 0
+        for position, samples in zip(open_positions, audio):
+            # copied out of a pinned buffer (which then goes back to its pool)
+            results[position] = host[offset : offset + samples.numel()].clone().numpy()
+            offset += samples.numel()
         return results
 
     def _decode_ready(self, ready: list[tuple[int, object]]) -> dict[int, torch.Tensor | Exception]:
