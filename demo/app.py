@@ -158,7 +158,8 @@ def _to_int16(audio: np.ndarray) -> np.ndarray:
 MAX_NEW_TOKENS = 1024  # the reply length slider's maximum (LLM steps): the engine's per-request limit
 WARMUP_QUESTION_SECONDS = 1.0
 # On a GPU the prompt pass is recorded once per 64-token prompt bucket, on its second run: the warm-up asks questions
-# of these lengths twice each, covering the buckets of questions up to 30 s.
+# of these lengths twice each (three buckets; a question of another bucket runs its pass eagerly the first time and
+# records it the second).
 WARMUP_GPU_QUESTION_SECONDS = (1.0, 10.0, 25.0)
 WARMUP_STEPS = 24  # enough for the first streamed audio chunk: the decoder runs too
 

@@ -303,3 +303,24 @@ def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, cap
         with pytest.raises(SystemExit):
             _parser().parse_args(["--stream-options", bad])
         assert "--stream-options" in capsys.readouterr().err
+
+
+def test_the_server_warms_up_with_spoken_requests_before_it_listens(tiny_path):
+    """`funaudiochat-serve` sends spoken synthetic requests through its own request path before it listens (the
+    audio encoder's first use, the prompt bucket's pass and its recording on a GPU, the decoder's first chunks), and
+    `--no-warmup` skips them."""
+    from funaudiochat_hf.serving_server_funaudiochat import WARMUP_REPLIES, warm_up
+
+    args = _parser().parse_args(["--model", str(tiny_path), "--device", "cpu", "--max-new-tokens", "8"])
+    assert args.warmup and not _parser().parse_args(["--no-warmup"]).warmup
+    engine, processor, name = build_engine(args)
+    try:
+        seconds = warm_up(engine, processor, name)
+        snapshot = engine.snapshot()
+        engine.reset_metrics()
+        assert engine.snapshot()["requests"]["length"] == 0 and engine.snapshot()["audio_seconds"] == 0
+    finally:
+        engine.close()
+    assert seconds > 0
+    assert snapshot["requests"]["length"] + snapshot["requests"]["stop"] == WARMUP_REPLIES
+    assert snapshot["audio_seconds"] > 0 and snapshot["running"] == snapshot["queued"] == 0

@@ -241,6 +241,11 @@ class SpeechEngine:
         config = getattr(self.decoder, "config", None)
         return list(getattr(config, "speaker_names", None) or [])
 
+    def reset_metrics(self) -> None:
+        """Start the metrics afresh (e.g. after a start-up warm-up, whose requests are not traffic)."""
+        with self._lock:
+            self.metrics = EngineMetrics()
+
     def snapshot(self) -> dict:
         """A consistent copy of the metrics (for `/metrics`)."""
         with self._lock:

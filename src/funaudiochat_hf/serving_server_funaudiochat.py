@@ -14,6 +14,7 @@ FastAPI and uvicorn (the `serve` extra) are imported when the app is built, so t
 
 import argparse
 import asyncio
+import base64
 import hmac
 import json
 import sys
@@ -253,6 +254,8 @@ def _parser() -> argparse.ArgumentParser:
              "times the GPU work) or '{\"flow_left_context_tokens\": 50}': a streamed chunk's flow recomputes its "
              "left context, so a longer hop or a shorter context serves more conversations per GPU")  # fmt: skip
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
+    add("--no-warmup", dest="warmup", action="store_false", help="skip the start-up replies that warm the engine up "
+        "(the first requests then pay for it)")  # fmt: skip
     return parser
 
 
@@ -311,6 +314,37 @@ def build_engine(args) -> tuple[SpeechEngine, object, str]:
     return engine, pipe.processor, name
 
 
+# A spoken question as the first requests bring one, twice: the first runs the audio encoder for the first time
+# (kernel selection, a second or more on a GPU) and its prompt bucket's pass, the second records that pass (CUDA
+# graphs, `generation_loop_funaudiochat.SpeechRun.prefill`); both run the speech decoder's first chunks.
+WARMUP_QUESTION_SECONDS = 3.0
+WARMUP_REPLIES = 2
+WARMUP_STEPS = 8  # LLM steps: past a reply's first audio chunk
+
+
+def warm_up(engine: SpeechEngine, processor, model_name: str) -> float:
+    """Synthetic spoken requests through the server's own request path before it listens, so that the first client
+    does not pay for first-use work; returns the seconds taken."""
+    from .serving_openai_funaudiochat import wav_bytes
+    from .tiny_model import synthetic_question
+
+    started = time.perf_counter()
+    question = wav_bytes(synthetic_question(WARMUP_QUESTION_SECONDS), 16000)
+    body = {
+        "model": model_name, "modalities": ["text", "audio"], "audio": {"voice": DEFAULT_VOICE, "format": "pcm16"},
+        "max_completion_tokens": min(WARMUP_STEPS, engine.max_new_tokens), "seed": 0,
+        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(question).decode(), "format": "wav"}}]}],
+    }  # fmt: skip
+    for _ in range(WARMUP_REPLIES):
+        chat = parse_chat_request(body, processor, TranscriptMemory(), engine.voices, model_name,
+                                  getattr(engine.model, "dtype", None))  # fmt: skip
+        events = list(engine.submit(chat.speech).events())
+        if events and events[-1].finish_reason == "error":
+            raise RuntimeError(f"The warm-up request failed: {events[-1].error}")
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -320,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     engine, processor, name = build_engine(args)
     try:
+        if args.warmup:
+            print("warming up (spoken requests through the engine and the speech decoder) ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            print(f"warm-up done in {warm_up(engine, processor, name):.1f} s", file=sys.stderr, flush=True)
+            engine.reset_metrics()  # /metrics counts traffic only
         app = create_app(engine, processor, name, api_key=args.api_key)
         print(f"serving {name} on http://{args.host}:{args.port} ({args.max_batch_size} slots); voices: "
               f"{', '.join([DEFAULT_VOICE, *engine.voices])}", file=sys.stderr, flush=True)  # fmt: skip
