@@ -114,3 +114,37 @@ def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch
         if growth:
             assert windows[-2] < longest  # the windows were full before the hop stopped growing
         assert len(windows) == chunks[size]
+
+
+def test_a_servers_warm_up_recordings_fit_the_graph_runners(monkeypatch):
+    """The graph runners keep their `_MAX_*_GRAPHS` most recent recordings: every shape a server's warm-up records (16
+    streams, the auto window sizes of a graphed decoder, the hop growing to 200) must fit, or the load evicts and
+    records again on the way to a reply's audio."""
+    from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
+
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
+    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
+    window_sizes = streaming_cosyvoice3._flow_window_sizes  # as under CUDA graphs ("auto" takes the steady windows)
+    monkeypatch.setattr(streaming_cosyvoice3, "_flow_window_sizes", lambda bucket, longest, compiled, graphed,
+                        steady_windows=(): window_sizes(bucket, longest, compiled, True, steady_windows))  # fmt: skip
+    shapes = set()
+    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
+        flow = module.flow_window_to_mel
+        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
+            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
+    hift = decoder.hift.decode
+
+    def hift_spy(mel, source, finalize):
+        if not finalize:  # a reply's last HiFT call runs eagerly (no graph)
+            shapes.add(("hift", tuple(mel.shape)))
+        return hift(mel, source, finalize=finalize)
+
+    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5, "token_max_hop_len": 200}
+    ServingVocoder(decoder, options, speech_bos_id=0).warm_up(16)
+    flow_shapes = {shape for shape in shapes if shape[0] == "flow"}
+    hift_shapes = shapes - flow_shapes
+    assert {shape[1][0] for shape in flow_shapes} == set(sizes)
+    assert 20 < len(flow_shapes) <= streaming_cosyvoice3._MAX_FLOW_GRAPHS
+    assert 10 < len(hift_shapes) <= streaming_cosyvoice3._MAX_HIFT_GRAPHS

@@ -25,10 +25,11 @@ from .triton_support import kernels_run_on, triton
 from .triton_config_funaudiochat import supports_programmatic_launch
 
 
-# The kernel for windows up to this many frames, which covers a streamed chunk's default window (218 tokens, 436
-# frames): there the SDPA path's rotary (about ten element-wise kernels a block) costs more than the kernel's slower
-# inner loop at long windows. Longer windows (offline calls) go to cuDNN's attention.
-KERNEL_MAX_FRAMES = 512
+# The kernel for windows up to this many frames: the longest measured against the torch path (partial rotary +
+# SDPA), where it still took 0.58 of its time (0.26 at a streamed chunk's default window of 436 frames, 0.37 at the
+# 606 of a grown hop of 100; `scripts/bench_dit_attention.py`); the gap closes as windows grow. Longer windows
+# (offline calls) go to cuDNN's attention.
+KERNEL_MAX_FRAMES = 1206
 # Tiles and launch options: the best of a sweep at a streamed chunk's 136 frames (`BLOCK_M` query frames per program,
 # `BLOCK_N` key frames per inner step).
 BLOCK_M = 64
