@@ -90,7 +90,7 @@ def sweep(frame_counts: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--frames", default="136,436,500")
+    parser.add_argument("--frames", default="136,436,606,806,1206")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's tiles and launch options")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
