@@ -66,6 +66,31 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def record_streaming_shapes(monkeypatch, decoder) -> set:
+    """Spy on the streaming decoders' graphed calls of `decoder` as a batched round makes them: the set returned
+    collects ("flow", tokens shape) of every flow call and ("hift", mel shape, source shape) of every non-final HiFT
+    call (a reply's last HiFT call runs eagerly, without a graph). Rounds are padded to `GRAPH_BATCH_SIZES` as under
+    CUDA graphs."""
+    from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
+
+    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
+    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
+    shapes = set()
+    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
+        flow = module.flow_window_to_mel
+        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
+            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
+    hift = decoder.hift.decode
+
+    def hift_spy(mel, source, finalize):
+        if not finalize:
+            shapes.add(("hift", tuple(mel.shape), tuple(source.shape)))
+        return hift(mel, source, finalize=finalize)
+
+    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
+    return shapes
+
+
 def tiny_decoder_with_and_without(monkeypatch, module) -> dict:
     """The tiny CosyVoice3 decoder on CUDA with a bf16 estimator, with the Triton kernel of `module` where it applies
     (`module._kernel_applies`) and with the torch path everywhere (that test replaced by False): `{True: (mel,

@@ -13,7 +13,7 @@ from funaudiochat_hf.serving_batch_funaudiochat import step_row_counts
 from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
 from funaudiochat_hf.serving_requests_funaudiochat import QueueFull, SpeechRequest
 
-from conftest import COSYVOICE3_TINY
+from conftest import COSYVOICE3_TINY, record_streaming_shapes
 from test_modeling_cosyvoice3 import _close_wav
 
 
@@ -388,25 +388,9 @@ def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypa
     engine decodes every batch size and window shape before it takes requests: concurrent replies then decode no
     shape the warm-up did not (so memory after a load equals memory after the warm-up). On a CPU: fixed shapes
     forced (padded batch sizes and flow windows), every call's shapes recorded."""
-    from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
-
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "fixed_shapes", property(lambda self: True))
-    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
-    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
-    shapes = set()
-    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
-        flow = module.flow_window_to_mel
-        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
-            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
-    hift = decoder.hift.decode
-
-    def hift_spy(mel, source, finalize):
-        if not finalize:  # a reply's last HiFT call runs eagerly (no graph)
-            shapes.add(("hift", tuple(mel.shape), tuple(source.shape)))
-        return hift(mel, source, finalize=finalize)
-
-    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
+    shapes = record_streaming_shapes(monkeypatch, decoder)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=3, max_prompt_tokens=48, max_new_tokens=16,
                           stream_options=options)  # fmt: skip
     warmed = set(shapes)

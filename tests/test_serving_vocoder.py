@@ -8,7 +8,7 @@ import torch
 from funaudiochat_hf import CosyVoice3Token2Wav, serving_vocoder_funaudiochat
 from funaudiochat_hf.serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
 
-from conftest import COSYVOICE3_TINY
+from conftest import COSYVOICE3_TINY, record_streaming_shapes
 from test_modeling_cosyvoice3 import _close_wav
 
 
@@ -123,28 +123,14 @@ def test_a_servers_warm_up_recordings_fit_the_graph_runners(monkeypatch):
     from funaudiochat_hf import streaming_batch_cosyvoice3, streaming_cosyvoice3
 
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
-    sizes = streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES
-    monkeypatch.setattr(streaming_batch_cosyvoice3, "_batch_sizes", lambda batch_sizes, fixed_shapes: sizes)
+    shapes = record_streaming_shapes(monkeypatch, decoder)
     window_sizes = streaming_cosyvoice3._flow_window_sizes  # as under CUDA graphs ("auto" takes the steady windows)
     monkeypatch.setattr(streaming_cosyvoice3, "_flow_window_sizes", lambda bucket, longest, compiled, graphed,
                         steady_windows=(): window_sizes(bucket, longest, compiled, True, steady_windows))  # fmt: skip
-    shapes = set()
-    for module in (streaming_batch_cosyvoice3, streaming_cosyvoice3):
-        flow = module.flow_window_to_mel
-        monkeypatch.setattr(module, "flow_window_to_mel", lambda *args, flow=flow: shapes.add(
-            ("flow", tuple(args[1].shape))) or flow(*args))  # fmt: skip
-    hift = decoder.hift.decode
-
-    def hift_spy(mel, source, finalize):
-        if not finalize:  # a reply's last HiFT call runs eagerly (no graph)
-            shapes.add(("hift", tuple(mel.shape)))
-        return hift(mel, source, finalize=finalize)
-
-    monkeypatch.setattr(decoder.hift, "decode", hift_spy)
     options = {"token_hop_len": 15, "first_token_hop_len": 5, "token_max_hop_len": 200}
     ServingVocoder(decoder, options, speech_bos_id=0).warm_up(16)
     flow_shapes = {shape for shape in shapes if shape[0] == "flow"}
     hift_shapes = shapes - flow_shapes
-    assert {shape[1][0] for shape in flow_shapes} == set(sizes)
+    assert {shape[1][0] for shape in flow_shapes} == set(streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES)
     assert 20 < len(flow_shapes) <= streaming_cosyvoice3._MAX_FLOW_GRAPHS
     assert 10 < len(hift_shapes) <= streaming_cosyvoice3._MAX_HIFT_GRAPHS
