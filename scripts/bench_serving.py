@@ -394,10 +394,14 @@ def compare_audio(reference: dict, other: dict) -> dict:
     if same_length and not identical:
         noise = float(((a - b) ** 2).sum())
         snr = float(10 * np.log10(max(float((a**2).sum()), 1e-30) / max(noise, 1e-30)))
+    if not identical:
         # Rounding differences stay small everywhere; a token that went the other way changes the audio from its
-        # chunk on: the first sample off by more than DIVERGED_FRACTION of full scale says which, and where.
-        off = np.flatnonzero(np.abs(a - b) > DIVERGED_FRACTION * 32768)
-        diverged = float(off[0]) / SAMPLING_RATE if len(off) else None
+        # chunk on (and a different reply from its start): the first sample of the common length off by more than
+        # DIVERGED_FRACTION of full scale says which, and where (the end of the shorter one if none is).
+        common = min(len(a), len(b))
+        off = np.flatnonzero(np.abs(a[:common] - b[:common]) > DIVERGED_FRACTION * 32768)
+        if len(off) or not same_length:
+            diverged = float(off[0] if len(off) else common) / SAMPLING_RATE
     return {
         "samples": [len(a), len(b)],
         "same_transcript": reference["transcript"] == other["transcript"],

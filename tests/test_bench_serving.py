@@ -130,3 +130,9 @@ def test_compare_audio_tells_rounding_from_a_reply_that_went_its_own_way(script)
     assert close["match"] and close["audio_snr_db"] > 60 and close["diverged_at_seconds"] is None
     apart = script.compare_audio(reply(reference), reply(diverged))
     assert not apart["match"] and 1.5 <= apart["diverged_at_seconds"] < 1.51
+    # a reply one token (960 samples) longer or shorter: where its audio parts from the reference is still said
+    longer = np.concatenate([diverged, np.zeros(960, dtype="<i2")])
+    unequal = script.compare_audio(reply(reference), reply(longer))
+    assert not unequal["match"] and unequal["audio_snr_db"] is None and 1.5 <= unequal["diverged_at_seconds"] < 1.51
+    shorter = script.compare_audio(reply(reference), reply(rounded[:-960]))
+    assert not shorter["match"] and shorter["diverged_at_seconds"] == (len(reference) - 960) / 24000
