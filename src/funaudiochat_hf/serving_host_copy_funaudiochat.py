@@ -1,13 +1,12 @@
 """Device-to-host copies for the speech engine's two threads, without stalling the other thread's kernel launches.
 
-The engine's decode thread reads each step's tokens, and its output thread each vocoder call's audio, from the GPU.
-A copy into pageable memory (`.tolist()`, `.cpu()`) is staged by the CUDA driver while the calling thread waits for
-its stream, and for all that time the other thread's kernel launches wait as well (seen in a profile of an idle
-server: a launch of the output thread that fell inside a decode step's read returned only when the read did, so the
-output thread got about one launch through per decode step, and a reply's first chunk, a few dozen launches around
-its graph replays, took hundreds of milliseconds). `to_host` copies asynchronously into
-pinned memory and polls the stream's progress, with the GIL released between polls: neither thread then holds up
-the other."""
+The engine's decode thread reads each step's tokens, and its output thread each vocoder call's audio, from the GPU. A
+copy into pageable memory (`.tolist()`, `.cpu()`) is staged by the CUDA driver while the calling thread waits for its
+stream, and for all that time the other thread's kernel launches wait as well (seen in a profile of an idle server: a
+launch of the output thread that fell inside a decode step's read returned only when the read did, so the output
+thread got about one launch through per decode step, and a reply's first chunk, a few dozen launches around its graph
+replays, took hundreds of milliseconds). `to_host` copies asynchronously into pinned memory and polls the stream's
+progress, with the GIL released between polls: neither thread then holds up the other."""
 
 import time
 

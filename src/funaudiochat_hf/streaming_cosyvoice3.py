@@ -570,9 +570,9 @@ def flow_window_to_mel(
 # Recordings a model's runners keep (least recently used beyond). Flow: at most one per window size ("auto": 3 at a
 # fixed hop, 6 with the hop growing to 100, 7 to 200) and batch size (`streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES`:
 # 5); a server's warm-up records 15, 22 and 23 of them at these three. HiFT: its window grows over the first few
-# chunks (and hops), then stays the same, per batch size: 25 to 30 there. A load must not evict what the warm-up recorded (a
-# recording on the way to a reply's audio costs hundreds of milliseconds); one memory pool per runner, so more
-# recordings cost only their static inputs and outputs.
+# chunks (and hops), then stays the same, per batch size: 25 to 30 there. A load must not evict what the warm-up
+# recorded (a recording on the way to a reply's audio costs hundreds of milliseconds); one memory pool per runner, so
+# more recordings cost only their static inputs and outputs.
 _MAX_FLOW_GRAPHS, _MAX_HIFT_GRAPHS = 48, 64
 
 # Serialises the first creation of a model's runners (streams of one model may start in several threads).
