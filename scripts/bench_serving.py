@@ -59,6 +59,7 @@ from funaudiochat_hf.serving_openai_funaudiochat import (  # noqa: E402
     TranscriptMemory,
     parse_chat_request,
     pcm16,
+    spoken_question_body,
     wav_bytes,
 )
 from funaudiochat_hf.serving_server_funaudiochat import _stream_options as server_stream_options  # noqa: E402
@@ -289,17 +290,8 @@ class BackgroundServer:
 
 def chat_body(question_wav: bytes, max_tokens: int, seed: int) -> dict:
     """A streamed chat-completions request as `loadgen` sends it (plus the usage chunk)."""
-    return {
-        "model": "bench",
-        "modalities": ["text", "audio"],
-        "audio": {"voice": "default", "format": "pcm16"},
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "max_completion_tokens": max_tokens,
-        "seed": seed,
-        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
-            "data": base64.b64encode(question_wav).decode(), "format": "wav"}}]}],
-    }  # fmt: skip
+    body = spoken_question_body(question_wav, "bench", max_tokens, seed)
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
 async def stream_request(client, url: str, body: dict) -> dict:

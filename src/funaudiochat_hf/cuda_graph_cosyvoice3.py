@@ -9,10 +9,10 @@ it works with the eager model (and with an estimator compiled without CUDA graph
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
 semantics; an input broadcast along a dimension (stride 0, as `expand` makes it) keeps one copy of that dimension
 (part of the signature: a dense input of the same shape is another recording); a lock serialises replays of one
-runner (the static buffers are shared). An input passed again as the very
-same tensor, unmodified since (same version counter; a raw kernel that writes it without a PyTorch in-place op is not
-seen), is not copied again: a streamed chunk's constant inputs (time conditioning, speaker condition, key mask) then
-cost no launches before the replay, while the GPU waits for it.
+runner (the static buffers are shared). An input passed again as the very same tensor, unmodified since (same version
+counter; a raw kernel that writes it without a PyTorch in-place op is not seen), is not copied again: a streamed
+chunk's constant inputs (time conditioning, speaker condition, key mask) then cost no launches before the replay,
+while the GPU waits for it.
 """
 
 import threading

@@ -163,9 +163,10 @@ class ServingBatch:
     def prefill(self, run: SpeechRun) -> dict:
         """Run a request's prompt alone in its batch-1 workspace; returns its first step's outputs (as `read`)."""
         ws = run.prefill()
+        # One copy; a prompt pass appends at most one speech group.
         token, done, groups, *speech = to_host(
-            torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0]])
-        ).tolist()  # one copy
+            torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
+        ).tolist()
         return {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots

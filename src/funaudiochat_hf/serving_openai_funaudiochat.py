@@ -295,6 +295,17 @@ def wav_bytes(audio: np.ndarray, sampling_rate: int) -> bytes:
     return buffer.getvalue()
 
 
+def spoken_question_body(question_wav: bytes, model: str, max_tokens: int, seed: int, voice: str = DEFAULT_VOICE) -> dict:
+    """A chat-completions body asking one spoken question (a WAV file's bytes) for a text and 16-bit PCM audio reply:
+    what the server's warm-up and the serving benchmark send (non-streamed; set `stream` for the other)."""
+    return {
+        "model": model, "modalities": ["text", "audio"], "audio": {"voice": voice, "format": "pcm16"},
+        "max_completion_tokens": max_tokens, "seed": seed,
+        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(question_wav).decode(), "format": "wav"}}]}],
+    }  # fmt: skip
+
+
 def new_ids() -> tuple[str, str]:
     """A completion id and an audio id."""
     return f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}"

@@ -14,7 +14,6 @@ FastAPI and uvicorn (the `serve` extra) are imported when the app is built, so t
 
 import argparse
 import asyncio
-import base64
 import hmac
 import json
 import sys
@@ -325,17 +324,12 @@ WARMUP_STEPS = 8  # LLM steps: past a reply's first audio chunk
 def warm_up(engine: SpeechEngine, processor, model_name: str) -> float:
     """Synthetic spoken requests through the server's own request path before it listens, so that the first client
     does not pay for first-use work; returns the seconds taken."""
-    from .serving_openai_funaudiochat import wav_bytes
+    from .serving_openai_funaudiochat import spoken_question_body, wav_bytes
     from .tiny_model import synthetic_question
 
     started = time.perf_counter()
     question = wav_bytes(synthetic_question(WARMUP_QUESTION_SECONDS), 16000)
-    body = {
-        "model": model_name, "modalities": ["text", "audio"], "audio": {"voice": DEFAULT_VOICE, "format": "pcm16"},
-        "max_completion_tokens": min(WARMUP_STEPS, engine.max_new_tokens), "seed": 0,
-        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
-            "data": base64.b64encode(question).decode(), "format": "wav"}}]}],
-    }  # fmt: skip
+    body = spoken_question_body(question, model_name, min(WARMUP_STEPS, engine.max_new_tokens), seed=0)
     for _ in range(WARMUP_REPLIES):
         chat = parse_chat_request(body, processor, TranscriptMemory(), engine.voices, model_name,
                                   getattr(engine.model, "dtype", None))  # fmt: skip

@@ -191,15 +191,13 @@ class ServingVocoder:
         open_positions = [position for position, result in enumerate(results) if result is None]
         if not open_positions:
             return results
+        flat = [piece.reshape(-1).float() for position in open_positions for piece in pieces[position]]
+        lengths = [sum(piece.numel() for piece in pieces[position]) for position in open_positions]
         device = getattr(self.decoder, "device", torch.device("cpu"))
-        audio = [torch.cat([piece.reshape(-1).float() for piece in pieces[position]]) if pieces[position]
-                 else torch.zeros(0, device=device) for position in open_positions]  # fmt: skip
-        host = to_host(torch.cat(audio))
-        offset = 0
-        for position, samples in zip(open_positions, audio):
-            # copied out of a pinned buffer (which then goes back to its pool)
-            results[position] = host[offset : offset + samples.numel()].clone().numpy()
-            offset += samples.numel()
+        host = to_host(torch.cat(flat) if flat else torch.zeros(0, device=device))
+        # copied out of the pinned buffer (which then goes back to its pool)
+        for position, samples in zip(open_positions, host.split(lengths)):
+            results[position] = samples.clone().numpy()
         return results
 
     def _decode_ready(self, ready: list[tuple[int, object]]) -> dict[int, torch.Tensor | Exception]:
