@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="default: cuda if available, else cpu")
     add("--conversations", type=int, default=32, help="conversations of the load run (default: %(default)s)")
     add("--rate", type=float, default=8.0, help="their Poisson arrival rate per second (default: %(default)s)")
+    add("--concurrency", type=int, default=None, help="a closed load of this many users, each sending its next "
+        "conversation when its reply ended (loadgen's --concurrency; default: every conversation arrives on its own)")
     add("--max-tokens", type=int, default=100, help="reply length in LLM steps of 0.2 s (default: %(default)s)")
     add("--max-batch-size", type=int, default=16, help="engine slots (default: %(default)s)")
     add("--question-seconds", type=float, default=3.0, help="the synthetic spoken question (default: %(default)s)")
@@ -110,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--conversations, --max-tokens and --max-batch-size must be >= 1 and --rate > 0")
     if args.question_seconds <= 0 or args.time_budget <= 0:
         parser.error("--question-seconds and --time-budget must be positive")
+    if args.concurrency is not None and not 1 <= args.concurrency <= args.conversations:
+        parser.error("--concurrency must be between 1 and --conversations")
     if args.feature_window_seconds is not None and args.feature_window_seconds < args.question_seconds:
         parser.error("--feature-window-seconds must hold the question (--question-seconds)")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
@@ -634,10 +638,11 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     ns = loadgen._parser().parse_args([
         "--url", server.url, "--conversations", str(args.conversations), "--rate", str(args.rate),
         "--max-tokens", str(args.max_tokens), "--audio", question_path, "--timeout", str(max(30.0, run.left())),
-    ])  # fmt: skip
+    ] + (["--concurrency", str(args.concurrency)] if args.concurrency else []))  # fmt: skip
     before = server.metrics()
     body = chat_body(question, args.max_tokens, seed=0)
-    arrivals = args.conversations / args.rate  # expected seconds over which the load's requests arrive
+    # Expected seconds over which the load's requests (closed load: its users) arrive.
+    arrivals = (args.concurrency or args.conversations) / args.rate
 
     async def probe(delay):
         await asyncio.sleep(delay)
@@ -668,7 +673,8 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         requests_lost=sent - outcomes["stop"] - outcomes["length"],
     )
     run.report["load"] = report
-    log(f"load: {args.conversations} conversations at {args.rate}/s in {report['wall_seconds']:.1f} s: errors "
+    users = f" ({args.concurrency} at a time)" if args.concurrency else ""
+    log(f"load: {args.conversations} conversations at {args.rate}/s{users} in {report['wall_seconds']:.1f} s: errors "
         f"{report['errors']}; TTFA p50 {fmt(report['ttfa_p50_ms'])} ms, p95 {fmt(report['ttfa_p95_ms'])} ms; RTF p50 "
         f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; aggregate "
         f"{fmt(report['aggregate_x_real_time'])}x real time; {report['decode_steps']} decode steps of "

@@ -1,11 +1,15 @@
 """Load generator for `funaudiochat-serve`: N streamed conversations with Poisson arrivals.
 
     python scripts/loadgen.py --url http://127.0.0.1:8000 --conversations 64 --rate 4 --max-tokens 100
+    python scripts/loadgen.py --concurrency 16 --conversations 64 --rate 8   # 16 users, each back to back
     python scripts/loadgen.py --url http://lb:8080 --api-key $KEY --audio question.wav --json result.json
 
 Each conversation sends one spoken question (`--audio`, default a synthetic 3-s clip) to `/v1/chat/completions` with
 `stream=true` and reads the server-sent events. Arrivals are a Poisson process of `--rate` conversations per second
-(exponential gaps, seeded by `--seed`). Reported:
+(exponential gaps, seeded by `--seed`): an open load, whose offered rate (rate x reply length) caps the aggregate.
+With `--concurrency C`, C users arrive that way and each sends its next conversation as soon as its previous reply
+ended, until `--conversations` were sent: C streams at all times, each new one arriving as another leaves (a closed
+load: what the server sustains at that concurrency). Reported:
 
 - time to first audio (TTFA): request sent -> first non-empty audio chunk, p50 / p95;
 - per-stream real-time factor (RTF): the stream's wall time (sent -> last chunk) / its seconds of audio, p50 / p95
@@ -119,12 +123,18 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.conversations, max_keepalive_connections=args.conversations)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         started = time.perf_counter()
-        tasks = []
-        for i in range(args.conversations):
-            if i:
-                await asyncio.sleep(rng.expovariate(args.rate))
-            tasks.append(asyncio.create_task(_one(client, url, {**body, "seed": i}, headers, args.sampling_rate)))
-        results = await asyncio.gather(*tasks)
+        results: list[StreamResult | None] = [None] * args.conversations
+        numbers = iter(range(args.conversations))  # shared by the users: each conversation is sent once
+
+        async def user(delay: float) -> None:
+            await asyncio.sleep(delay)
+            for i in numbers if args.concurrency else [next(numbers)]:
+                results[i] = await _one(client, url, {**body, "seed": i}, headers, args.sampling_rate)
+
+        delays = [0.0]
+        for _ in range((args.concurrency or args.conversations) - 1):
+            delays.append(delays[-1] + rng.expovariate(args.rate))
+        await asyncio.gather(*(user(delay) for delay in delays))
         wall = time.perf_counter() - started
     good = [r for r in results if r.ok]
     ttfa = [r.ttfa for r in good if r.ttfa is not None]
@@ -133,6 +143,7 @@ async def run(args) -> dict:
     return {
         "conversations": args.conversations,
         "rate_per_second": args.rate,
+        "concurrency": args.concurrency,
         "wall_seconds": wall,
         "errors": len(results) - len(good),
         "error_examples": sorted({r.error for r in results if r.error})[:5],
@@ -153,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--conversations", type=int, default=16, help="how many conversations (default: %(default)s)")
     add("--rate", type=float, default=4.0, help="Poisson arrival rate, conversations per second (default: "
         "%(default)s)")  # fmt: skip
+    add("--concurrency", type=int, default=None, help="a closed load: this many users, each sending its next "
+        "conversation when its reply ended (default: an open load, every conversation arriving on its own)")
     add("--max-tokens", type=int, default=100, help="max_completion_tokens per reply (LLM steps of 0.2 s)")
     add("--audio", help="the spoken question (an audio file; default: a synthetic 3-s clip)")
     add("--voice", default="default")
@@ -171,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.conversations < 1 or args.rate <= 0:
         print("error: --conversations must be >= 1 and --rate > 0", file=sys.stderr)
         return 2
+    if args.concurrency is not None and not 1 <= args.concurrency <= args.conversations:
+        print("error: --concurrency must be between 1 and --conversations", file=sys.stderr)
+        return 2
     report = asyncio.run(run(args))
 
     def ms(value):
@@ -179,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(value):
         return "n/a" if value is None else f"{value:.3f}"
 
+    users = f", {report['concurrency']} at a time" if report["concurrency"] else ""
     print(
-        f"{report['conversations']} conversations at {report['rate_per_second']}/s in {report['wall_seconds']:.1f} s: "
+        f"{report['conversations']} conversations at {report['rate_per_second']}/s{users} in "
+        f"{report['wall_seconds']:.1f} s: "
         f"errors {report['errors']}; TTFA p50 {ms(report['ttfa_p50_ms'])}, p95 {ms(report['ttfa_p95_ms'])}; "
         f"per-stream RTF p50 {ratio(report['rtf_p50'])}, p95 {ratio(report['rtf_p95'])}; "
         f"aggregate {ratio(report['aggregate_x_real_time'])}x real time ({report['audio_seconds']:.1f} s of audio)"

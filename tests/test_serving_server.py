@@ -250,8 +250,7 @@ def test_full_queue_gets_429_with_retry_after(small_server):
     assert reply.choices[0].message.audio is not None
 
 
-def test_load_generator_smoke(server, tmp_path):
-    """scripts/loadgen.py against the running server: 3 Poisson-spaced streamed conversations, all with audio."""
+def _loadgen():
     import importlib.util
     from pathlib import Path
 
@@ -260,6 +259,12 @@ def test_load_generator_smoke(server, tmp_path):
     loadgen = importlib.util.module_from_spec(spec)
     sys.modules["loadgen"] = loadgen  # its dataclasses look their module up
     spec.loader.exec_module(loadgen)
+    return loadgen
+
+
+def test_load_generator_smoke(server, tmp_path):
+    """scripts/loadgen.py against the running server: 3 Poisson-spaced streamed conversations, all with audio."""
+    loadgen = _loadgen()
     report_path = tmp_path / "report.json"
     code = loadgen.main(["--url", server.url, "--conversations", "3", "--rate", "20", "--max-tokens",
                          str(MAX_NEW_TOKENS), "--json", str(report_path)])  # fmt: skip
@@ -267,6 +272,34 @@ def test_load_generator_smoke(server, tmp_path):
     assert code == 0 and report["errors"] == 0, report
     assert report["ttfa_p50_ms"] > 0 and report["ttfa_p95_ms"] >= report["ttfa_p50_ms"]
     assert report["rtf_p95"] > 0 and report["aggregate_x_real_time"] > 0 and report["audio_seconds"] > 0
+
+
+def test_load_generator_closed_load_keeps_its_concurrency(monkeypatch):
+    """loadgen --concurrency C: C streams in flight once all users arrived, never more, each conversation sent once
+    (its seed), the next one sent as soon as one ended; the open load (no --concurrency) has every conversation in
+    flight at once when replies outlast the arrivals."""
+    import asyncio
+
+    loadgen = _loadgen()
+    for concurrency, expected in ((3, 3), (None, 7)):
+        in_flight, peak, seeds = 0, 0, []
+
+        async def fake_one(client, url, body, headers, sampling_rate):
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            seeds.append(body["seed"])
+            await asyncio.sleep(0.05)
+            in_flight -= 1
+            return loadgen.StreamResult(ok=True, ttfa=0.01, wall=0.05, audio_seconds=1.0)
+
+        monkeypatch.setattr(loadgen, "_one", fake_one)
+        extra = ["--concurrency", str(concurrency)] if concurrency else []
+        args = loadgen._parser().parse_args(["--conversations", "7", "--rate", "1000", *extra])
+        report = asyncio.run(loadgen.run(args))
+        assert peak == expected and sorted(seeds) == list(range(7)), (concurrency, peak, seeds)
+        assert report["errors"] == 0 and report["audio_seconds"] == 7.0 and report["concurrency"] == concurrency
+    assert loadgen.main(["--conversations", "2", "--concurrency", "3"]) == 2  # more users than conversations
 
 
 def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
