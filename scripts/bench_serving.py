@@ -96,8 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="default: cuda if available, else cpu")
     add("--conversations", type=int, default=32, help="conversations of the load run (default: %(default)s)")
     add("--rate", type=float, default=8.0, help="their Poisson arrival rate per second (default: %(default)s)")
-    add("--concurrency", type=int, default=None, help="a closed load of this many users, each sending its next "
-        "conversation when its reply ended (loadgen's --concurrency; default: every conversation arrives on its own)")
+    add("--concurrency", type=int, default=None, help="a closed load of this many streams, each user sending its "
+        "next conversation when its reply ended (loadgen's --concurrency, less the two seed-0 requests of the "
+        "correctness check while they run; default: every conversation arrives on its own)")
     add("--max-tokens", type=int, default=100, help="reply length in LLM steps of 0.2 s (default: %(default)s)")
     add("--max-batch-size", type=int, default=16, help="engine slots (default: %(default)s)")
     add("--question-seconds", type=float, default=3.0, help="the synthetic spoken question (default: %(default)s)")
@@ -635,10 +636,13 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     import httpx
 
     args = run.args
+    shares = (0.25, 0.5)  # when the two seed-0 requests are sent, as shares of the arrival time
+    # A closed load's streams include the two seed-0 requests while they run: never more than --concurrency in flight.
+    users = max(1, args.concurrency - len(shares)) if args.concurrency else None
     ns = loadgen._parser().parse_args([
         "--url", server.url, "--conversations", str(args.conversations), "--rate", str(args.rate),
         "--max-tokens", str(args.max_tokens), "--audio", question_path, "--timeout", str(max(30.0, run.left())),
-    ] + (["--concurrency", str(args.concurrency)] if args.concurrency else []))  # fmt: skip
+    ] + (["--concurrency", str(users)] if users else []))  # fmt: skip
     before = server.metrics()
     body = chat_body(question, args.max_tokens, seed=0)
     # Expected seconds over which the load's requests (closed load: its users) arrive.
@@ -650,7 +654,7 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
             return await stream_request(client, server.url, body)
 
     async def load():
-        probes = [asyncio.create_task(probe(arrivals * share)) for share in (0.25, 0.5)]
+        probes = [asyncio.create_task(probe(arrivals * share)) for share in shares]
         report = await asyncio.wait_for(loadgen.run(ns), timeout=max(10.0, run.left() - 10))
         return report, await asyncio.gather(*probes, return_exceptions=True)
 
@@ -673,7 +677,7 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         requests_lost=sent - outcomes["stop"] - outcomes["length"],
     )
     run.report["load"] = report
-    users = f" ({args.concurrency} at a time)" if args.concurrency else ""
+    users = f" ({ns.concurrency} users, + {len(shares)} seed-0 requests at first)" if ns.concurrency else ""
     log(f"load: {args.conversations} conversations at {args.rate}/s{users} in {report['wall_seconds']:.1f} s: errors "
         f"{report['errors']}; TTFA p50 {fmt(report['ttfa_p50_ms'])} ms, p95 {fmt(report['ttfa_p95_ms'])} ms; RTF p50 "
         f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; aggregate "
