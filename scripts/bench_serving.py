@@ -646,7 +646,7 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     before = server.metrics()
     body = chat_body(question, args.max_tokens, seed=0)
     # Expected seconds over which the load's requests (closed load: its users) arrive.
-    arrivals = (args.concurrency or args.conversations) / args.rate
+    arrivals = (users or args.conversations) / args.rate
 
     async def probe(delay):
         await asyncio.sleep(delay)
@@ -677,8 +677,8 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         requests_lost=sent - outcomes["stop"] - outcomes["length"],
     )
     run.report["load"] = report
-    users = f" ({ns.concurrency} users, + {len(shares)} seed-0 requests at first)" if ns.concurrency else ""
-    log(f"load: {args.conversations} conversations at {args.rate}/s{users} in {report['wall_seconds']:.1f} s: errors "
+    closed = f" ({users} users, + {len(shares)} seed-0 requests at first)" if users else ""
+    log(f"load: {args.conversations} conversations at {args.rate}/s{closed} in {report['wall_seconds']:.1f} s: errors "
         f"{report['errors']}; TTFA p50 {fmt(report['ttfa_p50_ms'])} ms, p95 {fmt(report['ttfa_p95_ms'])} ms; RTF p50 "
         f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; aggregate "
         f"{fmt(report['aggregate_x_real_time'])}x real time; {report['decode_steps']} decode steps of "

@@ -32,8 +32,10 @@ from .serving_openai_funaudiochat import (
     error_body,
     new_ids,
     parse_chat_request,
+    spoken_question_body,
     stream_chunk,
     usage,
+    wav_bytes,
 )
 from .serving_requests_funaudiochat import EngineClosed, QueueFull
 
@@ -324,7 +326,6 @@ WARMUP_STEPS = 8  # LLM steps: past a reply's first audio chunk
 def warm_up(engine: SpeechEngine, processor, model_name: str) -> float:
     """Synthetic spoken requests through the server's own request path before it listens, so that the first client
     does not pay for first-use work; returns the seconds taken."""
-    from .serving_openai_funaudiochat import spoken_question_body, wav_bytes
     from .tiny_model import synthetic_question
 
     started = time.perf_counter()

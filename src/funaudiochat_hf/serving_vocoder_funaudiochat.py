@@ -193,8 +193,7 @@ class ServingVocoder:
             return results
         flat = [piece.reshape(-1).float() for position in open_positions for piece in pieces[position]]
         lengths = [sum(piece.numel() for piece in pieces[position]) for position in open_positions]
-        device = getattr(self.decoder, "device", torch.device("cpu"))
-        host = to_host(torch.cat(flat) if flat else torch.zeros(0, device=device))
+        host = to_host(torch.cat(flat) if flat else torch.zeros(0))
         # copied out of the pinned buffer (which then goes back to its pool)
         for position, samples in zip(open_positions, host.split(lengths)):
             results[position] = samples.clone().numpy()
