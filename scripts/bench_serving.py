@@ -13,10 +13,12 @@ uvicorn in a thread on a free loopback port, warms up, and measures:
   a. idle server: one streamed request at a time (median of 3): time to first audio (TTFA) and the step time derived
      from its chunks, side by side with `model.generate_speech_stream` called directly on the same processor inputs
      (and `generate_speech`'s step time without vocoding); where the server's TTFA goes (the engine's timeline of
-     each request: queued, prefilled, vocoding, audio ready, and the rest outside the engine: HTTP, processor, event
+     each request: admitted, prefilled, first chunk's tokens ready, vocoding, audio ready, and the rest outside the engine: HTTP, processor, event
      delivery) and after how many decode results each path has its first audio;
-  b. load: `scripts/loadgen.py` (N streamed conversations with Poisson arrivals): TTFA p50 / p95, per-stream RTF
-     p50 / p95, aggregate x real time, errors; and from `/metrics` the rows per decode step;
+  b. load: `scripts/loadgen.py` (N streamed conversations with Poisson arrivals; `--concurrency C`: C at a time): TTFA
+     p50 / p95, per-stream RTF p50 / p95, aggregate x real time, errors; from `/metrics` the rows per decode step;
+     and where the TTFA went, span by span of the engine's timelines (`ttfa_spans`: queue, prefill, decode steps to
+     the first chunk's tokens, wait for the vocoder, the first chunk's vocoding), p50 / p95;
   c. memory: allocated GPU memory when idle before the load, when idle again after it, and the peak;
   d. correctness under load: two requests with the idle run's seed and prompt, sent during the load, must give the
      idle run's transcript and audio.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -552,18 +555,10 @@ def measure_idle(run: Run, server, engine, model, decoder, processor, inputs, qu
         async with httpx.AsyncClient(timeout=max(60.0, run.left())) as client:
             return await stream_request(client, server.url, body)
 
-    submit = engine.submit
-
-    def submit_and_keep(*submit_args, **kwargs):  # the server's requests' handles: their engine timelines
-        handles.append(submit(*submit_args, **kwargs))
-        return handles[-1]
-
     for _ in range(IDLE_REPEATS):
-        engine.submit = submit_and_keep
-        try:
+        with kept_handles(engine) as kept:  # the server's requests' handles: their engine timelines
             served.append(asyncio.run(one()))
-        finally:
-            del engine.submit
+        handles.extend(kept)
         direct.append(direct_stream(model, decoder, inputs, args.max_tokens, processor.tokenizer, args.device))
         decode.append(decode_step_seconds(model, inputs, args.max_tokens, args.device))
         started = time.perf_counter()
@@ -631,8 +626,46 @@ def server_stages(served: list[dict], handles: list) -> dict:
     return medians
 
 
+# The engine's timeline of a request (`RequestHandle.timeline`) as the spans between its stages: waiting for a slot,
+# its prefill, the decode steps until its first chunk's tokens are out, the wait for the vocoder, its first chunk.
+TTFA_SPANS = {"queue": (None, "admitted"), "prefill": ("admitted", "prefilled"), "decode": ("prefilled", "ready"),
+              "vocoder_wait": ("ready", "vocoding"), "vocode": ("vocoding", "first_audio")}  # fmt: skip
+
+
+def ttfa_spans(handles: list) -> dict:
+    """{span: {"p50_ms", "p95_ms"}} of `TTFA_SPANS` over the requests that reached their first audio: where the time
+    to first audio of a load went (which stage to shorten)."""
+    spans: dict[str, list] = {name: [] for name in TTFA_SPANS}
+    for handle in handles:
+        timeline = handle.timeline
+        if "first_audio" not in timeline:
+            continue
+        for name, (start, end) in TTFA_SPANS.items():
+            if end in timeline and (start is None or start in timeline):
+                spans[name].append(1000 * (timeline[end] - (timeline[start] if start else 0.0)))
+    return {name: {"p50_ms": loadgen.percentile(values, 50), "p95_ms": loadgen.percentile(values, 95)}
+            for name, values in spans.items()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def kept_handles(engine):
+    """The handles of the requests the server submits to `engine` meanwhile (their engine timelines), in a list."""
+    handles, submit = [], engine.submit
+
+    def submit_and_keep(*submit_args, **kwargs):
+        handles.append(submit(*submit_args, **kwargs))
+        return handles[-1]
+
+    engine.submit = submit_and_keep
+    try:
+        yield handles
+    finally:
+        del engine.submit
+
+
 def measure_load(run: Run, server, engine, question_path: str, question: bytes, reference: dict | None):
-    """(b) loadgen's run with /metrics before and after; (d) two seed-0 requests sent during it."""
+    """(b) loadgen's run with /metrics before and after, and where its time to first audio went (`ttfa_spans`);
+    (d) two seed-0 requests sent during it."""
     import httpx
 
     args = run.args
@@ -658,7 +691,8 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         report = await asyncio.wait_for(loadgen.run(ns), timeout=max(10.0, run.left() - 10))
         return report, await asyncio.gather(*probes, return_exceptions=True)
 
-    report, probes = asyncio.run(load())
+    with kept_handles(engine) as handles:
+        report, probes = asyncio.run(load())
     wait_idle(engine)
     after = server.metrics()
 
@@ -675,6 +709,7 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         requests_by_outcome=outcomes,
         requests_sent=sent,
         requests_lost=sent - outcomes["stop"] - outcomes["length"],
+        ttfa_spans=ttfa_spans(handles),
     )
     run.report["load"] = report
     closed = f" ({users} users, + {len(shares)} seed-0 requests at first)" if users else ""
@@ -683,6 +718,8 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
         f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; aggregate "
         f"{fmt(report['aggregate_x_real_time'])}x real time; {report['decode_steps']} decode steps of "
         f"{fmt(report['step_rows_mean'], 2)} rows on average; outcomes {outcomes}")  # fmt: skip
+    log("load: where the time to first audio went (p50 / p95 ms): " + ", ".join(
+        f"{name} {fmt(span['p50_ms'])} / {fmt(span['p95_ms'])}" for name, span in report["ttfa_spans"].items()))
     if report["error_examples"]:
         log("load errors: " + " | ".join(report["error_examples"]))
 

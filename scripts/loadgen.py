@@ -61,7 +61,7 @@ def _question_wav(path: str | None) -> bytes:
     return buffer.getvalue()
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -147,10 +147,10 @@ async def run(args) -> dict:
         "wall_seconds": wall,
         "errors": len(results) - len(good),
         "error_examples": sorted({r.error for r in results if r.error})[:5],
-        "ttfa_p50_ms": None if not ttfa else 1000 * _percentile(ttfa, 50),
-        "ttfa_p95_ms": None if not ttfa else 1000 * _percentile(ttfa, 95),
-        "rtf_p50": _percentile(rtf, 50),
-        "rtf_p95": _percentile(rtf, 95),
+        "ttfa_p50_ms": None if not ttfa else 1000 * percentile(ttfa, 50),
+        "ttfa_p95_ms": None if not ttfa else 1000 * percentile(ttfa, 95),
+        "rtf_p50": percentile(rtf, 50),
+        "rtf_p95": percentile(rtf, 95),
         "audio_seconds": audio,
         "aggregate_x_real_time": audio / wall if wall > 0 else None,
         "streams": [asdict(r) for r in results] if args.per_stream else None,

@@ -2,6 +2,7 @@
 tiny model (real numbers come from a GPU)."""
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,9 @@ def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
     assert load["requests_by_outcome"]["length"] == 5  # no stop id: every reply runs --max-tokens steps
     assert load["ttfa_p50_ms"] > 0 and load["rtf_p95"] > 0 and load["aggregate_x_real_time"] > 0
     assert load["decode_steps"] >= 8 and 1 <= load["step_rows_mean"] <= 4
+    assert list(load["ttfa_spans"]) == ["queue", "prefill", "decode", "vocoder_wait", "vocode"]
+    assert all(0 <= span["p50_ms"] <= span["p95_ms"] for span in load["ttfa_spans"].values()), load["ttfa_spans"]
+    assert load["ttfa_spans"]["prefill"]["p50_ms"] > 0 and load["ttfa_spans"]["vocode"]["p50_ms"] > 0
     assert report["correctness"]["correct_under_load"] is True
     # Under load a request's chunks are vocoded in batched calls with other requests': equal up to float rounding.
     assert all(check["audio_identical"] or check["audio_snr_db"] > 30 for check in report["correctness"]["requests"])
@@ -147,3 +151,20 @@ def test_compare_audio_tells_rounding_from_a_reply_that_went_its_own_way(script)
     assert not unequal["match"] and unequal["audio_snr_db"] is None and 1.5 <= unequal["diverged_at_seconds"] < 1.51
     shorter = script.compare_audio(reply(reference), reply(rounded[:-960]))
     assert not shorter["match"] and shorter["diverged_at_seconds"] == (len(reference) - 960) / 24000
+
+
+def test_ttfa_spans_split_each_requests_timeline_into_its_stages(script):
+    """The spans of a load's time to first audio, from the engine's timelines (seconds after submission): one request
+    per span's p50 and p95 here; requests without first audio are left out."""
+    timelines = [
+        {"admitted": 0.010, "prefilled": 0.085, "ready": 0.125, "vocoding": 0.140, "first_audio": 0.155},
+        {"admitted": 0.200, "prefilled": 0.280, "ready": 0.330, "vocoding": 0.400, "first_audio": 0.420},
+        {"admitted": 0.001},  # cancelled before its first audio
+    ]
+    handles = [types.SimpleNamespace(timeline=timeline) for timeline in timelines]
+    spans = script.ttfa_spans(handles)
+    expected = {"queue": (10, 200), "prefill": (75, 80), "decode": (40, 50), "vocoder_wait": (15, 70),
+                "vocode": (15, 20)}  # fmt: skip
+    assert list(spans) == list(expected)
+    for name, (p50, p95) in expected.items():
+        assert (spans[name]["p50_ms"], spans[name]["p95_ms"]) == pytest.approx((p50, p95)), name

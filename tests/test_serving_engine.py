@@ -346,7 +346,7 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert handle.first_audio_steps == served_first + 1 == direct_first + 1
     assert len(served[served_first].audio) == direct[direct_first].audio.numel() > 0
     stages = list(handle.timeline)
-    assert stages == ["admitted", "prefilled", "vocoding", "first_audio"]
+    assert stages == ["admitted", "prefilled", "ready", "vocoding", "first_audio"]
     assert sorted(handle.timeline.values()) == list(handle.timeline.values())
     assert handle.first_audio == handle.timeline["first_audio"] > 0
 

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,13 +59,24 @@ DEFAULT_STREAM_OPTIONS = {
 }  # fmt: skip
 
 
-def _distinct_requests_prefix(items: list) -> int:
-    """How many leading output items (handle first) are of distinct requests."""
+class _StepOutput(NamedTuple):
+    """What the decode thread hands the output thread about one request: one step's results, or its end."""
+
+    handle: RequestHandle
+    text_ids: list[int]
+    speech_ids: list[int]
+    finish: str | None  # the finish reason of its last item
+    error: str | None
+    queued: float  # when it was handed over (`time.perf_counter()`)
+
+
+def _distinct_requests_prefix(items: list[_StepOutput]) -> int:
+    """How many leading output items are of distinct requests."""
     seen = set()
     for count, item in enumerate(items):
-        if item[0].id in seen:
+        if item.handle.id in seen:
             return count
-        seen.add(item[0].id)
+        seen.add(item.handle.id)
     return len(items)
 
 
@@ -397,7 +409,7 @@ class SpeechEngine:
         finish = "stop" if done else "length" if slot.tokens >= slot.max_new_tokens else None
         if finish is not None:  # the slot is free before the caller sees the last event
             self._leave(slot, None)
-        self._output.put((slot.handle, [token], speech, finish, None))
+        self._output.put(_StepOutput(slot.handle, [token], speech, finish, None, time.perf_counter()))
 
     def _leave(self, slot: _Active, reason: str | None) -> None:
         self.batch.free(slot.row)
@@ -407,7 +419,7 @@ class SpeechEngine:
             self._finish(slot.handle, reason)
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
-        self._output.put((handle, [], [], reason, error))
+        self._output.put(_StepOutput(handle, [], [], reason, error, time.perf_counter()))
 
     # ------------------------------------------------------------------ output thread
     def _output_loop(self) -> None:
@@ -424,9 +436,9 @@ class SpeechEngine:
             # Requests still waiting for their first audio first (each request's items stay in order): when the
             # vocoding falls behind the steps, a new reply's first chunk does not wait for rounds of steady chunks.
             if self._vocoder is not None:
-                waiting = {item[0].id for item in items if self._vocoder.awaits_first_audio(item[0].id)}
-                items = [item for item in items if item[0].id in waiting] + [
-                    item for item in items if item[0].id not in waiting
+                waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
+                items = [item for item in items if item.handle.id in waiting] + [
+                    item for item in items if item.handle.id not in waiting
                 ]
             while items:  # rounds of at most one item per request, in order: each event as if taken alone
                 count = _distinct_requests_prefix(items)
@@ -441,9 +453,9 @@ class SpeechEngine:
         The items of requests still waiting for their first audio go first, in a vocoder call of their own: a round's
         chunks share one flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady
         window), so a reply's short first chunk would otherwise wait for every other stream's steady chunk."""
-        items = [item for item in items if not item[0].finished.is_set()]  # e.g. a cancellation after the end
+        items = [item for item in items if not item.handle.finished.is_set()]  # e.g. a cancellation after the end
         if self._vocoder is not None:
-            waiting = [self._vocoder.awaits_first_audio(item[0].id) for item in items]
+            waiting = [self._vocoder.awaits_first_audio(item.handle.id) for item in items]
             if any(waiting) and not all(waiting):
                 self._emit_items([item for item, first in zip(items, waiting) if first])
                 items = [item for item, first in zip(items, waiting) if not first]
@@ -453,15 +465,16 @@ class SpeechEngine:
         """`_emit_round`'s work for one vocoder call: decode the items' audio together and emit their events."""
         if not items:
             return
-        parts = [VocodeItem(handle.id, handle.request.voice, speech_ids, finish is not None,
-                            finish not in ("cancelled", "error"))
-                 for handle, _, speech_ids, finish, _ in items]  # fmt: skip
+        parts = [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
+                            item.finish not in ("cancelled", "error"))
+                 for item in items]  # fmt: skip
         started = time.perf_counter()
         try:
             audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
             audio = [failure] * len(items)
-        for (handle, text_ids, speech_ids, finish, error), samples in zip(items, audio):
+        for item, samples in zip(items, audio):
+            handle, text_ids, speech_ids, finish, error, _ = item
             try:
                 if isinstance(samples, Exception):
                     raise samples
@@ -479,7 +492,7 @@ class SpeechEngine:
                 handle.cancel()  # its slot is freed at the next step
                 event = SpeechEvent(sampling_rate=self.sampling_rate, finished=True, finish_reason="error",
                                     error=f"vocoding failed: {type(failure).__name__}: {failure}")  # fmt: skip
-            self._record(handle, event, started)
+            self._record(item, event, started)
             try:
                 handle._emit(event)
             except Exception as failure:  # a sink that fails (a closed event loop) must not stop the other requests
@@ -493,14 +506,15 @@ class SpeechEngine:
             self._text.pop(request_id, None)
         return delta
 
-    def _record(self, handle: RequestHandle, event: SpeechEvent, vocoding_started: float) -> None:
-        first_audio = False
+    def _record(self, item: _StepOutput, event: SpeechEvent, vocoding_started: float) -> None:
+        handle, first_audio = item.handle, False
         with self._lock:
             metrics = self.metrics
             if len(event.audio):
                 metrics.audio_seconds += len(event.audio) / event.sampling_rate
                 if handle.first_audio is None:
                     first_audio = True
+                    handle._mark("ready", item.queued)  # the decode result that completed its first chunk
                     handle._mark("vocoding", vocoding_started)
                     handle._mark("first_audio")
                     handle.first_audio = handle.timeline["first_audio"]

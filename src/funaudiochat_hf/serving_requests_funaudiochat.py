@@ -92,8 +92,9 @@ class RequestHandle:
         self.options: dict = {}  # resolved generation options (set by the engine)
         self.first_audio: float | None = None  # seconds after submission
         # Seconds after submission at which the request reached each stage of its way to its first audio:
-        # "admitted" (its prefill starts), "prefilled" (its first token is read), "vocoding" (the output thread starts
-        # the round that yields its first audio), "first_audio" (that audio is ready, before its event is delivered).
+        # "admitted" (its prefill starts), "prefilled" (its first token is read), "ready" (the decode result that
+        # completes its first chunk is handed to the output thread), "vocoding" (the output thread starts the round
+        # that yields its first audio), "first_audio" (that audio is ready, before its event is delivered).
         self.timeline: dict[str, float] = {}
         self.first_audio_steps: int | None = None  # its decode results (the prefill's included) up to its first audio
         self.audio_samples = 0
