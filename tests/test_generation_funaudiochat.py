@@ -946,3 +946,55 @@ def test_a_view_of_a_workspaces_first_rows_shares_its_state(model):
     assert view.step_graphs is not ws.step_graphs
     with pytest.raises(ValueError, match="between 1 and"):
         ws.first_rows(4)
+
+
+def test_the_step_outside_the_stacks_launches_no_index_or_history_copies(model, inputs, monkeypatch):
+    """A CUDA-graphed step launches each of its small bookkeeping ops as a kernel of its own (no Inductor to fuse
+    them): the eager / "cuda_graphs" step indexes its K CRQ sub-steps by Python ints (views: no index_select /
+    index_copy_, no sub-step counter) and marks the speech history in place (no history-sized mask made and or'ed
+    in). Counted per decode step outside the stacks' forwards and the linears around the CRQ; the tokens stay the
+    golden ones (test_greedy_matches_reference)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from funaudiochat_hf import generation_step_funaudiochat as step_module
+
+    outside = [True]
+
+    def opaque(function):
+        def call(*args, **kwargs):
+            outside.append(False)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                outside.pop()
+
+        return call
+
+    monkeypatch.setattr(step_module, "_stack_forward", opaque(step_module._stack_forward))
+    monkeypatch.setattr(step_module, "_matching", opaque(step_module._matching))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if outside[-1]:
+                self.counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for steps in (4, 8):
+        with Ops() as ops:
+            # No end of text (every call runs its steps); the speech history in use (repetition penalty).
+            model.generate_speech(**inputs, **dict(GOLDEN_KWARGS, max_new_tokens=steps, eos_token_id=[], repetition_penalty=1.2))
+        counts[steps] = ops.counts
+    per_step = {name: (counts[8][name] - counts[4][name]) / 4 for name in counts[8] | counts[4]}
+    # index_copy_: the text token into the output at the step counter; add_: that counter, the rows' group counts and
+    # the LLM's position.
+    expected = {"index_select": 0, "index_copy_": 1, "zeros_like": 0, "add_": 3}
+    assert {name: per_step.get(name, 0) for name in expected} == expected, per_step
+    group_size = model.config.audio_config.group_size
+    assert per_step["scatter_"] == 1 + group_size + 1  # the speech output; the history at each sub-step, per group

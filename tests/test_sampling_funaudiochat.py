@@ -19,14 +19,14 @@ from funaudiochat_hf.sampling_funaudiochat import (
     apply_top_k,
     apply_top_p,
     first_argmax,
-    mark_seen,
+    mark_seen_,
     process_scores,
     select_tokens,
 )
 
 
 def _seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
-    return mark_seen(torch.zeros(history.shape[0], vocab, dtype=torch.bool), history)
+    return mark_seen_(torch.zeros(history.shape[0], vocab, dtype=torch.bool), history)
 
 
 def test_repetition_penalty_matches_transformers():
@@ -81,9 +81,34 @@ def test_exponential_race_draws_from_the_distribution():
 
 
 def test_mark_seen_respects_row_mask():
-    seen = torch.zeros(2, 5, dtype=torch.bool)
-    updated = mark_seen(seen, torch.tensor([[1, 3], [2, 2]]), torch.tensor([True, False]))
-    assert updated.tolist() == [[False, True, False, True, False], [False] * 5]
+    seen = torch.zeros(3, 5, dtype=torch.bool)
+    seen[1, 4] = seen[2, 0] = True
+    updated = mark_seen_(seen, torch.tensor([[1, 3], [2, 2], [4, 4]]), torch.tensor([True, False, True]))
+    assert updated is seen  # in place
+    assert updated.tolist() == [[False, True, False, True, False], [False] * 4 + [True], [True] + [False] * 3 + [True]]
+
+
+def test_marking_the_history_is_one_kernel_without_a_row_mask_and_three_with_one():
+    """The decode step marks a history every CRQ sub-step and every text token, over the whole vocabulary (151,936
+    text ids): in place, with no mask the size of the history made and or'ed in (four and five kernels a mark)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("view", "unsqueeze", "slice", "expand"):  # no kernel
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen, ids, rows = torch.zeros(2, 50, dtype=torch.bool), torch.tensor([[1], [7]]), torch.tensor([True, False])
+    with Ops() as plain:
+        mark_seen_(seen, ids)
+    with Ops() as masked:
+        mark_seen_(seen, ids, rows)
+    assert plain.names == ["scatter_"] and masked.names == ["gather", "bitwise_or", "scatter_"]
 
 
 def test_invalid_settings_raise():

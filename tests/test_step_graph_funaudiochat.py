@@ -174,7 +174,7 @@ def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(i
         graphs = _workspace(generator).step_graphs
         # "cuda_graphs" also records the bucket-padded prompt pass (it runs warm in the first call, before the step)
         prompt = {"prompt"} if backend == "cuda_graphs" and call > 0 else set()
-        assert set(key[0] for key in graphs.graphs) == {"step", "crq_part"} | prompt
+        assert set(key[0] for key in graphs.graphs) == {"step", "prefill_crq"} | prompt
     recorded = dict(graphs.graphs)
     check(eager, generator.generate(**inputs, **kwargs))
     assert graphs.graphs == recorded  # replayed, not recorded again

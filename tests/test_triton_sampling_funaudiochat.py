@@ -83,6 +83,68 @@ def test_kernel_matches_select_tokens_in_the_triton_interpreter():
         assert case["got"] == case["expected"], case
 
 
+_BF16_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import CASES, case_inputs, kernel_tokens
+from funaudiochat_hf.sampling_funaudiochat import select_tokens
+result = []
+for case in CASES[:8]:
+    settings, scores, seen, noise = case_inputs(*case)
+    # As the decode step hands them over: the speech head's 16-bit output, a slice of its padded rows.
+    padded = torch.zeros(scores.shape[0], scores.shape[1] + 3, dtype=torch.bfloat16)
+    padded[:, : scores.shape[1]] = scores
+    scores = padded[:, : scores.shape[1]]
+    expected = select_tokens(scores.float(), settings, seen, noise)
+    result.append({"case": case, "expected": expected.tolist(), "got": kernel_tokens(settings, scores, seen, noise).tolist()})
+print(json.dumps(result))
+"""
+
+
+def test_kernel_reads_16_bit_logits_as_their_float32_values_in_the_triton_interpreter():
+    """The decode step hands the speech head's bfloat16 logits to the kernel uncast (one kernel fewer per CRQ
+    sub-step): the tokens are those of the float32 values."""
+    for case in json.loads(run_in_triton_interpreter(_BF16_SCRIPT)):
+        assert case["got"] == case["expected"], case
+
+
+_INTO_SCRIPT = """
+import json, torch
+from test_triton_sampling_funaudiochat import CASES, case_inputs
+from funaudiochat_hf.sampling_funaudiochat import SamplingParameters, select_tokens
+from funaudiochat_hf.triton_sampling_funaudiochat import sample_tokens_into
+result = []
+for case in CASES:
+    settings, scores, seen, noise = case_inputs(*case)
+    rows = scores.shape[0]
+    expected = select_tokens(scores, settings, seen, noise)
+    marked = seen.clone()
+    if settings.switches.uses_history:
+        marked[torch.arange(rows), expected] = True
+    group = torch.full((rows, 5), -1)
+    positions = torch.arange(rows * 3).view(rows, 3) * 10  # a prefill's positions: the last column is read
+    out, next_positions = torch.full((rows,), -1), torch.full((rows,), -1)
+    returned = sample_tokens_into(scores, settings.switches, SamplingParameters("cpu", settings), seen, noise, None,
+                                  out=out, group_column=group[:, 2], positions=positions[:, -1],
+                                  next_positions=next_positions)
+    result.append({"case": case, "expected": expected.tolist(), "out": out.tolist(), "returned_out": returned is out,
+                   "group": group.tolist(), "seen_marked": torch.equal(seen, marked),
+                   "next_positions": next_positions.tolist(), "expected_positions": (positions[:, -1] + 1).tolist()})
+print(json.dumps(result))
+"""
+
+
+def test_sample_tokens_into_writes_the_sub_steps_state_in_the_triton_interpreter():
+    """The CUDA-graphed step's sampler call also writes the token into the next sub-step's input and the group's
+    column, marks it in the history (after reading the history for the penalty) and advances the position: the same
+    token as `select_tokens`, every write in place."""
+    for case in json.loads(run_in_triton_interpreter(_INTO_SCRIPT)):
+        expected = case["expected"]
+        assert case["out"] == expected and case["returned_out"], case
+        assert [row[2] for row in case["group"]] == expected, case
+        assert all(value == -1 for row in case["group"] for column, value in enumerate(row) if column != 2), case
+        assert case["seen_marked"] and case["next_positions"] == case["expected_positions"], case
+
+
 _TIES_SCRIPT = """
 import json, torch
 from test_triton_sampling_funaudiochat import kernel_tokens, stable_top_p_keep
@@ -155,19 +217,21 @@ HOPPER_SWITCHES = [(True, True, True), (True, False, False), (False, True, False
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("write_state", [False, True])
 @pytest.mark.parametrize("switches", HOPPER_SWITCHES)
-def test_kernel_compiles_for_hopper(switches):
-    """Every path of the kernel through Triton's compiler (sm_90, on the CPU). The interpreter tests run its Python
-    only: an edit once passed them and failed to compile on the GPU (a variable whose type changed in an `if`)."""
+def test_kernel_compiles_for_hopper(switches, write_state):
+    """Every path of the kernel through Triton's compiler (sm_90, on the CPU), with and without the sub-step's state
+    writes (`sample_tokens_into`). The interpreter tests run its Python only: an edit once passed them and failed to
+    compile on the GPU (a variable whose type changed in an `if`)."""
     from funaudiochat_hf import triton_sampling_funaudiochat as sampling
 
     do_sample, uses_history, uses_top_p = switches
-    pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out"]
-    kinds = ["*bf16", "*i1", "*fp32", "*fp64", "*fp64", "*fp64", "*i64"]
+    pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out", "group", "position", "next_position"]
+    kinds = ["*bf16", "*i8", "*fp32", "*fp64", "*fp64", "*fp64", "*i64", "*i64", "*i64", "*i64"]
     types = {f"{name}_ptr": kind for name, kind in zip(pointers, kinds, strict=True)}  # the strides: i32
     constexprs = {
         "VOCAB": 6565, "BLOCK_V": 8192, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
-        "USES_TOP_P": uses_top_p, "PDL": True,
+        "USES_TOP_P": uses_top_p, "PDL": True, "WRITE_STATE": write_state,
     }  # fmt: skip
     assert hopper_ptx(sampling._sample_kernel, constexprs, types, DecodeKernelConfig().sampler_num_warps)  # Triton's compiler and ptxas
 

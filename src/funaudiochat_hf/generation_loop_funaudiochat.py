@@ -104,7 +104,7 @@ class SpeechRun:
         self.max_new_tokens = request.max_new_tokens
         needed = length + request.max_new_tokens
         cache_length = generator.cache_length(batch, needed, plan.static_cache)
-        self.step_fn, self.prefill_crq_part, self.prefill_halves = generator.step_functions(
+        self.step_fn, self.prefill_crq_steps, self.prefill_halves = generator.step_functions(
             self.cfg, request.compile_options
         )
         # `per_row_sampling`: sampling values per row (a continuous batch of requests, `serving_batch_funaudiochat`);
@@ -187,8 +187,7 @@ class SpeechRun:
         if not cfg.disable_speech:
             # The first group's other K - 1 CRQ sub-steps have a decode sub-step's shapes: they run as the decode
             # sub-step does (compiled / recorded in the fast backends; part of the time to first audio).
-            for _ in range(cfg.group_size - 1):
-                self.prefill_crq_part(model, ws, cfg)
+            self.prefill_crq_steps(model, ws, cfg)
         finish_part(model, ws, cfg, force_token=cfg.audio_bos_index if request.force_text_abos else None)
         self.steps = 1
         return ws

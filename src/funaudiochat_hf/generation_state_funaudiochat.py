@@ -37,7 +37,7 @@ from .generation_plan_funaudiochat import (
     prefill_compile_options,
     step_compile_options,
 )
-from .generation_step_funaudiochat import CompiledParts, crq_part, decode_step, recompile_limit
+from .generation_step_funaudiochat import CompiledParts, decode_step, prefill_crq_steps, recompile_limit
 from .triton_config_funaudiochat import DecodeKernelConfig
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig, storage_bytes
 from .step_graph_funaudiochat import CapturedStep
@@ -268,11 +268,11 @@ class SpeechGenerator:
         return ws
 
     def step_functions(self, cfg: StepConfig, compile_options: dict | None):
-        """`(step, prefill_crq_part, prefill_halves)` of a plan: the decode step, the function running the prefill's
+        """`(step, prefill_crq_steps, prefill_halves)` of a plan: the decode step, the function running the prefill's
         last K - 1 (decode-shaped) CRQ sub-steps, and the layer halves of the prefill forward (None: the models' own
         forwards)."""
         plan = cfg.plan
-        step, prefill_crq, halves = decode_step, crq_part, None
+        step, prefill_crq, halves = decode_step, prefill_crq_steps, None
         if plan.compile_step:
             options = step_compile_options(compile_options, plan.step_graph)
             key = tuple(sorted((name, repr(value)) for name, value in options.items()))
@@ -283,7 +283,7 @@ class SpeechGenerator:
                 )
                 self._compiled_parts[key] = CompiledParts(options)
             parts = self._compiled_parts[key]
-            step, prefill_crq = parts, parts.prefill_crq_part
+            step, prefill_crq = parts, parts.prefill_crq_steps
         if plan.compile_prefill:
             options = prefill_compile_options(compile_options)
             key = tuple(sorted((name, repr(value)) for name, value in options.items()))
@@ -299,7 +299,7 @@ class SpeechGenerator:
             # Keyed by everything the recorded work depends on besides the tensors (`StepGraphs.check`).
             key = (cfg,)  # `cfg` carries the plan and the kernel config
             step = CapturedStep(step, ("step", *key))
-            prefill_crq = CapturedStep(prefill_crq, ("crq_part", *key))
+            prefill_crq = CapturedStep(prefill_crq, ("prefill_crq", *key))
         return step, prefill_crq, halves
 
 

@@ -13,9 +13,10 @@ from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import PaddedLinear
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
-from .sampling_funaudiochat import mark_seen, select_tokens
+from .sampling_funaudiochat import mark_seen_, select_tokens
+from .triton_finish_funaudiochat import finish_kernel_supported, launch_finish_rows
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
-from .triton_sampling_funaudiochat import sample_tokens, use_sampler_kernel
+from .triton_sampling_funaudiochat import sample_tokens, sample_tokens_into, use_sampler_kernel
 
 
 def _stack_forward(
@@ -81,9 +82,11 @@ def _run_crq(
     positions: torch.Tensor,
     halves: DecoderLayerHalves | None = None,
     mask: dict | None = None,
+    sub_step: int | None = None,
 ) -> None:
-    """CRQ sub-step `ws.sub_step` over `sub_inputs` `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with
-    `fold_crq_matching`, `(batch, n, crq_hidden)`: the sub-positions through `input_matching` already.
+    """CRQ sub-step `sub_step` (None: the workspace's counter `ws.sub_step`, see `crq_part`) over `sub_inputs`
+    `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with `fold_crq_matching`, `(batch, n, crq_hidden)`: the
+    sub-positions through `input_matching` already.
 
     The embedding of the previous speech token is added to every input sub-position (n > 1 only for sub-step 0 of the
     prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
@@ -93,7 +96,7 @@ def _run_crq(
     """
     tower = model.audio_invert_tower
     crq = tower.crq_transformer
-    k = ws.sub_step.view(1)
+    k = ws.sub_step.view(1) if sub_step is None else None
     plan = cfg.plan
     kernels, config = plan.crq_head_linear, cfg.kernel_config
     folded = ws.folded if plan.fold_crq_matching else None
@@ -121,30 +124,66 @@ def _run_crq(
         logits = _matching(tower.lm_head, features, kernels, padded=ws.speech_head, kernel_config=config)
     else:  # lm_head ∘ output_matching as one linear
         logits = _matching(folded.head, hidden[:, -1], kernels, norm, kernel_config=config)
-    logits = logits.float().to(ws.device)
-    noise = ws.speech_noise.index_select(1, k)[:, 0] if cfg.speech.do_sample else None
+    logits = logits.to(ws.device)
+    noise = None
+    if cfg.speech.do_sample:
+        noise = ws.speech_noise.index_select(1, k)[:, 0] if sub_step is None else ws.speech_noise[:, sub_step]
     seen = ws.group_seen if cfg.speech.uses_history else None
-    if plan.speech_sampler and use_sampler_kernel(logits):
+    kernel = plan.speech_sampler and use_sampler_kernel(logits)  # reads 16-bit logits as float32 itself: no cast
+    if kernel and sub_step is not None:
+        # The token into the next sub-step's input, the group and the history, and the next position, by the
+        # sampler's own kernel (one launch instead of five in the CUDA-graphed step).
+        sample_tokens_into(
+            logits, cfg.speech, ws.speech_sampling, seen, noise, config, out=ws.prev_speech_token,
+            group_column=ws.group[:, sub_step], positions=positions[:, -1], next_positions=ws.crq_position,
+        )  # fmt: skip
+        if cfg.output_logits:
+            ws.group_logits[:, sub_step] = logits.float()
+        return
+    if kernel:
         token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise, kernel_config=config)
     else:
+        logits = logits.float()
         token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
     if cfg.speech.uses_history:
-        ws.group_seen.copy_(mark_seen(ws.group_seen, token[:, None]))
+        mark_seen_(ws.group_seen, token[:, None])
     # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
     # reference's `lm_head.weight[token]`.
     ws.prev_speech_token.copy_(token)
     torch.add(positions[:, -1], 1, out=ws.crq_position)  # one kernel (a decode sub-step's positions are these)
-    ws.group.index_copy_(1, k, token[:, None])
-    if cfg.output_logits:  # read only to return the logits
-        ws.group_logits.index_copy_(1, k, logits[:, None])
-    ws.sub_step.add_(1)
+    if sub_step is None:
+        ws.group.index_copy_(1, k, token[:, None])
+        if cfg.output_logits:  # read only to return the logits
+            ws.group_logits.index_copy_(1, k, logits.float()[:, None])
+        ws.sub_step.add_(1)
+    else:
+        ws.group[:, sub_step] = token
+        if cfg.output_logits:
+            ws.group_logits[:, sub_step] = logits.float()
 
 
-def crq_part(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
-    """Next CRQ sub-step of a decode step: one sub-position, `ws.sub_inputs[:, ws.sub_step]` (or the folded ones)."""
+def counted_sub_steps(cfg: StepConfig) -> bool:
+    """Whether the CRQ sub-steps index the workspace by its counter tensor `ws.sub_step` (the compiled step: one
+    graph serves the K sub-steps) rather than by Python ints (the eager loop, and the one CUDA graph of the whole
+    "cuda_graphs" step, where a constant index is a view: no index kernels and no counter to keep)."""
+    return cfg.plan.compile_step
+
+
+def crq_part(model, ws: DecodeWorkspace, cfg: StepConfig, sub_step: int | None = None) -> None:
+    """CRQ sub-step `sub_step` of a decode step (None: the next one, `ws.sub_step`, counted in the workspace): one
+    sub-position, `ws.sub_inputs[:, sub_step]` (or the folded ones)."""
     all_sub_inputs = ws.folded_sub_inputs if cfg.plan.fold_crq_matching else ws.sub_inputs
-    sub_inputs = all_sub_inputs.index_select(1, ws.sub_step.view(1))
-    _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None])
+    if sub_step is None:
+        sub_inputs = all_sub_inputs.index_select(1, ws.sub_step.view(1))
+    else:
+        sub_inputs = all_sub_inputs[:, sub_step : sub_step + 1]
+    _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None], sub_step=sub_step)
+
+
+def prefill_crq_steps(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+    """The prompt's first group's other K - 1 CRQ sub-steps (decode-shaped, after `prefill_forward`'s sub-step 0)."""
+    for sub_step in range(1, cfg.group_size):
+        crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step)
 
 
 def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tensor, input_ids: torch.Tensor):
@@ -167,7 +206,8 @@ def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tens
     else:
         sub_positions = model.audio_invert_tower.split_positions(conditioning)
         ws.sub_inputs.copy_(sub_positions[:, -cfg.group_size :])
-    ws.sub_step.zero_()
+    if counted_sub_steps(cfg):
+        ws.sub_step.zero_()
     ws.group_seen.copy_(ws.speech_seen)
     return sub_positions
 
@@ -202,6 +242,20 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
     token = select_tokens(text_logits, cfg.text, seen, noise, ws.text_sampling)
     if force_token is not None:
         token = torch.full_like(token, force_token)
+    if cfg.output_logits:
+        step = ws.step.view(1)
+        ws.text_logits.index_copy_(1, step, text_logits[:, None])
+        if not cfg.disable_speech:
+            ws.speech_logits.index_copy_(1, step, ws.group_logits[:, None])
+    embedding = model.language_model.get_input_embeddings()
+    if _finish_kernel_runs(ws, cfg, embedding):  # the rest in one kernel (the step counter after it)
+        launch_finish_rows(
+            token, ws, embedding.weight, ws.folded.feedback, pad_token_id=cfg.pad_token_id, speech_eos_id=cfg.speech_eos_id,
+            audio_eos_index=cfg.audio_eos_index, audio_bos_index=cfg.audio_bos_index,
+            speech_history=cfg.speech.uses_history, text_history=cfg.text.uses_history,
+        )  # fmt: skip
+        ws.step.add_(1)
+        return
     done = ws.done
     token = torch.where(done, cfg.pad_token_id, token)
     # Stopping is decided on the chosen token, before the speech-EOS overwrite (as the reference).
@@ -218,26 +272,21 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
         trash = ws.speech_out.shape[1] - k
         slots = torch.where(speaking[:, None], ws.groups[:, None] * k + offsets, trash + offsets)
         ws.speech_out.scatter_(1, slots, group)
-        ws.last_group.copy_(torch.where(speaking[:, None], group, ws.last_group))
-        ws.groups.add_(speaking.long())
+        # In place through `out=` (same elements only): each state update is one kernel, not a result and a copy.
+        torch.where(speaking[:, None], group, ws.last_group, out=ws.last_group)
+        ws.groups.add_(speaking)
         if cfg.speech.uses_history:
-            ws.speech_seen.copy_(mark_seen(ws.speech_seen, group, speaking))
-        speaking = (speaking & ~finish) | (token == cfg.audio_bos_index)
-        ws.speaking.copy_(speaking)
+            mark_seen_(ws.speech_seen, group, speaking)
+        speaking = torch.bitwise_or(speaking & ~finish, token == cfg.audio_bos_index, out=ws.speaking)
 
-    step = ws.step.view(1)
-    ws.text_out.index_copy_(1, step, token[:, None])
-    if cfg.output_logits:
-        ws.text_logits.index_copy_(1, step, text_logits[:, None])
-        if not cfg.disable_speech:
-            ws.speech_logits.index_copy_(1, step, ws.group_logits[:, None])
-    ws.finish_step.copy_(torch.where(stop, ws.step, ws.finish_step))
-    ws.done.copy_(done | stop)
+    ws.text_out.index_copy_(1, ws.step.view(1), token[:, None])
+    ws.finish_step.masked_fill_(stop, ws.step)
+    done.bitwise_or_(stop)
     if cfg.text.uses_history:
-        ws.text_seen.copy_(mark_seen(ws.text_seen, token[:, None]))
+        mark_seen_(ws.text_seen, token[:, None])
 
     # Next LLM input: the text embedding, averaged with the last speech group's encoding while speaking.
-    embeds = model.language_model.get_input_embeddings()(token[:, None]).to(ws.device)
+    embeds = embedding(token[:, None]).to(ws.device)
     if speaking is not None:
         if cfg.plan.fold_crq_matching:  # the mean of the group's rows of the folded table (`FoldedCRQMatching`)
             table = ws.folded.feedback
@@ -250,6 +299,15 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
     ws.next_embeds.copy_(embeds)
     ws.next_ids.copy_(token)
     ws.step.add_(1)
+
+
+def _finish_kernel_runs(ws: DecodeWorkspace, cfg: StepConfig, embedding: torch.nn.Module) -> bool:
+    """Whether `finish_part`'s bookkeeping runs as one kernel here: plan part `finish_kernel`, a plain text embedding
+    (its weight is what it computes) and tables the kernel can read on the workspace's device."""
+    if not cfg.plan.finish_kernel or cfg.disable_speech or ws.folded is None:
+        return False
+    plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
+    return plain and embedding.weight.device == ws.device and finish_kernel_supported(embedding.weight, ws.folded.feedback)
 
 
 def start_text_head(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
@@ -271,8 +329,8 @@ def decode_step(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
     llm_part(model, ws, cfg)
     start_text_head(model, ws, cfg)
     if not cfg.disable_speech:
-        for _ in range(cfg.group_size):
-            crq_part(model, ws, cfg)
+        for sub_step in range(cfg.group_size):
+            crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step)
     join_text_head(ws, cfg)
     finish_part(model, ws, cfg)
 
@@ -308,7 +366,8 @@ def prefill_forward(
         first = length * k - (k - 1)
         crq_positions = (torch.arange(first, device=ws.device)[None, :] - k * padding[:, None]).clamp(min=0)
         crq_mask = None if masks is None else masks[1]
-        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves, crq_mask)
+        sub_step = None if counted_sub_steps(cfg) else 0
+        _run_crq(model, ws, cfg, sub_positions[:, :first], crq_positions, halves, crq_mask, sub_step)
 
 
 def _prompt_mask(key_mask: torch.Tensor, queries: int) -> dict:
@@ -373,20 +432,23 @@ class CompiledParts:
             join_text_head(ws, cfg)
             self.finish_part(model, ws, cfg)
 
-    def prefill_crq_part(self, model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
-        """One decode-shaped CRQ sub-step of the prefill, through the compiled sub-step."""
+    def prefill_crq_steps(self, model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
+        """`prefill_crq_steps` through the compiled sub-step."""
         with recompile_limit():
-            self.crq_part(model, ws, cfg)
+            for _ in range(1, cfg.group_size):
+                self.crq_part(model, ws, cfg)
 
 
 __all__ = [
     "RECOMPILE_LIMIT",
     "CompiledParts",
     "bucketed_prefill_forward",
+    "counted_sub_steps",
     "crq_part",
     "decode_step",
     "finish_part",
     "llm_part",
+    "prefill_crq_steps",
     "prefill_forward",
     "prompt_masks",
     "recompile_limit",

@@ -265,9 +265,11 @@ def first_argmax(scores: torch.Tensor) -> torch.Tensor:
     return (best_block * ARGMAX_CHUNK + block_index.gather(-1, best_block))[:, 0]
 
 
-def mark_seen(seen: torch.Tensor, token_ids: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Return `seen` with `token_ids` `(batch, n)` added, only for rows where `row_mask` `(batch,)` is True."""
-    update = torch.zeros_like(seen).scatter_(-1, token_ids, True)
-    if row_mask is not None:
-        update = update & row_mask[:, None]
-    return seen | update
+def mark_seen_(seen: torch.Tensor, token_ids: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Add `token_ids` `(batch, n)` to the `(batch, vocab)` bool history `seen` in place, only in the rows where
+    `row_mask` `(batch,)` is True; returns `seen`. One scatter (three kernels with a row mask), not a new mask the
+    size of `seen` or'ed into it: the decode step marks a history every CRQ sub-step and every text token."""
+    if row_mask is None:
+        return seen.scatter_(-1, token_ids, True)
+    # A masked row writes back what it holds; repeated ids write the same value.
+    return seen.scatter_(-1, token_ids, seen.gather(-1, token_ids) | row_mask[:, None])

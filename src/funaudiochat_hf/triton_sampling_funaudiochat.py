@@ -82,12 +82,17 @@ if triton is not None:
     def _sample_kernel(
         scores_ptr, seen_ptr, noise_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
         stride_scores, stride_seen, stride_noise, stride_parameters,
+        group_ptr, stride_group, position_ptr, stride_position, next_position_ptr,
         VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, DO_SAMPLE: tl.constexpr,
-        USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr,
+        USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr, WRITE_STATE: tl.constexpr,
     ):  # fmt: skip
         """The token of row `program_id(0)`: scores `(rows, VOCAB)` float, seen `(rows, VOCAB)` bool, noise `(rows,
         VOCAB)` float32 Exp(1); temperature, top-p and penalty (float64), 0-d (`stride_parameters` 0) or one per row;
-        out `(rows,)` int64. Positions past the vocabulary hold -inf scores and no probability."""
+        out `(rows,)` int64. Positions past the vocabulary hold -inf scores and no probability.
+
+        `WRITE_STATE` (a decode sub-step's state, `sample_tokens_into`): the token also goes to `group_ptr` (a
+        column of the group, `stride_group` between rows) and into the history (`seen`, with `USES_HISTORY`), and
+        `next_position_ptr[row] = position_ptr[row * stride_position] + 1`."""
         if PDL:  # the scores are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
@@ -116,7 +121,13 @@ if triton is not None:
             token = tl.argmax(scores, 0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(out_ptr + row, token.to(tl.int64))
+        token = token.to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if WRITE_STATE:
+            tl.store(group_ptr + row * stride_group, token)
+            if USES_HISTORY:  # after the whole row's read above
+                tl.store(seen_ptr + row * stride_seen + token, 1)
+            tl.store(next_position_ptr + row, tl.load(position_ptr + row * stride_position) + 1)
 
 
 def sampler_kernel_supported(vocab_size: int) -> bool:
@@ -153,9 +164,27 @@ def launch_sample_tokens(
     with `do_sample`); the settings as the tensors of a `SamplingParameters` (0-d, or `(rows, 1)`: one per row); launch: `sampler_launch(config)`,
     or empty (the config of the scores' device).
     """
+    return _launch(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p,
+                   launch, None)  # fmt: skip
+
+
+def _launch(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p, launch,
+            state):  # fmt: skip
+    """`launch_sample_tokens`, and with `state` = `(out, group_column, positions, next_positions)` the decode
+    sub-step's state writes of `sample_tokens_into` (the token into `out`)."""
     rows, vocab = scores.shape
-    scores, seen, noise = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (scores, seen, noise))
-    out = torch.empty(rows, dtype=torch.long, device=scores.device)
+    scores, noise = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (scores, noise))
+    if seen is not None:
+        if seen.stride(-1) != 1:
+            if state is not None:
+                raise ValueError("The history marked in place must have unit stride along the vocabulary.")
+            seen = seen.contiguous()
+        seen = seen.view(torch.int8) if seen.dtype == torch.bool else seen  # bytes, read and (WRITE_STATE) written
+    if state is None:
+        out = torch.empty(rows, dtype=torch.long, device=scores.device)
+        group, positions, next_positions = out, out, out  # not read (WRITE_STATE off)
+    else:
+        out, group, positions, next_positions = state
     block_v = triton.next_power_of_2(vocab)
     num_warps, programmatic = launch or sampler_launch(DecodeKernelConfig.for_device(scores.device))
     pdl = bool(programmatic)
@@ -164,8 +193,9 @@ def launch_sample_tokens(
         temperature, top_p, repetition_penalty, out,
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
         temperature.stride(0) if temperature.ndim else 0,
-        VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample,
-        USES_HISTORY=uses_history, USES_TOP_P=uses_top_p, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        group, group.stride(0), positions, positions.stride(0), next_positions,
+        VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample, USES_HISTORY=uses_history, USES_TOP_P=uses_top_p,
+        PDL=pdl, WRITE_STATE=state is not None, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -210,4 +240,50 @@ def sample_tokens(
     )
 
 
-__all__ = ["MAX_VOCAB", "launch_sample_tokens", "sampler_launch", "sample_tokens", "sampler_kernel_supported", "use_sampler_kernel"]
+def sample_tokens_into(
+    scores: torch.Tensor,
+    switches: SamplingSwitches,
+    parameters: SamplingParameters,
+    seen: torch.Tensor | None,
+    exponential_noise: torch.Tensor | None,
+    kernel_config: DecodeKernelConfig | None,
+    *,
+    out: torch.Tensor,
+    group_column: torch.Tensor,
+    positions: torch.Tensor,
+    next_positions: torch.Tensor,
+) -> torch.Tensor:
+    """`sample_tokens` with a decode sub-step's state written by the same kernel, instead of four small kernels after
+    it: the token into `out` `(rows,)` and `group_column` `(rows,)` (a column view of the group), marked in `seen`
+    (in place, with the repetition penalty), and `next_positions = positions + 1` `(rows,)` (views allowed). For the
+    step recorded as a CUDA graph without torch.compile (a plain launch, not the opaque operator). With top-k on,
+    `select_tokens` and the same writes as PyTorch ops. Returns `out`."""
+    if switches.uses_top_k:
+        token = select_tokens(scores, switches, seen, exponential_noise, parameters)
+        out.copy_(token)
+        group_column.copy_(token)
+        if switches.uses_history:
+            seen.scatter_(-1, token[:, None], True)
+        torch.add(positions, 1, out=next_positions)
+        return out
+    if switches.uses_history and seen is None:
+        raise ValueError("A repetition penalty needs the `seen` history mask.")
+    if switches.do_sample and exponential_noise is None:
+        raise ValueError("Sampling needs `exponential_noise` drawn from Exp(1).")
+    return _launch(
+        scores, seen if switches.uses_history else None, exponential_noise if switches.do_sample else None,
+        parameters.temperature, parameters.top_p, parameters.repetition_penalty, switches.do_sample,
+        switches.uses_history, switches.uses_top_p, [] if kernel_config is None else sampler_launch(kernel_config),
+        (out, group_column, positions, next_positions),
+    )  # fmt: skip
+
+
+__all__ = [
+    "MAX_VOCAB",
+    "launch_sample_tokens",
+    "sampler_launch",
+    "sample_tokens",
+    "sample_tokens_into",
+    "sampler_kernel_supported",
+    "use_sampler_kernel",
+]
