@@ -165,11 +165,12 @@ inputs.pop("waveform_16k")
 kwargs = dict(max_new_tokens=12, do_sample=False, repetition_penalty=1.2, eos_token_id=322, pad_token_id=320,
               backend="eager", cache_implementation="static")
 eager = model.generate_speech(**inputs, **kwargs)
-# The "cuda_graphs" step's parts on CPU tensors (the kernels through the interpreter): the folded matching, the
-# sampler writing the sub-step's state, the bookkeeping kernel; Python-int sub-steps as in the recorded step.
+# The "cuda_graphs" step's parts on CPU tensors (the kernels through the interpreter): the stacks layer by layer with
+# the GQA decode attention and the step's prepared masks and tables, the folded matching, the sampler writing the
+# sub-step's state, the bookkeeping kernel; Python-int sub-steps as in the recorded step.
 state.plan_decode = lambda *args, **kw: DecodePlan(
-    "eager", static_cache=True, fuse_crq_projections=True, fold_crq_matching=True, speech_sampler=True,
-    finish_kernel=True)
+    "eager", static_cache=True, attention="gqa_matmul", fuse_crq_projections=True, fold_crq_matching=True,
+    speech_sampler=True, finish_kernel=True)
 step.use_sampler_kernel = lambda scores: True
 calls = []
 into, finish = step.sample_tokens_into, step.launch_finish_rows
@@ -183,9 +184,9 @@ print(json.dumps({"text": torch.equal(fast.sequences, eager.sequences),
 
 
 def test_a_reply_with_both_step_kernels_equals_the_eager_loop_in_the_triton_interpreter():
-    """The tiny model's golden prompt, 12 steps with the speech history on: the step with the sampler writing its
-    sub-steps' state and the bookkeeping kernel (through the interpreter, on CPU tensors) gives the eager loop's text
-    and speech tokens; both kernels ran at every sub-step and step (the prefill's included)."""
+    """The tiny model's golden prompt, 12 steps with the speech history on: the default GPU step's parts that run on
+    a CPU, with the sampler writing its sub-steps' state and the bookkeeping kernel (through the interpreter) give the
+    eager loop's text and speech tokens; both kernels ran at every sub-step and step (the prefill's included)."""
     result = json.loads(run_in_triton_interpreter(_STEP_SCRIPT))
     assert result["text"] and result["speech"] and result["groups"] > 0, result
     assert result["into"] == 12 * 5 and result["finish"] == 12, result

@@ -309,6 +309,7 @@ def decoder_stack_forward(
     *,
     kernel_config: DecodeKernelConfig | None = None,
     attention_implementation: str | None = None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`stack(inputs_embeds=..., attention_mask=..., position_ids=..., use_cache=True, cache).last_hidden_state`.
 
@@ -337,6 +338,8 @@ def decoder_stack_forward(
             the layers call instead of `config._attn_implementation` (the decode step's one-query attention); the
             masks are still built for the config's implementation, so it must accept `sdpa` / `eager` masks. None:
             the config's.
+        position_embeddings: the rotary `(cos, sin)` tables of `position_ids`, each `(batch, n, head_dim)`, computed
+            by the caller (a decode step prepares those of its stack calls together); None: computed here.
 
     Returns:
         `(batch, n, hidden)` final hidden states (after the final norm, unless `final_norm=False`).
@@ -350,7 +353,8 @@ def decoder_stack_forward(
         if stack.has_sliding_layers:
             causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(*mask_args)
     hidden_states = inputs_embeds
-    position_embeddings = rotary_tables(stack.rotary_emb, hidden_states, position_ids)
+    if position_embeddings is None:
+        position_embeddings = rotary_tables(stack.rotary_emb, hidden_states, position_ids)
     if cache is not None and _one_position_on_gpu(inputs_embeds):
         # The layers' kernels advance the cache length the masks were computed from: store them first; and the
         # rotary tables, which the compiled step would otherwise recompute for every few layers.

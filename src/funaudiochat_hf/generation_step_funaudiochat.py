@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import PaddedLinear
+from .generation_stack_inputs_funaudiochat import DecodeStackInputs, decode_stack_inputs, prepares_stack_inputs
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
 from .sampling_funaudiochat import mark_seen_, select_tokens
 from .triton_finish_funaudiochat import finish_kernel_supported, launch_finish_rows
@@ -31,15 +32,19 @@ def _stack_forward(
     split_k_counters=None,
     attention_implementation=None,
     kernel_config=None,
+    position_embeddings=None,
 ):
     """Last hidden state `(batch, n, hidden)` of a Qwen3 stack (the LLM's or the CRQ's) over `inputs_embeds` at
     `positions`, updating `cache`: its own forward, or `decoder_stack_forward` with fused `projections`, layer
     `halves` (the compiled prefill) and / or another `attention_implementation` (the decode attention).
     `final_norm=False` (with `projections` or `halves`): before the stack's final norm. `split_k_counters`,
-    `kernel_config`: see `decoder_stack_forward`."""
+    `kernel_config`, `position_embeddings` (prepared rotary tables): see `decoder_stack_forward`."""
     if projections is None and halves is None and attention_implementation is None:
-        if not final_norm:
-            raise ValueError("`final_norm=False` needs the stack run layer by layer (`projections` or `halves`).")
+        if not final_norm or position_embeddings is not None:
+            raise ValueError(
+                "`final_norm=False` and prepared `position_embeddings` need the stack run layer by layer "
+                "(`projections`, `halves` or an `attention_implementation`)."
+            )
         return stack(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -59,6 +64,7 @@ def _stack_forward(
         split_k_counters,
         attention_implementation=attention_implementation,
         kernel_config=kernel_config,
+        position_embeddings=position_embeddings,
     )
 
 
@@ -83,6 +89,7 @@ def _run_crq(
     halves: DecoderLayerHalves | None = None,
     mask: dict | None = None,
     sub_step: int | None = None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """CRQ sub-step `sub_step` (None: the workspace's counter `ws.sub_step`, see `crq_part`) over `sub_inputs`
     `(batch, n, hidden)` at rotary `positions` `(batch, n)`; with `fold_crq_matching`, `(batch, n, crq_hidden)`: the
@@ -92,7 +99,8 @@ def _run_crq(
     prefill, as the reference does). The token is sampled from the last position, with the repetition penalty over
     the row's speech history plus the tokens already chosen in this group. `halves`: run the CRQ layer by layer
     with these layer halves (`decoder_stack_funaudiochat`; the compiled prefill) instead of its own forward. `mask`:
-    prepared attention masks (`prompt_masks`) instead of the workspace's 2-D padding mask.
+    prepared attention masks (`prompt_masks`, `decode_stack_inputs`) instead of the workspace's 2-D padding mask;
+    `position_embeddings`: prepared rotary tables (`decode_stack_inputs`).
     """
     tower = model.audio_invert_tower
     crq = tower.crq_transformer
@@ -116,7 +124,7 @@ def _run_crq(
     attention = cfg.attention_implementation if positions.shape[1] == 1 else None
     hidden = _stack_forward(
         crq, inputs_embeds, ws.crq_mask if mask is None else mask, positions, ws.crq_cache, fused, halves,
-        not fold_norm, counters, attention, config,
+        not fold_norm, counters, attention, config, position_embeddings,
     )  # fmt: skip
     norm = crq.norm if fold_norm else None
     if folded is None:
@@ -169,21 +177,33 @@ def counted_sub_steps(cfg: StepConfig) -> bool:
     return cfg.plan.compile_step
 
 
-def crq_part(model, ws: DecodeWorkspace, cfg: StepConfig, sub_step: int | None = None) -> None:
+def crq_part(
+    model, ws: DecodeWorkspace, cfg: StepConfig, sub_step: int | None = None, prepared: DecodeStackInputs | None = None
+) -> None:
     """CRQ sub-step `sub_step` of a decode step (None: the next one, `ws.sub_step`, counted in the workspace): one
-    sub-position, `ws.sub_inputs[:, sub_step]` (or the folded ones)."""
+    sub-position, `ws.sub_inputs[:, sub_step]` (or the folded ones). `prepared`: the step's stack inputs."""
     all_sub_inputs = ws.folded_sub_inputs if cfg.plan.fold_crq_matching else ws.sub_inputs
     if sub_step is None:
         sub_inputs = all_sub_inputs.index_select(1, ws.sub_step.view(1))
     else:
         sub_inputs = all_sub_inputs[:, sub_step : sub_step + 1]
-    _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None], sub_step=sub_step)
+    mask, tables = prepared.sub_step(sub_step) if prepared is not None else (None, None)
+    _run_crq(model, ws, cfg, sub_inputs, ws.crq_position[:, None], mask=mask, sub_step=sub_step,
+             position_embeddings=tables)  # fmt: skip
+
+
+def _prepared(model, ws: DecodeWorkspace, cfg: StepConfig, first_sub_step: int, llm: bool) -> DecodeStackInputs | None:
+    """The step's stack inputs where it prepares them (`prepares_stack_inputs`; Python-int sub-steps), else None."""
+    if counted_sub_steps(cfg) or not prepares_stack_inputs(model, cfg):
+        return None
+    return decode_stack_inputs(model, ws, cfg, first_sub_step, llm)
 
 
 def prefill_crq_steps(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
     """The prompt's first group's other K - 1 CRQ sub-steps (decode-shaped, after `prefill_forward`'s sub-step 0)."""
+    prepared = _prepared(model, ws, cfg, 1, llm=False)
     for sub_step in range(1, cfg.group_size):
-        crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step)
+        crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step, prepared)
 
 
 def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tensor, input_ids: torch.Tensor):
@@ -212,16 +232,19 @@ def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tens
     return sub_positions
 
 
-def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
-    """LLM forward of the fed embeddings -> text logits and the speech-head inputs of the new position."""
+def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig, prepared: DecodeStackInputs | None = None) -> None:
+    """LLM forward of the fed embeddings -> text logits and the speech-head inputs of the new position.
+    `prepared`: the step's stack inputs (its `llm` mask and tables)."""
     language_model = model.language_model
     positions = ws.llm_position[:, None]
     stack = language_model.model
+    mask, tables = prepared.llm if prepared is not None else (ws.llm_mask, None)
     # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
     counters = ws.split_k_counters if cfg.plan.llm_linear else None
     hidden = _stack_forward(
-        stack, ws.next_embeds, ws.llm_mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters,
+        stack, ws.next_embeds, mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters,
         attention_implementation=cfg.attention_implementation, kernel_config=cfg.kernel_config,
+        position_embeddings=tables,
     )  # fmt: skip
     hidden = hidden.to(ws.device)
     ws.llm_position.add_(1)
@@ -326,11 +349,12 @@ def join_text_head(ws: DecodeWorkspace, cfg: StepConfig) -> None:
 def decode_step(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
     """One LLM step (+ K CRQ sub-steps) of every row; only mutates `ws`. Free of host syncs and of allocations that
     outlive it: the "cuda_graphs" backend records it as one CUDA graph as it is."""
-    llm_part(model, ws, cfg)
+    prepared = _prepared(model, ws, cfg, 0, llm=True)
+    llm_part(model, ws, cfg, prepared)
     start_text_head(model, ws, cfg)
     if not cfg.disable_speech:
         for sub_step in range(cfg.group_size):
-            crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step)
+            crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step, prepared)
     join_text_head(ws, cfg)
     finish_part(model, ws, cfg)
 
