@@ -7,8 +7,8 @@ ops that is about forty small kernels; a CUDA-graphed step (the "cuda_graphs" ba
 launches each one by one, a few microseconds apiece on the step's critical path. Here one program per row does it all.
 
 The values equal `finish_part`'s: integer logic exactly, and the next input rounded as PyTorch rounds it (the K fed-back
-rows summed in float32 in order and divided by K, rounded to the weights' dtype, added to the text embedding and
-rounded, halved and rounded). It needs the folded feedback table (`fold_crq_matching`: the fed-back encoding of a
+rows summed in float32 and divided by K, rounded to the weights' dtype, added to the text embedding and rounded,
+halved and rounded; the sum's order is the kernel's own, so the mean may round one unit apart). It needs the folded feedback table (`fold_crq_matching`: the fed-back encoding of a
 group is the mean of K gathered rows) and leaves the step counter's increment and the optional logits copies to the
 caller.
 """
@@ -32,28 +32,33 @@ if triton is not None:
         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_EOS: tl.constexpr, BLOCK_H: tl.constexpr,
         SPEECH_HISTORY: tl.constexpr, TEXT_HISTORY: tl.constexpr,
     ):  # fmt: skip
-        """Row `program_id(0)` of `finish_part` (see the module docstring); every pointer is to its tensor's row 0."""
+        """Row `program_id(0)` of `finish_part` (see the module docstring); every pointer is to its tensor's row 0.
+        The row's state is read before anything is written (a barrier between), so that no thread of the program
+        reads what another already overwrote."""
         row = tl.program_id(0).to(tl.int64)
-        step = tl.load(step_ptr)
-        done = tl.load(done_ptr + row) != 0
-        running = tl.load(done_ptr + row) == 0
-        token = tl.where(done, pad_token_id, tl.load(token_ptr + row))
-        # Stopping is decided on the chosen token, before the speech-EOS overwrite (as the reference).
-        eos_index = tl.arange(0, BLOCK_EOS)
-        eos = tl.load(eos_ptr + eos_index, mask=eos_index < n_eos, other=-1)
-        stop = (tl.sum(((token == eos) & (eos_index < n_eos)).to(tl.int32), 0) > 0) & running
-
-        speaking = (tl.load(speaking_ptr + row) != 0) & running
         offsets = tl.arange(0, BLOCK_K)
         in_group = offsets < K
+        eos_index = tl.arange(0, BLOCK_EOS)
+        step = tl.load(step_ptr)
+        done = tl.load(done_ptr + row) != 0
+        chosen = tl.load(token_ptr + row)
+        speaking = tl.load(speaking_ptr + row) != 0
         group = tl.load(group_ptr + row * stride_group + offsets, mask=in_group, other=0)
+        groups = tl.load(groups_ptr + row)
+        last_group = tl.load(last_group_ptr + row * stride_last_group + offsets, mask=in_group, other=0)
+        finish_step = tl.load(finish_step_ptr + row)
+        eos = tl.load(eos_ptr + eos_index, mask=eos_index < n_eos, other=-1)
+        tl.debug_barrier()
+
+        token = tl.where(done, pad_token_id, chosen)
+        # Stopping is decided on the chosen token, before the speech-EOS overwrite (as the reference).
+        stop = (tl.sum(((token == eos) & (eos_index < n_eos)).to(tl.int32), 0) > 0) & (done == 0)
+        speaking = speaking & (done == 0)
         finish = speaking & (tl.sum(((group == speech_eos_id) & in_group).to(tl.int32), 0) > 0)
         group = tl.where(finish, speech_eos_id, group)
         token = tl.where(finish, audio_eos_index, token)
-        groups = tl.load(groups_ptr + row)
         slots = tl.where(speaking, groups * K, trash_column) + offsets
         tl.store(speech_out_ptr + row * stride_speech_out + slots, group, mask=in_group)
-        last_group = tl.load(last_group_ptr + row * stride_last_group + offsets, mask=in_group, other=0)
         last_group = tl.where(speaking, group, last_group)
         tl.store(last_group_ptr + row * stride_last_group + offsets, last_group, mask=in_group)
         groups += speaking.to(tl.int64)
@@ -62,30 +67,25 @@ if triton is not None:
             tl.store(speech_seen_ptr + row * stride_speech_seen + group, 1, mask=in_group & speaking)
         speaking = (speaking & (finish == 0)) | (token == audio_bos_index)
         tl.store(speaking_ptr + row, speaking.to(tl.int8))
-
         tl.store(text_out_ptr + row * stride_text_out + step, token)
-        finish_step = tl.load(finish_step_ptr + row)
         tl.store(finish_step_ptr + row, tl.where(stop, step, finish_step))
         tl.store(done_ptr + row, (done | stop).to(tl.int8))
         if TEXT_HISTORY:
             tl.store(text_seen_ptr + row * stride_text_seen + token, 1)
         tl.store(next_ids_ptr + row, token)
 
-        # Next LLM input: the text embedding, averaged with the group's fed-back encoding while speaking.
+        # Next LLM input: the text embedding, averaged with the group's fed-back encoding while speaking (the K rows
+        # of the new last group, gathered by the ids held in registers).
         use_feedback = speaking & (groups > 0)
+        feedback_rows = feedback_table_ptr + last_group[:, None] * stride_feedback_table
         for start in range(0, hidden, BLOCK_H):
             columns = start + tl.arange(0, BLOCK_H)
             in_hidden = columns < hidden
             embeds = tl.load(text_table_ptr + token * stride_text_table + columns, mask=in_hidden, other=0.0)
             out_type = embeds.dtype
             if use_feedback:
-                total = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for k in tl.static_range(K):
-                    code = tl.load(last_group_ptr + row * stride_last_group + k)
-                    total += tl.load(
-                        feedback_table_ptr + code * stride_feedback_table + columns, mask=in_hidden, other=0.0
-                    ).to(tl.float32)
-                feedback = (total / K).to(out_type)
+                tile = tl.load(feedback_rows + columns[None, :], mask=in_group[:, None] & in_hidden[None, :], other=0.0)
+                feedback = (tl.sum(tile.to(tl.float32), 0) / K).to(out_type)
                 mixed = (embeds.to(tl.float32) + feedback.to(tl.float32)).to(out_type)
                 embeds = (mixed.to(tl.float32) / 2).to(out_type)
             tl.store(next_embeds_ptr + row * stride_next_embeds + columns, embeds, mask=in_hidden)
@@ -136,7 +136,7 @@ def launch_finish_rows(
         next_embeds.stride(0),
         pad_token_id, speech_eos_id, audio_eos_index, audio_bos_index, ws.speech_out.shape[1] - k, hidden,
         K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_EOS=triton.next_power_of_2(max(ws.eos_ids.numel(), 1)),
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)), SPEECH_HISTORY=speech_history, TEXT_HISTORY=text_history,
+        BLOCK_H=min(512, triton.next_power_of_2(hidden)), SPEECH_HISTORY=speech_history, TEXT_HISTORY=text_history,
         num_warps=4,
     )  # fmt: skip
 

@@ -124,8 +124,9 @@ if triton is not None:
         token = token.to(tl.int64)
         tl.store(out_ptr + row, token)
         if WRITE_STATE:
+            tl.debug_barrier()  # every thread has read its part of the history before one marks it
             tl.store(group_ptr + row * stride_group, token)
-            if USES_HISTORY:  # after the whole row's read above
+            if USES_HISTORY:
                 tl.store(seen_ptr + row * stride_seen + token, 1)
             tl.store(next_position_ptr + row, tl.load(position_ptr + row * stride_position) + 1)
 
