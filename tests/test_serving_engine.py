@@ -504,3 +504,28 @@ def test_row_counts_replay_the_graphs_recorded_at_the_start_on_gpu(prompts):
         assert events[index][0].text_ids == expected.sequences[0, length : length + 1].tolist()
         group = len(events[index][0].speech_ids)
         assert events[index][0].speech_ids == expected.speech_ids[0, :group].tolist()
+
+
+def test_the_next_step_is_queued_before_the_previous_steps_outputs_are_read(model, prompts, monkeypatch):
+    """The decode thread queues step n + 1 before it waits for step n's outputs (the GPU runs it while the host hands
+    them on), and still gives every request exactly its tokens: a reply of 8 tokens (the prefill's and 7 steps')
+    ends after one step more than it needs, whose outputs are dropped."""
+    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
+
+    order = []
+    step, read = ServingBatch.step, ServingBatch.read_results
+    monkeypatch.setattr(ServingBatch, "step", lambda self, generators: order.append("step") or step(self, generators))
+    monkeypatch.setattr(ServingBatch, "read_results", lambda self, copy: order.append("read") or read(self, copy))
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8,
+                          generation_options={"do_sample": False})  # fmt: skip
+    try:
+        order.clear()  # the start-up's warm-up
+        events = _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=8)))
+        deadline = time.monotonic() + TIMEOUT
+        while order.count("read") < order.count("step") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the dropped step's outputs are taken on the decode thread's next pass
+    finally:
+        engine.close()
+    assert order == ["step", "step"] + ["read", "step"] * 6 + ["read", "read"], order
+    expected_text, _ = _single_run(model, prompts["text40"], 8, do_sample=False)
+    assert [t for e in events for t in e.text_ids] == expected_text

@@ -9,7 +9,7 @@ import torch
 
 from funaudiochat_hf import CosyVoice3Token2Wav, serving_batch_funaudiochat, serving_vocoder_funaudiochat
 from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
-from funaudiochat_hf.serving_host_copy_funaudiochat import to_host
+from funaudiochat_hf.serving_host_copy_funaudiochat import HostCopy, to_host
 from funaudiochat_hf.serving_requests_funaudiochat import SpeechRequest
 
 from conftest import COSYVOICE3_TINY
@@ -21,9 +21,10 @@ def test_to_host_of_a_cpu_tensor_is_the_tensor():
 
 
 def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, inputs, monkeypatch):
-    """One `to_host` per decode step (the step's tokens), per prefill, and per vocoder call that has audio: no
-    pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left on the engine's threads."""
-    copies = {"batch": 0, "vocoder": 0}
+    """One `HostCopy` per decode step (the step's outputs, started when it is queued), one `to_host` per prefill and
+    per vocoder call that has audio: no pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left on the
+    engine's threads."""
+    copies = {"batch": 0, "vocoder": 0, "steps": 0, "step_reads": 0}
 
     def counting(name):
         def copy(tensor):
@@ -32,6 +33,15 @@ def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, i
 
         return copy
 
+    class CountingHostCopy(HostCopy):
+        def __init__(self, tensor):
+            copies["step_reads"] += 1
+            super().__init__(tensor)
+
+    step = serving_batch_funaudiochat.ServingBatch.step
+    monkeypatch.setattr(serving_batch_funaudiochat.ServingBatch, "step",
+                        lambda self, generators: copies.update(steps=copies["steps"] + 1) or step(self, generators))
+    monkeypatch.setattr(serving_batch_funaudiochat, "HostCopy", CountingHostCopy)
     monkeypatch.setattr(serving_batch_funaudiochat, "to_host", counting("batch"))
     monkeypatch.setattr(serving_vocoder_funaudiochat, "to_host", counting("vocoder"))
     calls = []
@@ -41,7 +51,7 @@ def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, i
     text_ids = inputs["input_ids"][0][inputs["input_ids"][0] != 346][-30:][None]
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
-    copies.update(batch=0, vocoder=0)  # the start-up's warm-up steps and calls
+    copies.update(batch=0, vocoder=0, steps=0, step_reads=0)  # the start-up's warm-up steps and calls
     calls.clear()
     try:
         events = list(engine.submit(SpeechRequest({"input_ids": text_ids}, max_new_tokens=8)).events(timeout=60))
@@ -49,7 +59,8 @@ def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, i
         engine.close()
     assert events[-1].finish_reason == "length"
     assert sum(len(event.audio) for event in events) > 0
-    assert copies["batch"] == engine.metrics.steps + 1  # the steps and the prefill
+    assert copies["batch"] == 1  # the prefill
+    assert copies["step_reads"] == copies["steps"] >= 7  # each step queued
     assert copies["vocoder"] == len(calls) > 0
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .generation_config_funaudiochat import SpeechRequest as ResolvedRequest
 from .generation_loop_funaudiochat import SpeechRun
-from .serving_host_copy_funaudiochat import to_host
+from .serving_host_copy_funaudiochat import HostCopy, to_host
 from .serving_requests_funaudiochat import SpeechRequest
 
 
@@ -258,10 +258,16 @@ class ServingBatch:
         run.step_fn(self.model, run.ws, run.cfg)
         self.steps_since_reset += 1
 
-    def read(self) -> tuple[list[int], list[bool], list[int], list[list[int]]]:
-        """The last step's text token, done flag, speech-group count and last group of every row (one copy)."""
+    def start_read(self) -> HostCopy:
+        """Start copying the last step's outputs to the host (`read_results` takes them): a snapshot queued right
+        after the step, so a step queued after it does not change what is read."""
         ws = self.ws
-        snapshot = to_host(torch.cat([ws.next_ids, ws.done.long(), ws.groups, ws.last_group.flatten()])).tolist()
+        return HostCopy(torch.cat([ws.next_ids, ws.done.long(), ws.groups, ws.last_group.flatten()]))
+
+    def read_results(self, copy: HostCopy) -> tuple[list[int], list[bool], list[int], list[list[int]]]:
+        """The text token, done flag, speech-group count and last group of every row of the step whose outputs
+        `copy` (`start_read`) holds, waiting for it."""
+        snapshot = copy.result().tolist()
         b, k = self.batch_size, self.k
         groups = snapshot[3 * b :]
         return (

@@ -2,7 +2,8 @@
 
 `SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
 request is prefilled alone (batch 1) between two steps and its cache rows and per-row state are placed into a free
-slot; a finished, cancelled or disconnected request leaves and frees its slot at the next step. Every request has its
+slot; a finished, cancelled or disconnected request leaves and frees its slot at the next step. Each step is queued
+before the previous one's outputs are read (`_iteration`), so the GPU does not wait for the host between steps. Every request has its
 own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio chunks (a streaming
 CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step; the chunks ready
 across requests are decoded together, see `serving_vocoder_funaudiochat`).
@@ -40,6 +41,7 @@ from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_batch_funaudiochat import ServingBatch
+from .serving_host_copy_funaudiochat import HostCopy
 from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
 from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
 
@@ -92,6 +94,15 @@ class _Active:
     max_new_tokens: int
     tokens: int = 0  # text tokens emitted (the prefill's first one included)
     groups: int = 0  # speech groups emitted
+
+
+@dataclass
+class _LaunchedStep:
+    """A decode step queued on the GPU whose outputs the host has not taken yet: the slots it stepped (a slot freed
+    or refilled since is not this step's any more) and the copy of its outputs (`ServingBatch.start_read`)."""
+
+    slots: list[_Active]
+    outputs: HostCopy
 
 
 class _Histogram:
@@ -196,6 +207,7 @@ class SpeechEngine:
         self._slots: list[_Active | None] = [None] * max_batch_size
         self._closed = False
         self._failure: str | None = None
+        self._launched: _LaunchedStep | None = None  # decode thread only
         self._output: queue.Queue = queue.Queue()
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
@@ -316,9 +328,16 @@ class SpeechEngine:
             self._finish(handle, "error", reason)
 
     def _iteration(self) -> bool:
-        """One pass: drop cancelled requests, admit waiting ones, run one decode step. False: closing."""
+        """One pass: drop cancelled requests, admit waiting ones, queue one decode step, then take the previous step's
+        outputs. False: closing.
+
+        The step is queued before the previous one's outputs are read: the GPU runs it while the host hands those
+        outputs on (and waits for the GIL, which the output thread holds while it vocodes), instead of idling between
+        steps. A request that finished in the previous step is stepped once more (its outputs are dropped, its slot
+        is then freed); a request joins at the first step queued after its admission."""
         with self._lock:
-            while not self._closed and not self._waiting and all(slot is None for slot in self._slots):
+            while (not self._closed and not self._waiting and self._launched is None
+                   and all(slot is None for slot in self._slots)):  # fmt: skip
                 self._lock.wait()
             if self._closed:
                 return False
@@ -332,8 +351,10 @@ class SpeechEngine:
                 self._leave(slot, "cancelled")
         self._admit_waiting()
         active = [slot for slot in self._slots if slot is not None]
-        if active:
-            self._decode_step(active)
+        launched = self._launch_step(active) if active else None
+        if self._launched is not None:
+            self._take_outputs(self._launched)
+        self._launched = launched
         return True
 
     def _admit_waiting(self) -> None:
@@ -390,14 +411,21 @@ class SpeechEngine:
         high = min([slot.start for slot in active] + [column - length])
         return high if low <= high else None  # the largest left shift: room for the longest time
 
-    def _decode_step(self, active: list[_Active]) -> None:
-        batch = self.batch
-        batch.step({slot.row: slot.run.generator for slot in active})
-        tokens, done, groups, last_groups = batch.read()
+    def _launch_step(self, active: list[_Active]) -> _LaunchedStep:
+        """Queue one decode step of the busy slots and the copy of its outputs."""
+        self.batch.step({slot.row: slot.run.generator for slot in active})
+        return _LaunchedStep(active, self.batch.start_read())
+
+    def _take_outputs(self, launched: _LaunchedStep) -> None:
+        """Hand a queued step's outputs to its requests (waiting for them); slots freed or refilled since are not
+        its requests' any more."""
+        tokens, done, groups, last_groups = self.batch.read_results(launched.outputs)
         with self._lock:
             self.metrics.steps += 1
-            self.metrics.step_rows.observe(len(active))
-        for slot in active:
+            self.metrics.step_rows.observe(len(launched.slots))
+        for slot in launched.slots:
+            if self._slots[slot.row] is not slot:  # it left (finished, cancelled) after the step was queued
+                continue
             row = slot.row
             speech = last_groups[row] if groups[row] > slot.groups else []
             slot.groups = groups[row]

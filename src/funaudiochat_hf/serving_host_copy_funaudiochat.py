@@ -17,19 +17,35 @@ import torch
 POLL_SECONDS = 5e-5
 
 
+class HostCopy:
+    """A copy of `tensor` to the CPU, started now (queued on the current stream, after the work that writes it) and
+    taken later with `result()`: the caller can queue more work in between (the engine queues the next decode step
+    before it reads this one's tokens). A CPU tensor is taken as it is (`tensor.cpu()` returns it: a caller that will
+    overwrite it must pass a copy)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type != "cuda":
+            self._host, self._copied = tensor.cpu(), None
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(tensor.device))
+
+    def result(self) -> torch.Tensor:
+        """The CPU tensor (pinned for a CUDA one), once the copy is done: the stream's progress polled
+        (`Event.query`), sleeping `POLL_SECONDS` between polls."""
+        if self._copied is not None:
+            while not self._copied.query():
+                time.sleep(POLL_SECONDS)
+        return self._host
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` on the CPU (a tensor already there is returned as it is). For a CUDA tensor: a non-blocking copy into
-    pinned memory on the current stream, then that stream's progress polled (`Event.query`) until the copy is done,
-    sleeping `POLL_SECONDS` between polls. Returns the pinned CPU tensor."""
-    if tensor.device.type != "cuda":
-        return tensor.cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(tensor.device))
-    while not copied.query():
-        time.sleep(POLL_SECONDS)
-    return host
+    pinned memory on the current stream, then that stream's progress polled until the copy is done (`HostCopy`).
+    Returns the pinned CPU tensor."""
+    return HostCopy(tensor).result()
 
 
-__all__ = ["POLL_SECONDS", "to_host"]
+__all__ = ["POLL_SECONDS", "HostCopy", "to_host"]
