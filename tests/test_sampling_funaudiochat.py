@@ -187,8 +187,36 @@ def test_first_argmax_equals_argmax_on_long_rows(vocab):
     expected = scores.argmax(dim=-1)
     assert expected.tolist()[1:4] == [0, vocab - 1, 7]
     assert torch.equal(first_argmax(scores), expected)
-    compiled = torch.compile(first_argmax, backend="aot_eager", fullgraph=True)
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(first_argmax, backend=keep_graph, fullgraph=True)
     assert torch.equal(compiled(scores), expected)
+    argmaxes = sum("argmax" in str(node.target) for node in graphs[0].graph.nodes)
+    assert argmaxes == (2 if vocab > 2 * 2048 else 1)  # compiled: two stages for long rows
+
+
+def test_first_argmax_outside_compile_is_one_argmax():
+    """Eagerly (the CUDA-graphed default step launches each op as a kernel) a long row's argmax is PyTorch's one
+    kernel, not the compiled step's seven-op two-stage form."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    scores = torch.randn(2, 151936)
+    with Ops() as ops:
+        first_argmax(scores)
+    assert ops.names == ["argmax"]
 
 
 def test_per_row_parameters_equal_each_row_sampled_alone():

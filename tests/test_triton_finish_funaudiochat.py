@@ -86,6 +86,8 @@ def kernel_against_torch(seed, dtype, device="cpu", text_history=False, force_to
 
 _INTERPRETER_SCRIPT = _CASE_CODE + """
 import json
+from funaudiochat_hf import triton_finish_funaudiochat
+triton_finish_funaudiochat.kernels_run_on = lambda tensor: True  # CPU tensors: the interpreter runs the kernel
 report = []
 # float16 for a 16-bit model dtype: the interpreter truncates float32 to bfloat16 (Triton 3.6), the GPU rounds to
 # nearest as PyTorch does (the GPU test runs bfloat16).
@@ -157,6 +159,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import generation_state_funaudiochat as state, generation_step_funaudiochat as step
+from funaudiochat_hf import triton_finish_funaudiochat as triton_finish
 from funaudiochat_hf.generation_plan_funaudiochat import DecodePlan
 
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
@@ -172,6 +175,7 @@ state.plan_decode = lambda *args, **kw: DecodePlan(
     "eager", static_cache=True, attention="gqa_matmul", fuse_crq_projections=True, fold_crq_matching=True,
     speech_sampler=True, finish_kernel=True)
 step.use_sampler_kernel = lambda scores: True
+triton_finish.kernels_run_on = lambda tensor: True
 calls = []
 into, finish = step.sample_tokens_into, step.launch_finish_rows
 step.sample_tokens_into = lambda *args, **kw: calls.append("into") or into(*args, **kw)

@@ -249,12 +249,13 @@ def first_argmax(scores: torch.Tensor) -> torch.Tensor:
     computed in two stages for long rows.
 
     A compiled step turns a one-row argmax into one GPU program walking the whole row: slow for the 151,936 text
-    logits, as one program reads them all while the rest of the GPU idles. Here the row is cut in chunks of
+    logits, as one program reads them all while the rest of the GPU idles. There the row is cut in chunks of
     `ARGMAX_CHUNK` (padded with -inf), each chunk reduced by its own program, then the first chunk holding the maximum
-    gives the index: the same result, exactly.
+    gives the index: the same result, exactly. Outside torch.compile PyTorch's own argmax already spreads a row over
+    the GPU in one kernel (the chunked form would be seven): it is used as it is.
     """
     batch, vocab = scores.shape
-    if vocab <= 2 * ARGMAX_CHUNK:
+    if vocab <= 2 * ARGMAX_CHUNK or not torch.compiler.is_compiling():
         return scores.argmax(dim=-1)
     chunks = -(-vocab // ARGMAX_CHUNK)
     padded = torch.nn.functional.pad(scores, (0, chunks * ARGMAX_CHUNK - vocab), value=float("-inf"))

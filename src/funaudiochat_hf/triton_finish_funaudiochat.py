@@ -15,7 +15,7 @@ caller.
 
 import torch
 
-from .triton_support import triton
+from .triton_support import kernels_run_on, triton
 
 
 if triton is not None:
@@ -92,10 +92,10 @@ if triton is not None:
 
 
 def finish_kernel_supported(text_table: torch.Tensor, feedback_table: torch.Tensor) -> bool:
-    """Whether the kernel can read the embedding tables: Triton installed, both on one device, rows contiguous and of
-    one width and dtype (the next input is written in it)."""
+    """Whether the kernel can read the embedding tables: on a GPU it runs on (`kernels_run_on`), both on one device,
+    rows contiguous and of one width and dtype (the next input is written in it)."""
     return (
-        triton is not None
+        kernels_run_on(text_table)
         and text_table.device == feedback_table.device
         and text_table.dtype == feedback_table.dtype
         and text_table.shape[-1] == feedback_table.shape[-1]
