@@ -82,7 +82,7 @@ def test_a_reply_with_prepared_inputs_is_bit_identical_and_builds_no_mask_per_ca
 
 def test_preparing_the_step_launches_fewer_ops(model, inputs, layered, monkeypatch):
     """The ops of one decode step with and without the preparation (a CUDA-graphed step launches each one): about
-    twenty a stack call fewer."""
+    twenty a stack call fewer (the rotary tables gathered from the workspace's tables of every position)."""
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -105,7 +105,7 @@ def test_preparing_the_step_launches_fewer_ops(model, inputs, layered, monkeypat
     monkeypatch.setattr(generation_step_funaudiochat, "prepares_stack_inputs", lambda model, cfg: False)
     built = ops_per_step()
     calls = 1 + model.config.audio_config.group_size
-    assert built - prepared >= 12 * calls, (built, prepared)
+    assert built - prepared >= 15 * calls, (built, prepared)
 
 
 def test_which_steps_prepare_their_stack_inputs(model):
@@ -121,3 +121,15 @@ def test_which_steps_prepare_their_stack_inputs(model):
     assert not stack_inputs.prepares_stack_inputs(model, cfg(DecodePlan("eager", static_cache=False)))
     compiled = DecodePlan("compiled", static_cache=True, compile_step=True, attention="gqa_matmul")
     assert not stack_inputs.prepares_stack_inputs(model, cfg(compiled))
+
+
+def test_the_workspace_keeps_the_tables_it_gathers_from(model, inputs, layered):
+    """The rotary tables of every cache position and the column indices are built by a workspace's first step and
+    kept: a second reply on the same generator builds none."""
+    with model.speech_generator(backend="eager") as generator:
+        generator.generate(**inputs, **dict(KWARGS, max_new_tokens=3))
+        workspace = next(iter(generator._workspaces.values()))
+        tables = dict(workspace.decode_tables)
+        generator.generate(**inputs, **dict(KWARGS, max_new_tokens=3))
+        assert workspace.decode_tables.keys() == tables.keys() and len(tables) >= 4
+        assert all(workspace.decode_tables[key] is table for key, table in tables.items())

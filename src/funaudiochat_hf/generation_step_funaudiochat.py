@@ -273,8 +273,8 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
     embedding = model.language_model.get_input_embeddings()
     if _finish_kernel_runs(ws, cfg, embedding):  # the rest in one kernel (the step counter after it)
         launch_finish_rows(
-            token, ws, embedding.weight, ws.folded.feedback, pad_token_id=cfg.pad_token_id, speech_eos_id=cfg.speech_eos_id,
-            audio_eos_index=cfg.audio_eos_index, audio_bos_index=cfg.audio_bos_index,
+            token, ws, embedding.weight, ws.folded.feedback, pad_token_id=cfg.pad_token_id,
+            speech_eos_id=cfg.speech_eos_id, audio_eos_index=cfg.audio_eos_index, audio_bos_index=cfg.audio_bos_index,
             speech_history=cfg.speech.uses_history, text_history=cfg.text.uses_history,
         )  # fmt: skip
         ws.step.add_(1)
@@ -330,7 +330,8 @@ def _finish_kernel_runs(ws: DecodeWorkspace, cfg: StepConfig, embedding: torch.n
     if not cfg.plan.finish_kernel or cfg.disable_speech or ws.folded is None:
         return False
     plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
-    return plain and embedding.weight.device == ws.device and finish_kernel_supported(embedding.weight, ws.folded.feedback)
+    readable = finish_kernel_supported(embedding.weight, ws.folded.feedback)
+    return plain and readable and embedding.weight.device == ws.device
 
 
 def start_text_head(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:

@@ -149,6 +149,8 @@ class DecodeWorkspace:
         self.step_graphs = StepGraphs()
         # `plan.prefill_graph`: the bucket-padded prompt's fixed inputs, by padded length (`prompt_buffers_for`).
         self.prompt_buffers: dict[int, PromptBuffers] = {}
+        # Tables the decode step reads that depend on no run's state (`decode_table`).
+        self.decode_tables: dict[Hashable, object] = {}
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
         self.text_logits = self.speech_logits = None
         if output_logits:
@@ -212,7 +214,17 @@ class DecodeWorkspace:
     def memory_bytes(self) -> int:
         """Bytes held by the workspace's buffers and caches (each storage counted once)."""
         prompts = [tensor for buffers in self.prompt_buffers.values() for tensor in buffers.tensors()]
-        return storage_bytes([*self._buffers(), *self._cache_tensors(), *prompts])
+        tables = [t for table in self.decode_tables.values() for t in (table if isinstance(table, tuple) else (table,))]
+        return storage_bytes([*self._buffers(), *self._cache_tensors(), *prompts, *tables])
+
+    def decode_table(self, key: Hashable, build):
+        """The decode step's table `key` (a tensor or a tuple of them that depends on no run's state: the rotary
+        tables of every cache position, the cache's column indices), `build()` on first use and kept with the
+        workspace. Built by a step's first, unrecorded call, never replaced: not among `graph_inputs`."""
+        table = self.decode_tables.get(key)
+        if table is None:
+            table = self.decode_tables[key] = build()
+        return table
 
     def prompt_buffers_for(self, length: int, hidden_size: int) -> "PromptBuffers":
         """The fixed input buffers of a bucket-padded prompt of `length` columns (created on first use, kept with

@@ -8,9 +8,9 @@ launches each one by one, a few microseconds apiece on the step's critical path.
 
 The values equal `finish_part`'s: integer logic exactly, and the next input rounded as PyTorch rounds it (the K fed-back
 rows summed in float32 and divided by K, rounded to the weights' dtype, added to the text embedding and rounded,
-halved and rounded; the sum's order is the kernel's own, so the mean may round one unit apart). It needs the folded feedback table (`fold_crq_matching`: the fed-back encoding of a
-group is the mean of K gathered rows) and leaves the step counter's increment and the optional logits copies to the
-caller.
+halved and rounded; the sum's order is the kernel's own, so the mean may round one unit apart). It needs the folded
+feedback table (`fold_crq_matching`: the fed-back encoding of a group is the mean of K gathered rows) and leaves the
+step counter's increment and the optional logits copies to the caller.
 """
 
 import torch
