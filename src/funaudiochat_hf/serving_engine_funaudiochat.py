@@ -3,10 +3,10 @@
 `SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
 request is prefilled alone (batch 1) between two steps and its cache rows and per-row state are placed into a free
 slot; a finished, cancelled or disconnected request leaves and frees its slot at the next step. Each step is queued
-before the previous one's outputs are read (`_iteration`), so the GPU does not wait for the host between steps. Every request has its
-own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio chunks (a streaming
-CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step; the chunks ready
-across requests are decoded together, see `serving_vocoder_funaudiochat`).
+before the previous one's outputs are read (`_iteration`), so the GPU does not wait for the host between steps.
+Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
+chunks (a streaming CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step;
+the chunks ready across requests are decoded together, see `serving_vocoder_funaudiochat`).
 
 A request computes what it would alone (`generate_speech` at batch 1, same seed; a GPU may round it differently, see
 docs/serving.md): a slot is a left-padded row joined right-aligned at the batch's shared cache column `C`, with its own
