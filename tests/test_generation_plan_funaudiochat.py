@@ -18,7 +18,7 @@ OLD_GPU = DeviceFacts("cuda", triton=False)  # compute capability < 8.0, or no T
 CPU = DeviceFacts("cpu", triton=False)
 SPEECH = ModelFacts(speech=True)
 FAST_PARTS = ("fuse_crq_projections", "fold_crq_matching", "crq_linear", "llm_linear", "crq_head_linear",
-              "speech_sampler", "overlap_text_head", "finish_kernel")  # fmt: skip
+              "speech_sampler", "overlap_text_head", "bookkeeping_kernels")  # fmt: skip
 
 
 def test_auto_is_eager_on_a_cpu_and_the_fast_backend_on_cuda():
@@ -35,7 +35,7 @@ def test_auto_is_eager_on_a_cpu_and_the_fast_backend_on_cuda():
 def test_compiled_backend():
     gpu = plan_decode("compiled", H200, SPEECH)
     assert gpu.compile_step and gpu.compile_prefill and gpu.step_graph and gpu.attention == "triton"
-    assert not gpu.finish_kernel  # Inductor fuses the compiled step's bookkeeping
+    assert not gpu.bookkeeping_kernels  # Inductor fuses the compiled step's bookkeeping
     cpu = plan_decode("compiled", CPU, SPEECH)  # a CPU: compiled, no CUDA graph, no Triton, GQA matmul attention
     assert cpu.compile_step and not cpu.step_graph and cpu.attention == "gqa_matmul"
     assert cpu.fuse_crq_projections and cpu.fold_crq_matching and not cpu.crq_linear and not cpu.speech_sampler
@@ -44,12 +44,13 @@ def test_compiled_backend():
 def test_fast_parts_fall_back_one_by_one_with_a_reason():
     old = plan_decode("auto", OLD_GPU, SPEECH)
     assert old.backend == "cuda_graphs" and old.step_graph and old.fuse_crq_projections and old.fold_crq_matching
-    assert not (old.crq_linear or old.llm_linear or old.speech_sampler or old.overlap_text_head or old.finish_kernel)
+    assert not (old.crq_linear or old.llm_linear or old.speech_sampler or old.overlap_text_head)
+    assert not old.bookkeeping_kernels
     assert old.attention == "gqa_matmul" and any("Triton kernels off" in note for note in old.fallbacks)
     lora = plan_decode("auto", H200, ModelFacts(speech=True, crq_fusable=False, crq_foldable=False))
     assert not lora.fuse_crq_projections and not lora.crq_linear and not lora.fold_crq_matching
     assert lora.llm_linear and lora.pad_speech_head  # what does not depend on those still runs
-    assert not lora.finish_kernel  # it gathers the folded feedback rows
+    assert not lora.bookkeeping_kernels  # it gathers the folded feedback rows
     assert len(lora.fallbacks) == 2
     flash = plan_decode("auto", H200, ModelFacts(speech=True, decode_attention=False))
     assert flash.attention == "default" and any("attention" in note for note in flash.fallbacks)
@@ -67,7 +68,7 @@ def test_batches_and_text_only():
     assert not one_row.pad_speech_head  # one row: the GEMV kernel reads the head as it is
     text_only = plan_decode("auto", H200, ModelFacts(speech=False))
     assert not (text_only.fuse_crq_projections or text_only.speech_sampler or text_only.overlap_text_head)
-    assert not text_only.finish_kernel
+    assert not text_only.bookkeeping_kernels
     assert text_only.llm_linear and not text_only.pad_speech_head
 
 
@@ -97,9 +98,9 @@ def test_overrides_turn_parts_off_and_refuse_what_cannot_run():
         plan_decode("cuda_graphs", H200, SPEECH, overrides={"compile_scope": False})
     with pytest.raises(ValueError, match="eager backend"):
         plan_decode("eager", H200, SPEECH, overrides={"fold_crq_matching": True})
-    assert not plan_decode("cuda_graphs", H200, SPEECH, overrides={"finish_kernel": False}).finish_kernel
-    with pytest.raises(ValueError, match="finish_kernel"):
-        plan_decode("compiled", H200, SPEECH, overrides={"finish_kernel": True})
+    assert not plan_decode("cuda_graphs", H200, SPEECH, overrides={"bookkeeping_kernels": False}).bookkeeping_kernels
+    with pytest.raises(ValueError, match="bookkeeping_kernels"):
+        plan_decode("compiled", H200, SPEECH, overrides={"bookkeeping_kernels": True})
 
 
 def test_plans_are_hashable_keys():

@@ -1,6 +1,6 @@
-"""Tests of the decode step's bookkeeping kernel (`triton_finish_funaudiochat`, the plan part `finish_kernel`): the
-kernel against `finish_part`'s PyTorch ops on the same states, in Triton's interpreter (a subprocess, skipped without
-Triton) and on a GPU (marked `gpu`)."""
+"""Tests of the decode step's bookkeeping kernel after the text token (`triton_finish_funaudiochat`, plan part
+`bookkeeping_kernels`): the kernel against `finish_part`'s PyTorch ops on the same states, in Triton's interpreter (a
+subprocess, skipped without Triton) and on a GPU (marked `gpu`)."""
 
 import json
 
@@ -67,7 +67,7 @@ def finish_states(seed, dtype, device="cpu", text_history=False):
     cfg = SimpleNamespace(
         group_size=K, text=text.switches, speech=speech.switches, pad_token_id=PAD, speech_eos_id=SPEECH_EOS,
         audio_eos_index=AUDIO_EOS, audio_bos_index=AUDIO_BOS, disable_speech=False, output_logits=False,
-        plan=SimpleNamespace(finish_kernel=False, fold_crq_matching=True),
+        plan=SimpleNamespace(bookkeeping_kernels=False, fold_crq_matching=True),
     )
     return model, ws, cfg
 
@@ -78,7 +78,7 @@ def kernel_against_torch(seed, dtype, device="cpu", text_history=False, force_to
     results = {}
     for kernel in (True, False):
         state = copy.deepcopy(ws)
-        finish_part(model, state, SimpleNamespace(**{**vars(cfg), "plan": SimpleNamespace(finish_kernel=kernel,
+        finish_part(model, state, SimpleNamespace(**{**vars(cfg), "plan": SimpleNamespace(bookkeeping_kernels=kernel,
                     fold_crq_matching=True)}), force_token=force_token)  # fmt: skip
         results[kernel] = {name: value for name, value in vars(state).items() if isinstance(value, torch.Tensor)}
     return {name: (results[True][name], results[False][name]) for name in results[True]}
@@ -160,6 +160,7 @@ from transformers import AutoModel
 import funaudiochat_hf
 from funaudiochat_hf import generation_state_funaudiochat as state, generation_step_funaudiochat as step
 from funaudiochat_hf import triton_finish_funaudiochat as triton_finish
+from funaudiochat_hf import triton_llm_tail_funaudiochat as triton_tail
 from funaudiochat_hf.generation_plan_funaudiochat import DecodePlan
 
 model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).eval()
@@ -173,24 +174,93 @@ eager = model.generate_speech(**inputs, **kwargs)
 # sub-step's state, the bookkeeping kernel; Python-int sub-steps as in the recorded step.
 state.plan_decode = lambda *args, **kw: DecodePlan(
     "eager", static_cache=True, attention="gqa_matmul", fuse_crq_projections=True, fold_crq_matching=True,
-    speech_sampler=True, finish_kernel=True)
+    speech_sampler=True, bookkeeping_kernels=True)
 step.use_sampler_kernel = lambda scores: True
-triton_finish.kernels_run_on = lambda tensor: True
+triton_finish.kernels_run_on = triton_tail.kernels_run_on = lambda tensor: True
 calls = []
-into, finish = step.sample_tokens_into, step.launch_finish_rows
+into, finish, tail = step.sample_tokens_into, step.launch_finish_rows, step.launch_llm_tail
 step.sample_tokens_into = lambda *args, **kw: calls.append("into") or into(*args, **kw)
 step.launch_finish_rows = lambda *args, **kw: calls.append("finish") or finish(*args, **kw)
+step.launch_llm_tail = lambda *args, **kw: calls.append("tail") or tail(*args, **kw)
 fast = model.generate_speech(**inputs, **kwargs)
 print(json.dumps({"text": torch.equal(fast.sequences, eager.sequences),
                   "speech": torch.equal(fast.speech_ids, eager.speech_ids), "groups": fast.speech_ids.shape[-1],
-                  "into": calls.count("into"), "finish": calls.count("finish")}))
+                  "into": calls.count("into"), "finish": calls.count("finish"), "tail": calls.count("tail")}))
 """
 
 
-def test_a_reply_with_both_step_kernels_equals_the_eager_loop_in_the_triton_interpreter():
+def test_a_reply_with_the_step_kernels_equals_the_eager_loop_in_the_triton_interpreter():
     """The tiny model's golden prompt, 12 steps with the speech history on: the default GPU step's parts that run on
-    a CPU, with the sampler writing its sub-steps' state and the bookkeeping kernel (through the interpreter) give the
-    eager loop's text and speech tokens; both kernels ran at every sub-step and step (the prefill's included)."""
+    a CPU, with the sampler writing its sub-steps' state and the two bookkeeping kernels (through the interpreter)
+    give the eager loop's text and speech tokens; the kernels ran at every sub-step and step (the tail after each
+    decode step's LLM stack, the others in the prefill too)."""
     result = json.loads(run_in_triton_interpreter(_STEP_SCRIPT))
     assert result["text"] and result["speech"] and result["groups"] > 0, result
-    assert result["into"] == 12 * 5 and result["finish"] == 12, result
+    assert result["into"] == 12 * 5 and result["finish"] == 12 and result["tail"] == 11, result
+
+
+_TAIL_SCRIPT = """
+import json, torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from funaudiochat_hf.triton_llm_tail_funaudiochat import launch_llm_tail
+report = []
+for dtype, hidden_size in ((torch.float32, 40), (torch.float16, 40), (torch.float16, 2500)):
+    g = torch.Generator().manual_seed(hidden_size)
+    norm = Qwen3RMSNorm(hidden_size, eps=1e-6).to(dtype)
+    norm.weight.data = (torch.rand(hidden_size, generator=g) + 0.5).to(dtype)
+    table = (torch.randn(50, hidden_size, generator=g)).to(dtype)
+    hidden = (torch.randn(3, 2, hidden_size, generator=g) * 4).to(dtype)[:, -1]  # the last position: strided rows
+    ids = torch.tensor([4, 49, 0])
+    positions = torch.tensor([7, 0, 100])
+    normed = torch.zeros(3, hidden_size, dtype=dtype)
+    conditioning = launch_llm_tail(hidden, norm, table, ids, normed, positions)
+    expected_normed = norm(hidden)
+    expected = expected_normed + table[ids]
+    relative = lambda a, b: ((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-2)).max().item()
+    report.append({"dtype": str(dtype), "hidden": hidden_size, "positions": positions.tolist(),
+                   "normed": relative(normed, expected_normed), "conditioning": relative(conditioning, expected)})
+print(json.dumps(report))
+"""
+
+
+def test_llm_tail_kernel_equals_the_norm_and_embedding_add_in_the_triton_interpreter():
+    """The step's tail after the LLM stack as one kernel: `Qwen3RMSNorm` of the last hidden states (the text head's
+    input) and the speech head's conditioning (plus the fed token's embedding), within a unit or two in the last place
+    (the sum of squares in the kernel's order), over several column blocks; the positions advanced by one."""
+    for case in json.loads(run_in_triton_interpreter(_TAIL_SCRIPT)):
+        ulps = 2 * (2**-23 if case["dtype"] == "torch.float32" else 2**-10)
+        assert case["positions"] == [8, 1, 101], case
+        assert case["normed"] <= ulps and case["conditioning"] <= 2 * ulps, case
+
+
+@pytest.mark.triton
+def test_llm_tail_kernel_compiles_for_hopper():
+    """As the full-size model launches it (bfloat16, 4,096 columns), through Triton's compiler and ptxas on the CPU."""
+    from conftest import hopper_ptx
+
+    from funaudiochat_hf import triton_llm_tail_funaudiochat as tail
+
+    pointers = {name: "*bf16" for name in tail._llm_tail_kernel.arg_names if name.endswith("_ptr")}
+    pointers.update({"ids_ptr": "*i64", "position_ptr": "*i64", "eps": "fp32"})
+    ptx = hopper_ptx(tail._llm_tail_kernel, {"BLOCK_H": 1024}, pointers, options={"launch_pdl": False})
+    assert ".entry _llm_tail_kernel" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_llm_tail_kernel_equals_the_norm_and_embedding_add_on_gpu():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from funaudiochat_hf.triton_llm_tail_funaudiochat import launch_llm_tail
+
+    g = torch.Generator().manual_seed(0)
+    norm = Qwen3RMSNorm(4096, eps=1e-6).to("cuda", torch.bfloat16)
+    norm.weight.data = (torch.rand(4096, generator=g) + 0.5).to("cuda", torch.bfloat16)
+    table = torch.randn(1000, 4096, generator=g).to("cuda", torch.bfloat16)
+    hidden = (torch.randn(16, 4096, generator=g) * 4).to("cuda", torch.bfloat16)
+    ids, positions = torch.randint(0, 1000, (16,), generator=g).cuda(), torch.arange(16).cuda()
+    normed = torch.zeros_like(hidden)
+    conditioning = launch_llm_tail(hidden, norm, table, ids, normed, positions)
+    torch.testing.assert_close(normed, norm(hidden), rtol=2**-6, atol=1e-3)  # a bfloat16 unit or two
+    torch.testing.assert_close(conditioning, norm(hidden) + table[ids], rtol=2**-6, atol=1e-2)
+    assert torch.equal(positions.cpu(), torch.arange(1, 17))

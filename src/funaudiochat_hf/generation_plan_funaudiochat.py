@@ -43,7 +43,7 @@ OPTIONAL_PARTS = (
     "overlap_text_head",
     "triton_attention",
     "prefill_graph",
-    "finish_kernel",
+    "bookkeeping_kernels",
 )
 
 # torch.compile options of the compiled step parts (a `compile_config` updates them) and of the prefill's layer halves
@@ -156,9 +156,11 @@ class DecodePlan:
         speech_sampler: speech tokens drawn by the Triton sampler.
         pad_speech_head: the speech head, where cuBLAS runs it, through a copy padded to 8 rows.
         overlap_text_head: the text head as a Triton kernel on a side stream during the CRQ sub-steps.
-        finish_kernel: the step's bookkeeping after the text token (stop and speech-end tests, outputs, histories, the
-            next LLM input) as one Triton kernel (`triton_finish_funaudiochat`) instead of ~40 small PyTorch kernels;
-            with the folded CRQ matching, where nothing fuses them (not in the compiled step, which Inductor fuses).
+        bookkeeping_kernels: the step's bookkeeping around its stacks as Triton kernels instead of ~50 small
+            PyTorch ones: after the LLM stack its final norm, the text head's input and the speech head's conditioning
+            (`triton_llm_tail_funaudiochat`); after the text token the stop and speech-end tests, outputs, histories
+            and the next LLM input (`triton_finish_funaudiochat`). With the folded CRQ matching, where nothing fuses
+            them (not in the compiled step, which Inductor fuses).
         fallbacks: why parts of the backend do not run here (empty when everything runs).
     """
 
@@ -177,7 +179,7 @@ class DecodePlan:
     speech_sampler: bool = False
     pad_speech_head: bool = False
     overlap_text_head: bool = False
-    finish_kernel: bool = False
+    bookkeeping_kernels: bool = False
     fallbacks: tuple[str, ...] = ()
 
     def parts(self) -> dict:
@@ -298,11 +300,12 @@ def plan_decode(
     prefill_graph = cuda and not compiled and overrides.get("prefill_graph", True)
     if overrides.get("prefill_graph") and not prefill_graph:
         raise ValueError("The plan part 'prefill_graph' needs the 'cuda_graphs' backend on a CUDA GPU.")
-    finish_kernel = kernels and wanted["fold_crq_matching"] and not compiled and overrides.get("finish_kernel", True)
-    if overrides.get("finish_kernel") and not finish_kernel:
+    bookkeeping = kernels and wanted["fold_crq_matching"] and not compiled
+    bookkeeping_kernels = bookkeeping and overrides.get("bookkeeping_kernels", True)
+    if overrides.get("bookkeeping_kernels") and not bookkeeping:
         raise ValueError(
-            "The plan part 'finish_kernel' needs the Triton kernels, the folded CRQ matching and a backend other than "
-            "'compiled'."
+            "The plan part 'bookkeeping_kernels' needs the Triton kernels, the folded CRQ matching and a backend other "
+            "than 'compiled'."
         )
     return DecodePlan(
         backend=resolved,
@@ -321,7 +324,7 @@ def plan_decode(
         # The folded speech head is padded itself; the GEMV kernel needs no padding.
         pad_speech_head=speech and not head_on_kernel and not wanted["fold_crq_matching"],
         overlap_text_head=wanted["overlap_text_head"],
-        finish_kernel=finish_kernel,
+        bookkeeping_kernels=bookkeeping_kernels,
         fallbacks=tuple(notes),
     )
 

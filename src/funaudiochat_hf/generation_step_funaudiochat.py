@@ -17,6 +17,7 @@ from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig
 from .sampling_funaudiochat import mark_seen_, select_tokens
 from .triton_finish_funaudiochat import finish_kernel_supported, launch_finish_rows
 from .triton_linear_funaudiochat import decode_linear, use_decode_kernels
+from .triton_llm_tail_funaudiochat import launch_llm_tail, llm_tail_kernel_supported
 from .triton_sampling_funaudiochat import sample_tokens, sample_tokens_into, use_sampler_kernel
 
 
@@ -206,15 +207,18 @@ def prefill_crq_steps(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
         crq_part(model, ws, cfg, None if counted_sub_steps(cfg) else sub_step, prepared)
 
 
-def _start_group(model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tensor, input_ids: torch.Tensor):
+def _start_group(
+    model, ws: DecodeWorkspace, cfg: StepConfig, hidden: torch.Tensor, input_ids: torch.Tensor, conditioning=None
+):
     """Speech-head inputs of the positions just fed: `pre_matching(h + embed(input ids))` split in K sub-positions.
 
     Returns all `(batch, L * K, hidden)` sub-positions and keeps the last K (those of the newest position) in
     `ws.sub_inputs`; with `fold_crq_matching`, `(batch, L * K, crq_hidden)`: through `input_matching` too, in
     `ws.folded_sub_inputs`. The text embedding is the raw embedding of the input ids (`<|AUDIO|>` included).
+    `conditioning`: `h + embed(input ids)` `(batch, L, hidden)` computed already (`launch_llm_tail`).
     """
-    text_embeds = model.language_model.get_input_embeddings()(input_ids).to(ws.device)
-    conditioning = hidden + text_embeds
+    if conditioning is None:
+        conditioning = hidden + model.language_model.get_input_embeddings()(input_ids).to(ws.device)
     if cfg.plan.fold_crq_matching:
         batch, length, _ = conditioning.shape
         weight = ws.folded.sub_inputs.weight
@@ -241,11 +245,19 @@ def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig, prepared: DecodeStackI
     mask, tables = prepared.llm if prepared is not None else (ws.llm_mask, None)
     # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
     counters = ws.split_k_counters if cfg.plan.llm_linear else None
+    tail = _llm_tail_kernel_runs(model, ws, cfg)  # the final norm, the text head's input, the speech conditioning
     hidden = _stack_forward(
-        stack, ws.next_embeds, mask, positions, ws.llm_cache, ws.llm_kernels, split_k_counters=counters,
-        attention_implementation=cfg.attention_implementation, kernel_config=cfg.kernel_config,
-        position_embeddings=tables,
+        stack, ws.next_embeds, mask, positions, ws.llm_cache, ws.llm_kernels, None, not tail, counters,
+        cfg.attention_implementation, cfg.kernel_config, tables,
     )  # fmt: skip
+    if tail:  # one kernel: the text head's input into its buffer, the conditioning, the position advanced
+        embedding = language_model.get_input_embeddings().weight
+        conditioning = launch_llm_tail(hidden[:, -1], stack.norm, embedding, ws.next_ids, ws.text_head_input,
+                                       ws.llm_position)  # fmt: skip
+        if not cfg.plan.overlap_text_head:
+            ws.text_logits_step.copy_(language_model.lm_head(ws.text_head_input).float())
+        _start_group(model, ws, cfg, None, None, conditioning[:, None])
+        return
     hidden = hidden.to(ws.device)
     ws.llm_position.add_(1)
     if cfg.plan.overlap_text_head:  # the head runs after this part, beside the CRQ sub-steps (`start_text_head`)
@@ -254,6 +266,18 @@ def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig, prepared: DecodeStackI
         ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
     if not cfg.disable_speech:
         _start_group(model, ws, cfg, hidden, ws.next_ids[:, None])
+
+
+def _llm_tail_kernel_runs(model, ws: DecodeWorkspace, cfg: StepConfig) -> bool:
+    """Whether the step between the LLM stack and the speech head runs as one kernel (`launch_llm_tail`): plan part
+    `bookkeeping_kernels`, speech on, the stack run layer by layer (its final norm left to the kernel), a plain text
+    embedding and norm the kernel reads on the workspace's device."""
+    layered = ws.llm_kernels is not None or cfg.attention_implementation is not None
+    if not cfg.plan.bookkeeping_kernels or cfg.disable_speech or not layered:
+        return False
+    embedding = model.language_model.get_input_embeddings()
+    plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
+    return plain and llm_tail_kernel_supported(ws.text_head_input, model.language_model.model.norm, embedding.weight)
 
 
 def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | None = None) -> None:
@@ -325,9 +349,9 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
 
 
 def _finish_kernel_runs(ws: DecodeWorkspace, cfg: StepConfig, embedding: torch.nn.Module) -> bool:
-    """Whether `finish_part`'s bookkeeping runs as one kernel here: plan part `finish_kernel`, a plain text embedding
-    (its weight is what it computes) and tables the kernel can read on the workspace's device."""
-    if not cfg.plan.finish_kernel or cfg.disable_speech or ws.folded is None:
+    """Whether `finish_part`'s bookkeeping runs as one kernel here: plan part `bookkeeping_kernels`, a plain text
+    embedding (its weight is what it computes) and tables the kernel can read on the workspace's device."""
+    if not cfg.plan.bookkeeping_kernels or cfg.disable_speech or ws.folded is None:
         return False
     plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
     readable = finish_kernel_supported(embedding.weight, ws.folded.feedback)

@@ -1,4 +1,5 @@
-"""The decode step's bookkeeping after the text token is chosen, as one Triton kernel (plan part `finish_kernel`).
+"""The decode step's bookkeeping after the text token is chosen, as one Triton kernel (plan part
+`bookkeeping_kernels`).
 
 `generation_step_funaudiochat.finish_part` does, per row: the stop test against the end ids, the speech group's end
 test, the group's write into the speech output, the speaking / done / group-count / history updates, the text output,
