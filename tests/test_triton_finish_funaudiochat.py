@@ -179,13 +179,15 @@ step.use_sampler_kernel = lambda scores: True
 triton_finish.kernels_run_on = triton_tail.kernels_run_on = lambda tensor: True
 calls = []
 into, finish, tail = step.sample_tokens_into, step.launch_finish_rows, step.launch_llm_tail
-step.sample_tokens_into = lambda *args, **kw: calls.append("into") or into(*args, **kw)
+step.sample_tokens_into = lambda *args, **kw: (
+    calls.append("into" if kw["next_input"] is None else "into+input") or into(*args, **kw))
 step.launch_finish_rows = lambda *args, **kw: calls.append("finish") or finish(*args, **kw)
 step.launch_llm_tail = lambda *args, **kw: calls.append("tail") or tail(*args, **kw)
 fast = model.generate_speech(**inputs, **kwargs)
 print(json.dumps({"text": torch.equal(fast.sequences, eager.sequences),
                   "speech": torch.equal(fast.speech_ids, eager.speech_ids), "groups": fast.speech_ids.shape[-1],
-                  "into": calls.count("into"), "finish": calls.count("finish"), "tail": calls.count("tail")}))
+                  "into": calls.count("into"), "into_input": calls.count("into+input"), "finish": calls.count("finish"),
+                  "tail": calls.count("tail")}))
 """
 
 
@@ -196,7 +198,9 @@ def test_a_reply_with_the_step_kernels_equals_the_eager_loop_in_the_triton_inter
     decode step's LLM stack, the others in the prefill too)."""
     result = json.loads(run_in_triton_interpreter(_STEP_SCRIPT))
     assert result["text"] and result["speech"] and result["groups"] > 0, result
-    assert result["into"] == 12 * 5 and result["finish"] == 12 and result["tail"] == 11, result
+    # Each group's sub-steps 0 to 3 also write the next one's input.
+    assert result["into"] == 12 and result["into_input"] == 12 * 4, result
+    assert result["finish"] == 12 and result["tail"] == 11, result
 
 
 _TAIL_SCRIPT = """

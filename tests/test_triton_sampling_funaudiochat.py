@@ -123,26 +123,34 @@ for case in CASES:
     group = torch.full((rows, 5), -1)
     positions = torch.arange(rows * 3).view(rows, 3) * 10  # a prefill's positions: the last column is read
     out, next_positions = torch.full((rows,), -1), torch.full((rows,), -1)
+    # The next sub-step's input: a column of the K sub-inputs plus the token's row of the table (1,500 columns: two
+    # column blocks).
+    sub_inputs = torch.randn(rows, 5, 1500, dtype=torch.float16)
+    table = torch.randn(scores.shape[1], 1500, dtype=torch.float16)
+    into = torch.zeros(rows, 1, 1500, dtype=torch.float16)
     returned = sample_tokens_into(scores, settings.switches, SamplingParameters("cpu", settings), seen, noise, None,
                                   out=out, group_column=group[:, 2], positions=positions[:, -1],
-                                  next_positions=next_positions)
+                                  next_positions=next_positions, next_input=(sub_inputs[:, 3], table, into[:, 0]))
     result.append({"case": case, "expected": expected.tolist(), "out": out.tolist(), "returned_out": returned is out,
                    "group": group.tolist(), "seen_marked": torch.equal(seen, marked),
-                   "next_positions": next_positions.tolist(), "expected_positions": (positions[:, -1] + 1).tolist()})
+                   "next_positions": next_positions.tolist(), "expected_positions": (positions[:, -1] + 1).tolist(),
+                   "next_input": torch.equal(into[:, 0], sub_inputs[:, 3] + table[expected])})
 print(json.dumps(result))
 """
 
 
 def test_sample_tokens_into_writes_the_sub_steps_state_in_the_triton_interpreter():
     """The CUDA-graphed step's sampler call also writes the token into the next sub-step's input and the group's
-    column, marks it in the history (after reading the history for the penalty) and advances the position: the same
-    token as `select_tokens`, every write in place."""
+    column, marks it in the history (after reading the history for the penalty), advances the position and writes the
+    next sub-step's input row (exactly PyTorch's float16 add): the same token as `select_tokens`, every write in
+    place."""
     for case in json.loads(run_in_triton_interpreter(_INTO_SCRIPT)):
         expected = case["expected"]
         assert case["out"] == expected and case["returned_out"], case
         assert [row[2] for row in case["group"]] == expected, case
         assert all(value == -1 for row in case["group"] for column, value in enumerate(row) if column != 2), case
         assert case["seen_marked"] and case["next_positions"] == case["expected_positions"], case
+        assert case["next_input"], case
 
 
 _TIES_SCRIPT = """
@@ -226,12 +234,14 @@ def test_kernel_compiles_for_hopper(switches, write_state):
     from funaudiochat_hf import triton_sampling_funaudiochat as sampling
 
     do_sample, uses_history, uses_top_p = switches
-    pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out", "group", "position", "next_position"]
-    kinds = ["*bf16", "*i8", "*fp32", "*fp64", "*fp64", "*fp64", "*i64", "*i64", "*i64", "*i64"]
+    pointers = ["scores", "seen", "noise", "temperature", "top_p", "penalty", "out", "group", "position",
+                "next_position", "input", "table", "next_input"]  # fmt: skip
+    kinds = ["*bf16", "*i8", "*fp32", "*fp64", "*fp64", "*fp64", "*i64", "*i64", "*i64", "*i64", "*bf16", "*bf16",
+             "*bf16"]  # fmt: skip
     types = {f"{name}_ptr": kind for name, kind in zip(pointers, kinds, strict=True)}  # the strides: i32
     constexprs = {
         "VOCAB": 6565, "BLOCK_V": 8192, "DO_SAMPLE": do_sample, "USES_HISTORY": uses_history,
-        "USES_TOP_P": uses_top_p, "PDL": True, "WRITE_STATE": write_state,
+        "USES_TOP_P": uses_top_p, "PDL": True, "WRITE_STATE": write_state, "WRITE_INPUT": write_state, "BLOCK_C": 1024,
     }  # fmt: skip
     assert hopper_ptx(sampling._sample_kernel, constexprs, types, DecodeKernelConfig().sampler_num_warps)  # Triton's compiler and ptxas
 

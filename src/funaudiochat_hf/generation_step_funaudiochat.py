@@ -109,9 +109,12 @@ def _run_crq(
     plan = cfg.plan
     kernels, config = plan.crq_head_linear, cfg.kernel_config
     folded = ws.folded if plan.fold_crq_matching else None
+    writes_inputs = sub_step is not None and _sampler_writes_inputs(ws, cfg)
     if folded is None:
         previous = model.audio_tower.embed_tokens(ws.prev_speech_token).to(sub_inputs.device)
         inputs_embeds = _matching(tower.input_matching, sub_inputs + previous[:, None], kernels, kernel_config=config)
+    elif writes_inputs and sub_step > 0:  # written by the previous sub-step's sampler kernel
+        inputs_embeds = ws.next_crq_input
     else:  # input_matching is linear: its image of the previous token's embedding, gathered
         table = folded.speech_inputs  # on the CRQ's device (a dispatched model: maybe not the workspace's)
         previous = F.embedding(ws.prev_speech_token.to(table.device), table)
@@ -142,9 +145,13 @@ def _run_crq(
     if kernel and sub_step is not None:
         # The token into the next sub-step's input, the group and the history, and the next position, by the
         # sampler's own kernel (one launch instead of five in the CUDA-graphed step).
+        next_input = None
+        if writes_inputs and sub_step + 1 < cfg.group_size:  # the next sub-step's input too
+            next_input = (ws.folded_sub_inputs[:, sub_step + 1], folded.speech_inputs, ws.next_crq_input[:, 0])
         sample_tokens_into(
             logits, cfg.speech, ws.speech_sampling, seen, noise, config, out=ws.prev_speech_token,
             group_column=ws.group[:, sub_step], positions=positions[:, -1], next_positions=ws.crq_position,
+            next_input=next_input,
         )  # fmt: skip
         if cfg.output_logits:
             ws.group_logits[:, sub_step] = logits.float()
@@ -169,6 +176,17 @@ def _run_crq(
         ws.group[:, sub_step] = token
         if cfg.output_logits:
             ws.group_logits[:, sub_step] = logits.float()
+
+
+def _sampler_writes_inputs(ws: DecodeWorkspace, cfg: StepConfig) -> bool:
+    """Whether the speech sampler's kernel writes each CRQ sub-step's input for the next one (`sample_tokens_into`'s
+    `next_input`): the bookkeeping kernels and the sampler kernel over the folded matching, all in one dtype."""
+    plan = cfg.plan
+    if not (plan.bookkeeping_kernels and plan.speech_sampler and ws.folded is not None):
+        return False
+    table = ws.folded.speech_inputs
+    same = table.device == ws.device and table.dtype == ws.folded_sub_inputs.dtype == ws.next_crq_input.dtype
+    return same and use_sampler_kernel(ws.group_logits[:, 0])
 
 
 def counted_sub_steps(cfg: StepConfig) -> bool:

@@ -128,6 +128,8 @@ class DecodeWorkspace:
         # `fold_crq_matching`: the K sub-position inputs already in the CRQ's width.
         crq_hidden = crq_config.hidden_size if crq_config else 1
         self.folded_sub_inputs = torch.zeros(b, k, crq_hidden, dtype=self.dtype, device=dev)
+        # The next CRQ sub-step's input, where the speech sampler's kernel writes it (`sample_tokens_into`).
+        self.next_crq_input = torch.zeros(b, 1, crq_hidden, dtype=self.dtype, device=dev)
         self.sub_step = torch.zeros((), **long)
         self.group = torch.zeros(b, k, **long)
         self.group_logits = torch.zeros(b, k, codebook, dtype=torch.float32, device=dev)

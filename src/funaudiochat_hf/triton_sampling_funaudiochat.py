@@ -26,6 +26,8 @@ graphs replay; its warps and launch kind come from a [`DecodeKernelConfig`] (its
 programmatic dependent launch like the other decode kernels.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from .sampling_funaudiochat import SamplingParameters, SamplingSwitches, select_tokens
@@ -83,8 +85,10 @@ if triton is not None:
         scores_ptr, seen_ptr, noise_ptr, temperature_ptr, top_p_ptr, penalty_ptr, out_ptr,
         stride_scores, stride_seen, stride_noise, stride_parameters,
         group_ptr, stride_group, position_ptr, stride_position, next_position_ptr,
+        input_ptr, stride_input, table_ptr, stride_table, next_input_ptr, stride_next_input, input_size,
         VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, DO_SAMPLE: tl.constexpr,
         USES_HISTORY: tl.constexpr, USES_TOP_P: tl.constexpr, PDL: tl.constexpr, WRITE_STATE: tl.constexpr,
+        WRITE_INPUT: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         """The token of row `program_id(0)`: scores `(rows, VOCAB)` float, seen `(rows, VOCAB)` bool, noise `(rows,
         VOCAB)` float32 Exp(1); temperature, top-p and penalty (float64), 0-d (`stride_parameters` 0) or one per row;
@@ -92,7 +96,9 @@ if triton is not None:
 
         `WRITE_STATE` (a decode sub-step's state, `sample_tokens_into`): the token also goes to `group_ptr` (a
         column of the group, `stride_group` between rows) and into the history (`seen`, with `USES_HISTORY`), and
-        `next_position_ptr[row] = position_ptr[row * stride_position] + 1`."""
+        `next_position_ptr[row] = position_ptr[row * stride_position] + 1`. `WRITE_INPUT` (with it): the next
+        sub-step's input row `next_input = input + table[token]` (`input_size` columns, in the input's dtype, rounded
+        as PyTorch rounds the add)."""
         if PDL:  # the scores are the previous kernel's output
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
@@ -129,6 +135,14 @@ if triton is not None:
             if USES_HISTORY:
                 tl.store(seen_ptr + row * stride_seen + token, 1)
             tl.store(next_position_ptr + row, tl.load(position_ptr + row * stride_position) + 1)
+            if WRITE_INPUT:
+                for start in range(0, input_size, BLOCK_C):
+                    columns = start + tl.arange(0, BLOCK_C)
+                    inside = columns < input_size
+                    sub_input = tl.load(input_ptr + row * stride_input + columns, mask=inside, other=0.0)
+                    embedding = tl.load(table_ptr + token * stride_table + columns, mask=inside, other=0.0)
+                    summed = (sub_input.to(tl.float32) + embedding.to(tl.float32)).to(sub_input.dtype)
+                    tl.store(next_input_ptr + row * stride_next_input + columns, summed, mask=inside)
 
 
 def sampler_kernel_supported(vocab_size: int) -> bool:
@@ -169,10 +183,20 @@ def launch_sample_tokens(
                    launch, None)  # fmt: skip
 
 
+class _SubStepState(NamedTuple):
+    """What `sample_tokens_into` writes besides the token (see there)."""
+
+    out: torch.Tensor
+    group_column: torch.Tensor
+    positions: torch.Tensor
+    next_positions: torch.Tensor
+    next_input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
 def _launch(scores, seen, noise, temperature, top_p, repetition_penalty, do_sample, uses_history, uses_top_p, launch,
-            state):  # fmt: skip
-    """`launch_sample_tokens`, and with `state` = `(out, group_column, positions, next_positions)` the decode
-    sub-step's state writes of `sample_tokens_into` (the token into `out`)."""
+            state: _SubStepState | None):  # fmt: skip
+    """`launch_sample_tokens`, and with `state` the decode sub-step's state writes of `sample_tokens_into` (the token
+    into `state.out`)."""
     rows, vocab = scores.shape
     scores, noise = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (scores, noise))
     if seen is not None:
@@ -185,7 +209,9 @@ def _launch(scores, seen, noise, temperature, top_p, repetition_penalty, do_samp
         out = torch.empty(rows, dtype=torch.long, device=scores.device)
         group, positions, next_positions = out, out, out  # not read (WRITE_STATE off)
     else:
-        out, group, positions, next_positions = state
+        out, group, positions, next_positions = state.out, state.group_column, state.positions, state.next_positions
+    next_input = None if state is None else state.next_input
+    sub_input, table, next_row = next_input if next_input is not None else (out[:, None], out[:, None], out[:, None])
     block_v = triton.next_power_of_2(vocab)
     num_warps, programmatic = launch or sampler_launch(DecodeKernelConfig.for_device(scores.device))
     pdl = bool(programmatic)
@@ -195,8 +221,10 @@ def _launch(scores, seen, noise, temperature, top_p, repetition_penalty, do_samp
         scores.stride(0), 0 if seen is None else seen.stride(0), 0 if noise is None else noise.stride(0),
         temperature.stride(0) if temperature.ndim else 0,
         group, group.stride(0), positions, positions.stride(0), next_positions,
+        sub_input, sub_input.stride(0), table, table.stride(0), next_row, next_row.stride(0), sub_input.shape[-1],
         VOCAB=vocab, BLOCK_V=block_v, DO_SAMPLE=do_sample, USES_HISTORY=uses_history, USES_TOP_P=uses_top_p,
-        PDL=pdl, WRITE_STATE=state is not None, num_warps=num_warps, launch_pdl=pdl,
+        PDL=pdl, WRITE_STATE=state is not None, WRITE_INPUT=next_input is not None,
+        BLOCK_C=min(1024, triton.next_power_of_2(sub_input.shape[-1])), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -253,12 +281,15 @@ def sample_tokens_into(
     group_column: torch.Tensor,
     positions: torch.Tensor,
     next_positions: torch.Tensor,
+    next_input: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`sample_tokens` with a decode sub-step's state written by the same kernel, instead of four small kernels after
     it: the token into `out` `(rows,)` and `group_column` `(rows,)` (a column view of the group), marked in `seen`
-    (in place, with the repetition penalty), and `next_positions = positions + 1` `(rows,)` (views allowed). For the
-    step recorded as a CUDA graph without torch.compile (a plain launch, not the opaque operator). With top-k on,
-    `select_tokens` and the same writes as PyTorch ops. Returns `out`."""
+    (in place, with the repetition penalty), and `next_positions = positions + 1` `(rows,)` (views allowed);
+    `next_input` = `(sub_input, table, into)`: also `into = sub_input + table[token]` `(rows, columns)` (the next CRQ
+    sub-step's input, two kernels fewer), all three of one dtype. For the step recorded as a CUDA graph without
+    torch.compile (a plain launch, not the opaque operator). With top-k on, `select_tokens` and the same writes as
+    PyTorch ops. Returns `out`."""
     if switches.uses_top_k:
         token = select_tokens(scores, switches, seen, exponential_noise, parameters)
         out.copy_(token)
@@ -266,16 +297,23 @@ def sample_tokens_into(
         if switches.uses_history:
             seen.scatter_(-1, token[:, None], True)
         torch.add(positions, 1, out=next_positions)
+        if next_input is not None:
+            sub_input, table, into = next_input
+            torch.add(sub_input, table[token], out=into)
         return out
     if switches.uses_history and seen is None:
         raise ValueError("A repetition penalty needs the `seen` history mask.")
     if switches.do_sample and exponential_noise is None:
         raise ValueError("Sampling needs `exponential_noise` drawn from Exp(1).")
+    if next_input is not None and (
+        len({t.dtype for t in next_input}) != 1 or any(t.stride(-1) != 1 for t in next_input)
+    ):
+        raise ValueError("`next_input` must be three tensors of one dtype with unit stride along their columns.")
     return _launch(
         scores, seen if switches.uses_history else None, exponential_noise if switches.do_sample else None,
         parameters.temperature, parameters.top_p, parameters.repetition_penalty, switches.do_sample,
         switches.uses_history, switches.uses_top_p, [] if kernel_config is None else sampler_launch(kernel_config),
-        (out, group_column, positions, next_positions),
+        _SubStepState(out, group_column, positions, next_positions, next_input),
     )  # fmt: skip
 
 
