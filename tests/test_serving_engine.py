@@ -529,3 +529,37 @@ def test_the_next_step_is_queued_before_the_previous_steps_outputs_are_read(mode
     assert order == ["step", "step"] + ["read", "step"] * 6 + ["read", "read"], order
     expected_text, _ = _single_run(model, prompts["text40"], 8, do_sample=False)
     assert [t for e in events for t in e.text_ids] == expected_text
+
+
+def test_a_first_chunk_queued_during_a_round_goes_before_the_rounds_left():
+    """The output thread takes what the decode thread queued before every round, not once per batch of rounds: when
+    vocoding falls behind (several steps' items queued), a reply's first item that arrives while a round runs is
+    vocoded next, before the steady rounds left from before it (each request's items in order)."""
+    import queue as queues
+    from types import SimpleNamespace
+
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = SpeechEngine.__new__(SpeechEngine)  # the output loop alone: no model, no threads
+    streaming = {"a", "b"}  # requests with audio already out
+    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
+    engine._output = queues.Queue()
+
+    def item(request_id, step):
+        return _StepOutput(SimpleNamespace(id=request_id), [step], [], None, None, 0.0)
+
+    for step in range(3):  # three steps' items of two streaming requests: three rounds
+        engine._output.put(item("a", step))
+        engine._output.put(item("b", step))
+    rounds = []
+
+    def emit_round(items):
+        rounds.append([(i.handle.id, i.text_ids[0]) for i in items])
+        if len(rounds) == 1:  # a new reply's first item comes while the first round runs
+            engine._output.put(item("new", 0))
+        if len(rounds) == 2:
+            engine._output.put(None)  # closing
+
+    engine._emit_round = emit_round
+    engine._output_loop()
+    assert rounds == [[("a", 0), ("b", 0)], [("new", 0), ("a", 1), ("b", 1)], [("a", 2), ("b", 2)]], rounds

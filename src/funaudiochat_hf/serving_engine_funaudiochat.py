@@ -451,29 +451,47 @@ class SpeechEngine:
 
     # ------------------------------------------------------------------ output thread
     def _output_loop(self) -> None:
+        items, closing = [], False
         while True:
             # Everything queued so far: the audio of all requests' ready chunks is decoded together.
-            items = [self._output.get()]
-            while items[-1] is not None:
-                try:
-                    items.append(self._output.get_nowait())
-                except queue.Empty:
-                    break
-            closing = items[-1] is None  # the last item ever (put after the decode thread ended)
-            items = items[:-1] if closing else items
-            # Requests still waiting for their first audio first (each request's items stay in order): when the
-            # vocoding falls behind the steps, a new reply's first chunk does not wait for rounds of steady chunks.
-            if self._vocoder is not None:
-                waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
-                items = [item for item in items if item.handle.id in waiting] + [
-                    item for item in items if item.handle.id not in waiting
-                ]
-            while items:  # rounds of at most one item per request, in order: each event as if taken alone
+            if not items:
+                items.append(self._output.get())
+                closing = items[-1] is None  # the last item ever (put after the decode thread ended)
+                items = items[:-1] if closing else items
+            if not closing:
+                queued, closing = self._queued_items()
+                items += queued
+            items = self._first_audio_first(items)
+            if items:  # a round of at most one item per request, in order: each event as if taken alone
                 count = _distinct_requests_prefix(items)
                 self._emit_round(items[:count])
                 items = items[count:]
-            if closing:
+            if closing and not items:
                 return
+
+    def _queued_items(self) -> tuple[list[_StepOutput], bool]:
+        """What the decode thread has queued since the last look (without waiting), and whether that ends with the
+        last item ever. Taken before every round: a round may take long, and what comes meanwhile joins the next."""
+        items = []
+        while True:
+            try:
+                item = self._output.get_nowait()
+            except queue.Empty:
+                return items, False
+            if item is None:
+                return items, True
+            items.append(item)
+
+    def _first_audio_first(self, items: list[_StepOutput]) -> list[_StepOutput]:
+        """`items` with those of requests still waiting for their first audio first (each request's items stay in
+        order): when the vocoding falls behind the steps, a new reply's first chunk does not wait for rounds of
+        steady chunks, also one queued while a round ran."""
+        if self._vocoder is None:
+            return items
+        waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
+        return [item for item in items if item.handle.id in waiting] + [
+            item for item in items if item.handle.id not in waiting
+        ]
 
     def _emit_round(self, items: list) -> None:
         """Emit the events of queued items of distinct requests, in order; a vocoder error fails its request only.
