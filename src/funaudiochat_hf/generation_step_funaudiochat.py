@@ -153,29 +153,28 @@ def _run_crq(
             group_column=ws.group[:, sub_step], positions=positions[:, -1], next_positions=ws.crq_position,
             next_input=next_input,
         )  # fmt: skip
-        if cfg.output_logits:
-            ws.group_logits[:, sub_step] = logits.float()
-        return
-    if kernel:
-        token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise, kernel_config=config)
     else:
-        logits = logits.float()
-        token = select_tokens(logits, cfg.speech, seen, noise, ws.speech_sampling)
-    if cfg.speech.uses_history:
-        mark_seen_(ws.group_seen, token[:, None])
-    # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
-    # reference's `lm_head.weight[token]`.
-    ws.prev_speech_token.copy_(token)
-    torch.add(positions[:, -1], 1, out=ws.crq_position)  # one kernel (a decode sub-step's positions are these)
-    if sub_step is None:
-        ws.group.index_copy_(1, k, token[:, None])
-        if cfg.output_logits:  # read only to return the logits
+        if kernel:
+            token = sample_tokens(logits, cfg.speech, ws.speech_sampling, seen, noise, kernel_config=config)
+        else:
+            token = select_tokens(logits.float(), cfg.speech, seen, noise, ws.speech_sampling)
+        if cfg.speech.uses_history:
+            mark_seen_(ws.group_seen, token[:, None])
+        # Embedded by the next sub-step: the CRQ's output matrix is tied to the speech embedding, so that is the
+        # reference's `lm_head.weight[token]`.
+        ws.prev_speech_token.copy_(token)
+        torch.add(positions[:, -1], 1, out=ws.crq_position)  # one kernel (a decode sub-step's positions are these)
+        if sub_step is None:
+            ws.group.index_copy_(1, k, token[:, None])
+        else:
+            ws.group[:, sub_step] = token
+    if cfg.output_logits:  # read only to return the logits
+        if sub_step is None:
             ws.group_logits.index_copy_(1, k, logits.float()[:, None])
-        ws.sub_step.add_(1)
-    else:
-        ws.group[:, sub_step] = token
-        if cfg.output_logits:
+        else:
             ws.group_logits[:, sub_step] = logits.float()
+    if sub_step is None:  # after the copies above: `k` is a view of the counter
+        ws.sub_step.add_(1)
 
 
 def _sampler_writes_inputs(ws: DecodeWorkspace, cfg: StepConfig) -> bool:
@@ -286,16 +285,25 @@ def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig, prepared: DecodeStackI
         _start_group(model, ws, cfg, hidden, ws.next_ids[:, None])
 
 
-def _llm_tail_kernel_runs(model, ws: DecodeWorkspace, cfg: StepConfig) -> bool:
-    """Whether the step between the LLM stack and the speech head runs as one kernel (`launch_llm_tail`): plan part
-    `bookkeeping_kernels`, speech on, the stack run layer by layer (its final norm left to the kernel), a plain text
-    embedding and norm the kernel reads on the workspace's device."""
-    layered = ws.llm_kernels is not None or cfg.attention_implementation is not None
-    if not cfg.plan.bookkeeping_kernels or cfg.disable_speech or not layered:
-        return False
+def _bookkeeping_text_table(model, ws: DecodeWorkspace, cfg: StepConfig) -> torch.Tensor | None:
+    """The text embedding's weight for the bookkeeping kernels (`launch_llm_tail`, `launch_finish_rows`), or None
+    where they do not run: plan part `bookkeeping_kernels`, speech on, a plain embedding (its weight is what it
+    computes) on the workspace's device."""
+    if not cfg.plan.bookkeeping_kernels or cfg.disable_speech:
+        return None
     embedding = model.language_model.get_input_embeddings()
     plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
-    return plain and llm_tail_kernel_supported(ws.text_head_input, model.language_model.model.norm, embedding.weight)
+    return embedding.weight if plain and embedding.weight.device == ws.device else None
+
+
+def _llm_tail_kernel_runs(model, ws: DecodeWorkspace, cfg: StepConfig) -> bool:
+    """Whether the step between the LLM stack and the speech head runs as one kernel (`launch_llm_tail`): the
+    bookkeeping kernels' text table, the stack run layer by layer (its final norm left to the kernel) and a norm the
+    kernel reads."""
+    table = _bookkeeping_text_table(model, ws, cfg)
+    layered = ws.llm_kernels is not None or cfg.attention_implementation is not None
+    norm = model.language_model.model.norm
+    return table is not None and layered and llm_tail_kernel_supported(ws.text_head_input, norm, table)
 
 
 def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | None = None) -> None:
@@ -312,10 +320,11 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
         ws.text_logits.index_copy_(1, step, text_logits[:, None])
         if not cfg.disable_speech:
             ws.speech_logits.index_copy_(1, step, ws.group_logits[:, None])
-    embedding = model.language_model.get_input_embeddings()
-    if _finish_kernel_runs(ws, cfg, embedding):  # the rest in one kernel (the step counter after it)
+    table = _bookkeeping_text_table(model, ws, cfg)
+    if table is not None and ws.folded is not None and finish_kernel_supported(table, ws.folded.feedback):
+        # The rest in one kernel (the step counter after it).
         launch_finish_rows(
-            token, ws, embedding.weight, ws.folded.feedback, pad_token_id=cfg.pad_token_id,
+            token, ws, table, ws.folded.feedback, pad_token_id=cfg.pad_token_id,
             speech_eos_id=cfg.speech_eos_id, audio_eos_index=cfg.audio_eos_index, audio_bos_index=cfg.audio_bos_index,
             speech_history=cfg.speech.uses_history, text_history=cfg.text.uses_history,
         )  # fmt: skip
@@ -351,7 +360,7 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
         mark_seen_(ws.text_seen, token[:, None])
 
     # Next LLM input: the text embedding, averaged with the last speech group's encoding while speaking.
-    embeds = embedding(token[:, None]).to(ws.device)
+    embeds = model.language_model.get_input_embeddings()(token[:, None]).to(ws.device)
     if speaking is not None:
         if cfg.plan.fold_crq_matching:  # the mean of the group's rows of the folded table (`FoldedCRQMatching`)
             table = ws.folded.feedback
@@ -364,16 +373,6 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
     ws.next_embeds.copy_(embeds)
     ws.next_ids.copy_(token)
     ws.step.add_(1)
-
-
-def _finish_kernel_runs(ws: DecodeWorkspace, cfg: StepConfig, embedding: torch.nn.Module) -> bool:
-    """Whether `finish_part`'s bookkeeping runs as one kernel here: plan part `bookkeeping_kernels`, a plain text
-    embedding (its weight is what it computes) and tables the kernel can read on the workspace's device."""
-    if not cfg.plan.bookkeeping_kernels or cfg.disable_speech or ws.folded is None:
-        return False
-    plain = type(embedding) is torch.nn.Embedding and embedding.max_norm is None
-    readable = finish_kernel_supported(embedding.weight, ws.folded.feedback)
-    return plain and readable and embedding.weight.device == ws.device
 
 
 def start_text_head(model, ws: DecodeWorkspace, cfg: StepConfig) -> None:
