@@ -262,27 +262,26 @@ def llm_part(model, ws: DecodeWorkspace, cfg: StepConfig, prepared: DecodeStackI
     mask, tables = prepared.llm if prepared is not None else (ws.llm_mask, None)
     # With the kernels, decode steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
     counters = ws.split_k_counters if cfg.plan.llm_linear else None
-    tail = _llm_tail_kernel_runs(model, ws, cfg)  # the final norm, the text head's input, the speech conditioning
+    tail_table = _llm_tail_table(model, ws, cfg)  # set: the final norm, the head's input and conditioning in one kernel
     hidden = _stack_forward(
-        stack, ws.next_embeds, mask, positions, ws.llm_cache, ws.llm_kernels, None, not tail, counters,
+        stack, ws.next_embeds, mask, positions, ws.llm_cache, ws.llm_kernels, None, tail_table is None, counters,
         cfg.attention_implementation, cfg.kernel_config, tables,
     )  # fmt: skip
-    if tail:  # one kernel: the text head's input into its buffer, the conditioning, the position advanced
-        embedding = language_model.get_input_embeddings().weight
-        conditioning = launch_llm_tail(hidden[:, -1], stack.norm, embedding, ws.next_ids, ws.text_head_input,
-                                       ws.llm_position)  # fmt: skip
-        if not cfg.plan.overlap_text_head:
-            ws.text_logits_step.copy_(language_model.lm_head(ws.text_head_input).float())
-        _start_group(model, ws, cfg, None, None, conditioning[:, None])
-        return
-    hidden = hidden.to(ws.device)
-    ws.llm_position.add_(1)
-    if cfg.plan.overlap_text_head:  # the head runs after this part, beside the CRQ sub-steps (`start_text_head`)
-        ws.text_head_input.copy_(hidden[:, -1])
+    conditioning = None
+    if tail_table is not None:  # the text head's input into its buffer, the conditioning, the position advanced
+        conditioning = launch_llm_tail(hidden[:, -1], stack.norm, tail_table, ws.next_ids, ws.text_head_input,
+                                       ws.llm_position)[:, None]  # fmt: skip
+        head_input = ws.text_head_input
     else:
-        ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
+        hidden = hidden.to(ws.device)
+        ws.llm_position.add_(1)
+        head_input = hidden[:, -1]
+        if cfg.plan.overlap_text_head:
+            ws.text_head_input.copy_(head_input)
+    if not cfg.plan.overlap_text_head:  # else the head runs after this part, beside the CRQ sub-steps
+        ws.text_logits_step.copy_(language_model.lm_head(head_input).float())
     if not cfg.disable_speech:
-        _start_group(model, ws, cfg, hidden, ws.next_ids[:, None])
+        _start_group(model, ws, cfg, hidden, ws.next_ids[:, None], conditioning)
 
 
 def _bookkeeping_text_table(model, ws: DecodeWorkspace, cfg: StepConfig) -> torch.Tensor | None:
@@ -296,14 +295,15 @@ def _bookkeeping_text_table(model, ws: DecodeWorkspace, cfg: StepConfig) -> torc
     return embedding.weight if plain and embedding.weight.device == ws.device else None
 
 
-def _llm_tail_kernel_runs(model, ws: DecodeWorkspace, cfg: StepConfig) -> bool:
-    """Whether the step between the LLM stack and the speech head runs as one kernel (`launch_llm_tail`): the
-    bookkeeping kernels' text table, the stack run layer by layer (its final norm left to the kernel) and a norm the
-    kernel reads."""
+def _llm_tail_table(model, ws: DecodeWorkspace, cfg: StepConfig) -> torch.Tensor | None:
+    """The text table for `launch_llm_tail` where the step between the LLM stack and the speech head runs as that one
+    kernel (the bookkeeping kernels' text table, the stack run layer by layer with its final norm left to the kernel,
+    a norm the kernel reads), else None."""
     table = _bookkeeping_text_table(model, ws, cfg)
     layered = ws.llm_kernels is not None or cfg.attention_implementation is not None
-    norm = model.language_model.model.norm
-    return table is not None and layered and llm_tail_kernel_supported(ws.text_head_input, norm, table)
+    if table is None or not layered:
+        return None
+    return table if llm_tail_kernel_supported(ws.text_head_input, model.language_model.model.norm, table) else None
 
 
 def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | None = None) -> None:
