@@ -578,6 +578,18 @@ def test_cuda_graph_step_matches_eager_on_gpu(inputs, backend):
 
 
 @pytest.mark.gpu
+def test_text_only_reply_at_the_defaults_on_gpu(inputs):
+    """`disable_speech=True` at the defaults (CUDA graphs, no finish kernel for a text-only step) gives the eager
+    loop's text; its step's capture failed on a host read before (`masked_fill_` with a tensor value)."""
+    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    kwargs = dict(GOLDEN_KWARGS, disable_speech=True, force_text_abos=False)
+    eager = model.generate_speech(**inputs, **kwargs, backend="eager")
+    for _ in range(3):  # the second call records the step's CUDA graph, the third replays it
+        assert torch.equal(model.generate_speech(**inputs, **kwargs).sequences, eager.sequences)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["eager", "cuda_graphs"])
 def test_speech_generator_frees_its_memory_on_close_on_gpu(inputs, backend):
     """The generator's caches, weight copies and CUDA graphs are all it keeps: after `close()` the allocated memory
@@ -946,6 +958,51 @@ def test_a_view_of_a_workspaces_first_rows_shares_its_state(model):
     assert view.step_graphs is not ws.step_graphs
     with pytest.raises(ValueError, match="between 1 and"):
         ws.first_rows(4)
+
+
+@pytest.mark.parametrize("disable_speech", [False, True])
+def test_the_decode_step_reads_no_device_value_on_the_host(model, inputs, monkeypatch, disable_speech):
+    """The decode step is recorded as one CUDA graph: an op that reads a tensor's value on the host (a sync) breaks the
+    capture. `masked_fill_` with a tensor fill value is one (CUDA reads the value with `.item()`); the text-only step
+    (`disable_speech`, where the finish kernel does not run) used it and failed on a GPU at its first call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from funaudiochat_hf import generation_state_funaudiochat as state_module
+
+    steps = []
+    real_step = state_module.decode_step
+
+    def flagged_step(*args, **kwargs):
+        steps.append(True)
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            steps[-1] = False
+
+    monkeypatch.setattr(state_module, "decode_step", flagged_step)
+    # Ops whose result or work depends on a device value that the host must read.
+    host_reads = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave"}
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if steps and steps[-1]:
+                name = func.overloadpacket.__name__
+                if name in host_reads or (name.startswith("masked_fill") and isinstance(args[2], torch.Tensor)):
+                    self.found.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    # Static caches, as on a GPU (with dynamic ones transformers builds the masks, reading values on the host).
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=6, eos_token_id=[], cache_implementation="static")
+    if disable_speech:
+        kwargs.update(disable_speech=True, force_text_abos=False)
+    with HostReads() as mode:
+        model.generate_speech(**inputs, **kwargs)
+    assert len(steps) >= 4, "the decode steps did not run"
+    assert mode.found == []
 
 
 def test_the_step_outside_the_stacks_launches_no_index_or_history_copies(model, inputs, monkeypatch):

@@ -354,7 +354,8 @@ def finish_part(model, ws: DecodeWorkspace, cfg: StepConfig, force_token: int | 
         speaking = torch.bitwise_or(speaking & ~finish, token == cfg.audio_bos_index, out=ws.speaking)
 
     ws.text_out.index_copy_(1, ws.step.view(1), token[:, None])
-    ws.finish_step.masked_fill_(stop, ws.step)
+    # Not `masked_fill_(stop, ws.step)`: a tensor fill value is read on the host (a sync; it breaks a CUDA graph).
+    torch.where(stop, ws.step, ws.finish_step, out=ws.finish_step)
     done.bitwise_or_(stop)
     if cfg.text.uses_history:
         mark_seen_(ws.text_seen, token[:, None])
