@@ -293,6 +293,21 @@ def test_idle_slots_never_attend_to_nothing(model, prompts):
         engine.close()
 
 
+def test_the_engine_lowers_the_thread_switch_interval(model, monkeypatch):
+    """The decode thread must get the GIL back as soon as a step's outputs arrive, also while the output thread
+    vocodes: CPython's default 5 ms switch interval would add up to 5 ms to each of its waits under load."""
+    import sys
+
+    from funaudiochat_hf.serving_engine_funaudiochat import THREAD_SWITCH_INTERVAL_SECONDS
+
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
+    intervals = []
+    monkeypatch.setattr(sys, "setswitchinterval", intervals.append)
+    engine = SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
+    engine.close()
+    assert intervals == [THREAD_SWITCH_INTERVAL_SECONDS] and THREAD_SWITCH_INTERVAL_SECONDS <= 5e-4
+
+
 def test_more_steps_than_cache_columns(model, prompts):
     """The batch runs on for many more steps than its caches have columns (the step's own text-token column is
     wrapped, the shared cache column shifted back)."""
@@ -531,6 +546,43 @@ def test_the_next_step_is_queued_before_the_previous_steps_outputs_are_read(mode
     assert [t for e in events for t in e.text_ids] == expected_text
 
 
+def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, monkeypatch):
+    """A joining request is prefilled on the prefill thread: the running requests keep getting decode steps while its
+    prefill runs (on the decode thread, every row waited for every prefill), and it still gets its single run's
+    tokens."""
+    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
+
+    prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
+
+    def held_prefill(self, run):
+        if run.input_ids.shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
+            entered.set()
+            assert release.wait(TIMEOUT)
+        return prefill(self, run)
+
+    monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,
+                          generation_options={"do_sample": False})  # fmt: skip
+    try:
+        running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=24))
+        events = running.events(timeout=TIMEOUT)
+        before = [next(events) for _ in range(2)]
+        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
+        assert entered.wait(TIMEOUT)
+        during = [next(events) for _ in range(5)]  # steps while the joining request's prefill is held
+        release.set()
+        joined = _drain(joining)
+        rest = list(events)
+    finally:
+        release.set()
+        engine.close()
+    assert len(during) == 5 and not any(event.finished for event in during)
+    expected, _ = _single_run(model, prompts["text40"], 24, do_sample=False)
+    assert [t for event in before + during + rest for t in event.text_ids] == expected
+    expected, _ = _single_run(model, prompts["text25"], 6, do_sample=False)
+    assert [t for event in joined for t in event.text_ids] == expected
+
+
 def test_a_first_chunk_queued_during_a_round_goes_before_the_rounds_left():
     """The output thread takes what the decode thread queued before every round, not once per batch of rounds: when
     vocoding falls behind (several steps' items queued), a reply's first item that arrives while a round runs is
@@ -562,4 +614,4 @@ def test_a_first_chunk_queued_during_a_round_goes_before_the_rounds_left():
 
     engine._emit_round = emit_round
     engine._output_loop()
-    assert rounds == [[("a", 0), ("b", 0)], [("new", 0), ("a", 1), ("b", 1)], [("a", 2), ("b", 2)]], rounds
+    assert rounds == [[("a", 0), ("b", 0)], [("new", 0)], [("a", 1), ("b", 1)], [("a", 2), ("b", 2)]], rounds

@@ -23,6 +23,8 @@ seed); a GPU's kernels may round it differently (their summation order follows t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .generation_config_funaudiochat import SpeechRequest as ResolvedRequest
@@ -83,6 +85,15 @@ class ServingBatch:
             self.close()
             raise
         self.steps_since_reset = 0
+        # Requests are prefilled on the engine's prefill thread, on a CUDA stream of their own: their kernels overlap
+        # the decode steps queued meanwhile instead of waiting behind them, and their host syncs wait for the prefill
+        # alone. `_admitted`: the point of the batch's stream after the last `admit` read the prefill workspace,
+        # which the next prefill must not overwrite before.
+        device = self.ws.device
+        self.prefill_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.prefill_stream is not None:  # the workspace and weights were written on this thread's stream
+            self.prefill_stream.wait_stream(torch.cuda.current_stream(device))
+        self._admitted: torch.cuda.Event | None = None
 
     def _start_batch(self) -> None:
         """The batch's run over a one-token dummy prompt per row: its step configuration and step function, and the
@@ -161,12 +172,18 @@ class ServingBatch:
         return SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
 
     def prefill(self, run: SpeechRun) -> dict:
-        """Run a request's prompt alone in its batch-1 workspace; returns its first step's outputs (as `read`)."""
-        ws = run.prefill()
-        # One copy; a prompt pass appends at most one speech group.
-        token, done, groups, *speech = to_host(
-            torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
-        ).tolist()
+        """Run a request's prompt alone in its batch-1 workspace (on `prefill_stream`, after the last `admit` read
+        that workspace); returns its first step's outputs (as `read_results`). The outputs' copy waits for everything
+        the prefill queued: the workspace is complete when this returns (`admit` may read it on another stream)."""
+        stream = contextlib.nullcontext() if self.prefill_stream is None else torch.cuda.stream(self.prefill_stream)
+        with stream:
+            if self._admitted is not None:
+                self.prefill_stream.wait_event(self._admitted)
+            ws = run.prefill()
+            # One copy; a prompt pass appends at most one speech group.
+            token, done, groups, *speech = to_host(
+                torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
+            ).tolist()
         return {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots
@@ -201,6 +218,9 @@ class ServingBatch:
         ws.speech_out[row, :width] = pre.speech_out[0, :width]
         ws.text_sampling.fill_row_(row, run.request.text)
         ws.speech_sampling.fill_row_(row, run.request.speech)
+        if self.prefill_stream is not None:  # the next prefill overwrites what was just read
+            self._admitted = torch.cuda.Event()
+            self._admitted.record()
 
     def free(self, row: int) -> None:
         """Mark slot `row` idle: the step writes padding for it; its masks read every column (never none)."""

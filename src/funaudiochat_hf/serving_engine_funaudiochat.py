@@ -1,9 +1,10 @@
 """Continuous batching for Fun-Audio-Chat speech-to-speech: many conversations share the decode steps of one GPU.
 
 `SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
-request is prefilled alone (batch 1) between two steps and its cache rows and per-row state are placed into a free
-slot; a finished, cancelled or disconnected request leaves and frees its slot at the next step. Each step is queued
-before the previous one's outputs are read (`_iteration`), so the GPU does not wait for the host between steps.
+request is prefilled alone (batch 1) on a prefill thread, on a CUDA stream of its own, while the decode steps go on;
+between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled or disconnected
+request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
+(`_iteration`), so the GPU does not wait for the host between steps.
 Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
 chunks (a streaming CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step;
 the chunks ready across requests are decoded together, see `serving_vocoder_funaudiochat`).
@@ -24,6 +25,7 @@ and handles are in `serving_requests_funaudiochat`.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -59,6 +61,12 @@ DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_STREAM_OPTIONS = {
     "token_hop_len": 15, "pre_lookahead_len": 3, "first_token_hop_len": 5, "token_max_hop_len": 100,
 }  # fmt: skip
+# The interpreter's thread switch interval while an engine runs (seconds; CPython's default is 5 ms). The decode
+# thread waits for each step's outputs without the GIL and needs it back as soon as they arrive; while another thread
+# runs Python (the output thread's vocoder rounds, the server's event loop), CPython hands the GIL over only when that
+# thread blocks or the interval has passed, so at 5 ms every wait of a loaded engine's decode thread could take up to
+# 5 ms more: several times a step of ~10 ms.
+THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 
 
 class _StepOutput(NamedTuple):
@@ -70,16 +78,6 @@ class _StepOutput(NamedTuple):
     finish: str | None  # the finish reason of its last item
     error: str | None
     queued: float  # when it was handed over (`time.perf_counter()`)
-
-
-def _distinct_requests_prefix(items: list[_StepOutput]) -> int:
-    """How many leading output items are of distinct requests."""
-    seen = set()
-    for count, item in enumerate(items):
-        if item.handle.id in seen:
-            return count
-        seen.add(item.handle.id)
-    return len(items)
 
 
 @dataclass
@@ -94,6 +92,16 @@ class _Active:
     max_new_tokens: int
     tokens: int = 0  # text tokens emitted (the prefill's first one included)
     groups: int = 0  # speech groups emitted
+
+
+@dataclass
+class _Prefilled:
+    """A request prefilled by the prefill thread, waiting for the decode thread to place it in a slot."""
+
+    handle: RequestHandle
+    run: SpeechRun
+    first: dict  # its first step's outputs (`ServingBatch.prefill`)
+    max_new_tokens: int
 
 
 @dataclass
@@ -204,6 +212,8 @@ class SpeechEngine:
             self.batch = ServingBatch(model, max_batch_size, cache_length, generation_options or {}, backend)
         self._lock = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
+        # At most one: the next prefill overwrites the prefill workspace that this one's admission reads.
+        self._prefilled: deque[_Prefilled] = deque()
         self._slots: list[_Active | None] = [None] * max_batch_size
         self._closed = False
         self._failure: str | None = None
@@ -218,9 +228,14 @@ class SpeechEngine:
                 logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
                 self._vocoder.warm_up(max_batch_size)
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
+        if sys.getswitchinterval() > THREAD_SWITCH_INTERVAL_SECONDS:  # process-wide; never raised back (harmless)
+            logger.info(f"Speech engine: thread switch interval {1e3 * THREAD_SWITCH_INTERVAL_SECONDS:g} ms.")
+            sys.setswitchinterval(THREAD_SWITCH_INTERVAL_SECONDS)
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
+        self._prefill_thread = threading.Thread(target=self._prefill_loop, name="speech-engine-prefill", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
         self._decode_thread.start()
+        self._prefill_thread.start()
         self._output_thread.start()
 
     # ------------------------------------------------------------------ public
@@ -249,7 +264,8 @@ class SpeechEngine:
             if self._closed or self._failure is not None:
                 raise EngineClosed(self._failure or "The speech engine is closed.")
             free_slots = sum(slot is None for slot in self._slots)
-            if len(self._waiting) >= self.max_queue + free_slots:  # a free slot takes a request at the next step
+            waiting = len(self._waiting) + len(self._prefilled)
+            if waiting >= self.max_queue + free_slots:  # a free slot takes a request at the next step
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(
                     f"The server is at capacity ({self.max_batch_size} running, {len(self._waiting)} queued).",
@@ -277,7 +293,7 @@ class SpeechEngine:
             return {
                 "requests": dict(m.requests),
                 "running": sum(slot is not None for slot in self._slots),
-                "queued": len(self._waiting),
+                "queued": len(self._waiting) + len(self._prefilled),
                 "slots": self.max_batch_size,
                 "steps": m.steps,
                 "rebases": m.rebases,
@@ -291,7 +307,8 @@ class SpeechEngine:
 
     @property
     def healthy(self) -> bool:
-        return not self._closed and self._failure is None and self._decode_thread.is_alive()
+        threads = (self._decode_thread, self._prefill_thread)
+        return not self._closed and self._failure is None and all(thread.is_alive() for thread in threads)
 
     def close(self) -> None:
         """Stop the threads; waiting and running requests end with an error event."""
@@ -299,6 +316,8 @@ class SpeechEngine:
             self._closed = True
             self._lock.notify_all()
         self._decode_thread.join()
+        self._prefill_thread.join()
+        self._fail_pending("The speech engine was closed.")  # what the prefill thread prefilled after the last pass
         self._output.put(None)
         self._output_thread.join()
         self.batch.close()
@@ -311,32 +330,42 @@ class SpeechEngine:
 
     # ------------------------------------------------------------------ decode thread
     def _decode_loop(self) -> None:
+        self._run_thread(self._iteration, "decode loop")
+
+    def _run_thread(self, iteration: Callable[[], bool], name: str) -> None:
+        """Run `iteration` until it returns False; a failure fails every request, says why and stops the engine."""
         try:
             with torch.no_grad():
-                while self._iteration():
+                while iteration():
                     pass
         except BaseException as error:  # the thread must not die silently: fail every request and say why
-            logger.exception("The speech engine's decode loop failed.")
+            logger.exception(f"The speech engine's {name} failed.")
             with self._lock:
                 self._failure = f"The speech engine failed: {type(error).__name__}: {error}"
+                self._closed = True  # the other threads stop too
+                self._lock.notify_all()
+        self._fail_pending(self._failure or "The speech engine was closed.")
+
+    def _fail_pending(self, reason: str) -> None:
         with self._lock:
-            reason = self._failure or "The speech engine was closed."
-            pending = list(self._waiting) + [slot.handle for slot in self._slots if slot is not None]
+            pending = [item.handle for item in self._prefilled] + list(self._waiting)
+            pending += [slot.handle for slot in self._slots if slot is not None]
             self._waiting.clear()
+            self._prefilled.clear()
             self._slots = [None] * self.max_batch_size
         for handle in pending:
             self._finish(handle, "error", reason)
 
     def _iteration(self) -> bool:
-        """One pass: drop cancelled requests, admit waiting ones, queue one decode step, then take the previous step's
-        outputs. False: closing.
+        """One pass of the decode thread: drop cancelled requests, place the prefilled one in a free slot, queue one
+        decode step, then take the previous step's outputs. False: closing.
 
         The step is queued before the previous one's outputs are read: the GPU runs it while the host hands those
-        outputs on (and waits for the GIL, which the output thread holds while it vocodes), instead of idling between
-        steps. A request that finished in the previous step is stepped once more (its outputs are dropped, its slot
-        is then freed); a request joins at the first step queued after its admission."""
+        outputs on (and waits for the GIL, which the other threads hold at times), instead of idling between steps. A
+        request that finished in the previous step is stepped once more (its outputs are dropped, its slot is then
+        freed); a request joins at the first step queued after its admission."""
         with self._lock:
-            while (not self._closed and not self._waiting and self._launched is None
+            while (not self._closed and not self._prefilled and self._launched is None
                    and all(slot is None for slot in self._slots)):  # fmt: skip
                 self._lock.wait()
             if self._closed:
@@ -349,7 +378,7 @@ class SpeechEngine:
         for slot in self._slots:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
-        self._admit_waiting()
+        self._admit_prefilled()
         active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
@@ -357,32 +386,50 @@ class SpeechEngine:
         self._launched = launched
         return True
 
-    def _admit_waiting(self) -> None:
-        """Prefill waiting requests into free slots, in order, while they fit."""
-        while True:
-            with self._lock:
-                free = [row for row, slot in enumerate(self._slots) if slot is None]
-                if not self._waiting or not free:
-                    return
-                handle = self._waiting[0]
-            max_new = handle.request.max_new_tokens or self.max_new_tokens
-            offset = self._placement(handle.prompt_tokens, max_new)
-            if offset is None:  # no room yet: wait for running rows to finish (nothing overtakes this request)
+    def _prefill_loop(self) -> None:
+        self._run_thread(self._prefill_next, "prefill thread")
+
+    def _prefill_next(self) -> bool:
+        """One pass of the prefill thread: prefill the first waiting request once a slot is free for it and the last
+        prefilled one has been placed (their prefills share one workspace). False: closing."""
+        with self._lock:
+            while not self._closed and (self._prefilled or not self._waiting or None not in self._slots):
+                self._lock.wait()
+            if self._closed:
+                return False
+            handle = self._waiting.popleft()
+        if handle.cancelled:
+            self._finish(handle, "cancelled")
+            return True
+        try:
+            handle._mark("admitted")
+            run = self.batch.new_run(handle.request, handle.options)
+            first = self.batch.prefill(run)
+            handle._mark("prefilled")
+        except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
+            logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
+            self._finish(handle, "error", f"{type(error).__name__}: {error}")
+            return True
+        max_new = handle.request.max_new_tokens or self.max_new_tokens
+        with self._lock:
+            self._prefilled.append(_Prefilled(handle, run, first, max_new))
+            self._lock.notify_all()
+        return True
+
+    def _admit_prefilled(self) -> None:
+        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
+        with self._lock:
+            free = [row for row, slot in enumerate(self._slots) if slot is None]
+            if not self._prefilled or not free:
                 return
-            with self._lock:
-                self._waiting.popleft()
-            if handle.cancelled:
-                self._finish(handle, "cancelled")
-                continue
-            try:
-                handle._mark("admitted")
-                run = self.batch.new_run(handle.request, handle.options)
-                first = self.batch.prefill(run)
-                handle._mark("prefilled")
-            except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
-                logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
-                self._finish(handle, "error", f"{type(error).__name__}: {error}")
-                continue
+            item = self._prefilled[0]
+        handle = item.handle
+        if handle.cancelled:
+            self._finish(handle, "cancelled")
+        else:
+            offset = self._placement(handle.prompt_tokens, item.max_new_tokens)
+            if offset is None:  # no room yet: wait for running rows to finish
+                return
             if offset:
                 self.batch.rebase(offset, free)
                 for slot in self._slots:
@@ -392,13 +439,16 @@ class SpeechEngine:
                 with self._lock:
                     self.metrics.rebases += 1
             row = free[0]
-            self.batch.admit(row, run)
-            column = self.batch.column
-            slot = _Active(handle, run, row, column - handle.prompt_tokens, column + max_new, max_new,
-                           groups=len(first["speech"]) // self.batch.k)  # fmt: skip
+            self.batch.admit(row, item.run)
+            column, first = self.batch.column, item.first
+            slot = _Active(handle, item.run, row, column - handle.prompt_tokens, column + item.max_new_tokens,
+                           item.max_new_tokens, groups=len(first["speech"]) // self.batch.k)  # fmt: skip
             with self._lock:
                 self._slots[row] = slot
             self._advance(slot, first["token"], first["done"], first["speech"])
+        with self._lock:  # the prefill workspace is free again (what `admit` read is queued before the next prefill)
+            self._prefilled.popleft()
+            self._lock.notify_all()
 
     def _placement(self, length: int, max_new: int) -> int | None:
         """The column offset to shift the batch by before a request of `length` prompt tokens and `max_new` steps
@@ -443,6 +493,7 @@ class SpeechEngine:
         self.batch.free(slot.row)
         with self._lock:
             self._slots[slot.row] = None
+            self._lock.notify_all()  # a free slot: the prefill thread may take the next request
         if reason is not None:
             self._finish(slot.handle, reason)
 
@@ -461,11 +512,9 @@ class SpeechEngine:
             if not closing:
                 queued, closing = self._queued_items()
                 items += queued
-            items = self._first_audio_first(items)
             if items:  # a round of at most one item per request, in order: each event as if taken alone
-                count = _distinct_requests_prefix(items)
-                self._emit_round(items[:count])
-                items = items[count:]
+                round_items, items = self._next_round(items)
+                self._emit_round(round_items)
             if closing and not items:
                 return
 
@@ -482,33 +531,27 @@ class SpeechEngine:
                 return items, True
             items.append(item)
 
-    def _first_audio_first(self, items: list[_StepOutput]) -> list[_StepOutput]:
-        """`items` with those of requests still waiting for their first audio first (each request's items stay in
-        order): when the vocoding falls behind the steps, a new reply's first chunk does not wait for rounds of
-        steady chunks, also one queued while a round ran."""
-        if self._vocoder is None:
-            return items
-        waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
-        return [item for item in items if item.handle.id in waiting] + [
-            item for item in items if item.handle.id not in waiting
-        ]
+    def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
+        """`(round, rest)`: the first queued item of each request (requests join at different steps, so one request's
+        next items may come before another's first), of the requests still waiting for their first audio if any
+        (else of all), and the other items in order. A reply's first chunk thus gets vocoder calls of its own, also
+        when queued while a round ran: a round's chunks share one flow call, whose time grows with its rows and
+        windows (the DiT is GEMM-bound at a steady window), so it would otherwise wait for every steady chunk."""
+        waiting = set()
+        if self._vocoder is not None:
+            waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
+        seen, round_items, rest = set(), [], []
+        for item in items:
+            request = item.handle.id
+            take = request not in seen and (not waiting or request in waiting)
+            (round_items if take else rest).append(item)
+            seen.add(request)
+        return round_items, rest
 
     def _emit_round(self, items: list) -> None:
-        """Emit the events of queued items of distinct requests, in order; a vocoder error fails its request only.
-
-        The items of requests still waiting for their first audio go first, in a vocoder call of their own: a round's
-        chunks share one flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady
-        window), so a reply's short first chunk would otherwise wait for every other stream's steady chunk."""
+        """Emit the events of queued items of distinct requests, in order, their audio decoded together (one vocoder
+        call); a vocoder error fails its request only."""
         items = [item for item in items if not item.handle.finished.is_set()]  # e.g. a cancellation after the end
-        if self._vocoder is not None:
-            waiting = [self._vocoder.awaits_first_audio(item.handle.id) for item in items]
-            if any(waiting) and not all(waiting):
-                self._emit_items([item for item, first in zip(items, waiting) if first])
-                items = [item for item, first in zip(items, waiting) if not first]
-        self._emit_items(items)
-
-    def _emit_items(self, items: list) -> None:
-        """`_emit_round`'s work for one vocoder call: decode the items' audio together and emit their events."""
         if not items:
             return
         parts = [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
