@@ -345,6 +345,7 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
     benchmark_common.synchronize(device)
     start = time.perf_counter()
     times, samples, audio, text, events, event_times, first_audio_event = [], [], [], [], 0, [], None
+    speech_ids = []
     with torch.no_grad():
         for event in model.generate_speech_stream(**inputs, speech_decoder=decoder, tokenizer=tokenizer,
                                                   max_new_tokens=max_tokens, eos_token_id=[], seed=0):  # fmt: skip
@@ -353,6 +354,7 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
             events += 1
             event_times.append(now)
             text.append(event.text)
+            speech_ids += event.speech_ids.tolist()
             if event.audio is not None and event.audio.numel():
                 if first_audio_event is None:
                     first_audio_event = events
@@ -362,7 +364,7 @@ def direct_stream(model, decoder, inputs: dict, max_tokens: int, tokenizer, devi
     # Every event is one LLM step: the exact step time, for comparison with the chunk-derived one.
     exact = (event_times[-1] - event_times[0]) / (events - 1) if events > 1 else None
     return {"times": times, "samples": samples, "transcript": "".join(text), "pcm": b"".join(audio),
-            "steps": events, "exact_step_s": exact, "first_audio_event": first_audio_event,
+            "steps": events, "exact_step_s": exact, "first_audio_event": first_audio_event, "speech_ids": speech_ids,
             "prefilled_s": event_times[0] if event_times else None}  # fmt: skip
 
 
@@ -410,6 +412,22 @@ def compare_audio(reference: dict, other: dict) -> dict:
         "diverged_at_seconds": diverged,
         "match": same_length and reference["transcript"] == other["transcript"] and (identical or snr >= 30.0),
     }
+
+
+def compare_ids(served: list[list[int]], direct: list[list[int]]) -> dict:
+    """The speech ids of the idle phase's served and direct replies: their counts, and the first position where each
+    reply differs from the first direct one (None: equal)."""
+
+    def first_difference(ids: list[int], reference: list[int]) -> int | None:
+        common = min(len(ids), len(reference))
+        return next((i for i in range(common) if ids[i] != reference[i]), None if len(ids) == len(reference) else common)
+
+    reference = direct[0] if direct else []
+    return {
+        "counts": {"server": [len(ids) for ids in served], "direct": [len(ids) for ids in direct]},
+        "first_difference": {"server": [first_difference(ids, reference) for ids in served],
+                             "direct": [first_difference(ids, reference) for ids in direct]},
+    }  # fmt: skip
 
 
 def median(values: list) -> float | None:
@@ -595,6 +613,8 @@ def measure_idle(run: Run, server, engine, model, decoder, processor, inputs, qu
     # Informative: the direct stream decodes at batch 1, the server in its static batch, whose kernels may round
     # differently (the load check compares server replies with each other).
     row["direct_vs_server"] = compare_audio(served[0], direct[0])
+    # The raw speech ids (before the vocoder): which of the two differ when the audio does.
+    row["speech_ids"] = compare_ids([handle.speech_ids for handle in handles], [d["speech_ids"] for d in direct])
     run.report["idle"] = row
     s, d = row["server"], row["direct"]
     stages = row["server_stages"]
@@ -608,6 +628,8 @@ def measure_idle(run: Run, server, engine, model, decoder, processor, inputs, qu
         f"{fmt(s['step_ms_median'], 2)} vs {fmt(d['step_ms_median'], 2)} ms (x{fmt(row['step_ratio'], 3)}; direct "
         f"per event {fmt(row['direct']['exact_step_ms_median'], 2)} ms; generate_speech without audio "
         f"{fmt(row['generate_speech_step_ms_median'], 2)} ms)")  # fmt: skip
+    log(f"idle: speech ids {json.dumps(row['speech_ids'])}; audio samples, server: {[len(x['pcm']) // 2 for x in served]}, "
+        f"direct: {[len(x['pcm']) // 2 for x in direct]}")  # fmt: skip
     return served[0]
 
 
