@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark: the OpenAI-compatible server over one `SpeechEngine`, measured in ONE process.
+"""Serving benchmark: the OpenAI-compatible server over one `SpeechEngine` in this process, its load from another.
 
     PYTHONPATH=$PWD/src python scripts/bench_serving.py --json serving.json     # full size, random weights, cuda
     python scripts/bench_serving.py --tiny --device cpu --conversations 3 --max-tokens 8   # smoke test
@@ -15,7 +15,8 @@ uvicorn in a thread on a free loopback port, warms up, and measures:
      (and `generate_speech`'s step time without vocoding); where the server's TTFA goes (the engine's timeline of
      each request: admitted, prefilled, first chunk's tokens ready, vocoding, audio ready, and the rest outside the engine: HTTP, processor, event
      delivery) and after how many decode results each path has its first audio;
-  b. load: `scripts/loadgen.py` (N streamed conversations with Poisson arrivals; `--concurrency C`: C at a time): TTFA
+  b. load: `scripts/loadgen.py` in a process of its own (N streamed conversations with Poisson arrivals;
+     `--concurrency C`: C at a time; in this process its clients' work would take the GIL from the engine): TTFA
      p50 / p95, per-stream RTF p50 / p95, aggregate x real time, errors; from `/metrics` the rows per decode step;
      and where the TTFA went, span by span of the engine's timelines (`ttfa_spans`: queue, prefill, decode steps to
      the first chunk's tokens, wait for the vocoder, the first chunk's vocoding), p50 / p95;
@@ -685,6 +686,24 @@ def kept_handles(engine):
         del engine.submit
 
 
+async def loadgen_process(loadgen_args: list[str]) -> dict:
+    """`scripts/loadgen.py` with `loadgen_args` in a process of its own (clients are not in the server's process:
+    in this one their work would take the interpreter lock from the engine's threads); its JSON report."""
+    with tempfile.TemporaryDirectory() as folder:
+        report_path = Path(folder) / "loadgen.json"
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(SCRIPT_DIR / "loadgen.py"), *loadgen_args, "--json", str(report_path)
+        )
+        try:
+            await process.wait()
+        except BaseException:  # a timeout or an interrupt: no orphaned load
+            process.kill()
+            raise
+        if not report_path.exists():
+            raise RuntimeError(f"scripts/loadgen.py exited with {process.returncode} and wrote no report")
+        return json.loads(report_path.read_text())
+
+
 def measure_load(run: Run, server, engine, question_path: str, question: bytes, reference: dict | None):
     """(b) loadgen's run with /metrics before and after, and where its time to first audio went (`ttfa_spans`);
     (d) two seed-0 requests sent during it."""
@@ -694,10 +713,10 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     shares = (0.25, 0.5)  # when the two seed-0 requests are sent, as shares of the arrival time
     # A closed load's streams include the two seed-0 requests while they run: never more than --concurrency in flight.
     users = max(1, args.concurrency - len(shares)) if args.concurrency else None
-    ns = loadgen._parser().parse_args([
+    loadgen_args = [
         "--url", server.url, "--conversations", str(args.conversations), "--rate", str(args.rate),
         "--max-tokens", str(args.max_tokens), "--audio", question_path, "--timeout", str(max(30.0, run.left())),
-    ] + (["--concurrency", str(users)] if users else []))  # fmt: skip
+    ] + (["--concurrency", str(users)] if users else [])  # fmt: skip
     before = server.metrics()
     body = chat_body(question, args.max_tokens, seed=0)
     # Expected seconds over which the load's requests (closed load: its users) arrive.
@@ -710,7 +729,7 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
 
     async def load():
         probes = [asyncio.create_task(probe(arrivals * share)) for share in shares]
-        report = await asyncio.wait_for(loadgen.run(ns), timeout=max(10.0, run.left() - 10))
+        report = await asyncio.wait_for(loadgen_process(loadgen_args), timeout=max(10.0, run.left() - 10))
         return report, await asyncio.gather(*probes, return_exceptions=True)
 
     with kept_handles(engine) as handles:
