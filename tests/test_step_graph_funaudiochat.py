@@ -199,3 +199,44 @@ def test_step_graph_batch_rows_equal_single_runs_on_gpu(inputs, backend):
     inputs = {name: value.cuda() for name, value in inputs.items()}
     for _ in range(2):  # the second time from recorded graphs
         assert_batch_rows_equal_single_runs(model, inputs, dict(GOLDEN_KWARGS, backend=backend))
+
+
+@pytest.mark.gpu
+def test_two_threads_record_at_the_same_time_on_gpu():
+    """The speech engine's prefill and output threads may record CUDA graphs at the same time: each capture has a
+    stream of its own (on `torch.cuda.graph`'s one shared default stream the second capture fails or mixes in the
+    first's work). Both recordings then replay their own work."""
+    import threading
+    from types import SimpleNamespace
+
+    barrier, errors = threading.Barrier(2, timeout=30), []
+    tensors = [torch.ones(4, device="cuda") for _ in range(2)]
+
+    def step(index):
+        def function(model, ws, cfg):
+            if ws.recording:
+                barrier.wait()  # both threads are inside their capture
+            tensors[index].mul_(index + 2)
+
+        return function
+
+    def run(index):
+        try:
+            ws = SimpleNamespace(step_graphs=StepGraphs(), device=tensors[index].device, recording=False)
+            captured = CapturedStep(step(index), ("test", index))
+            captured(None, ws, None)  # runs it
+            ws.recording = True
+            captured(None, ws, None)  # records and replays
+            ws.recording = False
+            captured(None, ws, None)  # replays
+        except Exception as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    assert tensors[0].tolist() == [2.0**3] * 4 and tensors[1].tolist() == [3.0**3] * 4

@@ -129,8 +129,10 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # thread_local: CUDA work of other threads (the chat model) during the capture is not an error.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # thread_local: CUDA work of other threads (the chat model) during the capture is not an error; the warm-up's
+        # side stream as the capture stream (not `torch.cuda.graph`'s one shared default: another thread, such as the
+        # speech engine's prefill thread, may record at the same time).
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             output = self.function(*inputs)
         return _Recording(graph, inputs, output)
 

@@ -89,8 +89,11 @@ class CapturedStep:
                 graphs.warm.add(self.key)
                 return
             graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's unrelated CUDA calls during the capture do not invalidate it.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # thread_local: another thread's unrelated CUDA calls during the capture do not invalidate it. A capture
+            # stream of its own (from PyTorch's pool), not `torch.cuda.graph`'s one shared default: the speech
+            # engine's prefill thread and output thread may record at the same time.
+            capture_stream = torch.cuda.Stream(ws.device)
+            with torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
                 self.function(model, ws, cfg)
             graphs.graphs[self.key] = graph
         graph.replay()
