@@ -3,20 +3,26 @@
     python scripts/profile_ttfa.py                      # full size, random weights, on cuda
     python scripts/profile_ttfa.py --tiny --device cpu  # smoke test
     python scripts/profile_ttfa.py --trace ttfa.json    # also the profiled call's Chrome trace
+    python scripts/profile_ttfa.py --serving-prompt --input-seconds 3 --syncs   # the serving benchmark's prompt
 
 Builds the chat model and decoder as `scripts/benchmark.py` does, makes `--warm-calls` streamed replies (the first
 ones record graphs: a prompt bucket's pass is recorded on its second call), then one more with every stage
 synchronised and timed (host time, and the time until the GPU is done): embedding the prompt (audio encoders), the
-prompt pass, the whole prefill; and the arrival time of every stream event up to the first audio. Last, one reply
-under `torch.profiler`: the ops that take the most host and device time.
+prompt pass, the whole prefill; and the arrival time of every stream event up to the first audio. `--syncs`: one more
+reply with every host sync counted by source line. Last, one reply under `torch.profiler`: the ops that take the most
+host and device time. `--serving-prompt`: the prompt `scripts/bench_serving.py` sends (its processor's CPU tensors for
+a synthetic spoken question, as the server hands them to the engine) instead of random device tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 
@@ -46,6 +52,43 @@ def first_audio(model, inputs: dict, kwargs: dict, device: str) -> tuple[float, 
         finally:
             stream.close()
     raise RuntimeError(f"no audio in {len(events)} events")
+
+
+def serving_prompt_inputs(model, seconds: float) -> dict:
+    """What the speech server hands its engine for a synthetic spoken question of `seconds`: the processor's CPU
+    tensors of `scripts/bench_serving.py`'s request (the tiny processor, its ids those of `model`'s config)."""
+    import bench_serving
+
+    from funaudiochat_hf import FunAudioChatProcessor
+    from funaudiochat_hf.serving_openai_funaudiochat import TranscriptMemory, parse_chat_request, wav_bytes
+    from funaudiochat_hf.tiny_model import ASSETS_DIR, synthetic_question
+
+    processor = bench_serving.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), model.config)
+    body = bench_serving.chat_body(wav_bytes(synthetic_question(seconds), 16000), 12, seed=0)
+    return parse_chat_request(body, processor, TranscriptMemory(), [], "profile", model.dtype).speech.inputs
+
+
+def host_syncs(call) -> collections.Counter:
+    """{source line (the package's or transformers' last three frames): count} of the host syncs during `call()`
+    (`torch.cuda.set_sync_debug_mode`)."""
+    found = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "funaudiochat_hf" in f.filename or "transformers" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
+        found[where or f"{Path(filename).name}:{lineno}"] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return found
 
 
 class StageTimes:
@@ -85,12 +128,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top", type=int, default=20, help="rows of each profiler table")
     parser.add_argument("--trace", default=None, help="write the profiled reply's Chrome trace here")
     parser.add_argument("--json", default=None, help="also write the timings to this file")
+    parser.add_argument("--serving-prompt", action="store_true",
+                        help="the serving benchmark's prompt (the processor's CPU tensors) instead of device tensors")
+    parser.add_argument("--syncs", action="store_true", help="count one reply's host syncs by source line (CUDA)")
     args = parser.parse_args(argv)
     seconds = args.input_seconds or (2.0 if args.tiny else 10.0)
     bench_args = benchmark.parse_args(["--device", args.device] + (["--tiny"] if args.tiny else []))
     model, _ = benchmark_chat.build_chat_model(bench_args)
     decoder, _ = benchmark_decoder.build_decoder(bench_args)
-    inputs = benchmark_chat.make_chat_inputs(model, 1, seconds, args.device)
+    if args.serving_prompt:
+        inputs = serving_prompt_inputs(model, seconds)
+    else:
+        inputs = benchmark_chat.make_chat_inputs(model, 1, seconds, args.device)
     kwargs = {
         "speech_decoder": decoder,
         "speaker": benchmark_decoder.speaker_embedding(args.device)[0],
@@ -117,6 +166,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"timed call: first audio {ms:.1f} ms (events at {events} ms)")
     for stage, calls in stages.times.items():
         print(f"  {stage}: " + ", ".join(f"host {host} ms, done {done} ms" for host, done in calls))
+
+    if args.syncs and benchmark_common.is_cuda(args.device):
+        syncs = host_syncs(lambda: first_audio(model, inputs, kwargs, args.device))
+        report["host_syncs"] = dict(syncs)
+        print(f"host syncs of one reply up to its first audio: {sum(syncs.values())}")
+        for where, count in syncs.most_common(args.top):
+            print(f"  {count:3d}  {where}")
+    elif args.syncs:
+        print("host syncs: counted on CUDA only")
 
     from torch.profiler import ProfilerActivity, profile
 

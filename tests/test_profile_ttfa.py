@@ -21,3 +21,19 @@ def test_stages_of_the_first_audio_are_timed(tmp_path, capsys):
     from funaudiochat_hf import generation_loop_funaudiochat as loop
 
     assert not hasattr(loop.SpeechRun.prefill, "__wrapped__") and loop.SpeechRun.prefill.__name__ == "prefill"
+
+
+def test_the_serving_benchmarks_prompt_can_be_profiled(capsys):
+    """`--serving-prompt`: the processor's CPU tensors of bench_serving's spoken question (as the server hands them to
+    the engine, whose prefill copies them to the device) instead of random device tensors."""
+    module = load_module(SCRIPT, "profile_ttfa")
+    report = module.main(["--tiny", "--device", "cpu", "--serving-prompt", "--input-seconds", "3", "--warm-calls", "1",
+                          "--top", "2", "--syncs"])  # fmt: skip
+    assert report["timed_call"]["ttfa_ms"] > 0 and "host syncs: counted on CUDA only" in capsys.readouterr().out
+    from transformers import AutoConfig
+
+    from funaudiochat_hf import FunAudioChatConfig  # noqa: F401  (registers the config class)
+
+    model = type("Model", (), {"config": AutoConfig.for_model("funaudiochat"), "dtype": None})()
+    inputs = module.serving_prompt_inputs(model, 3.0)
+    assert inputs["input_ids"].device.type == "cpu" and inputs["input_features"].shape[-1] == 300
