@@ -554,11 +554,11 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
 
     prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
 
-    def held_prefill(self, run):
-        if run.input_ids.shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
+    def held_prefill(self, request, resolved):
+        if request.inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
             entered.set()
             assert release.wait(TIMEOUT)
-        return prefill(self, run)
+        return prefill(self, request, resolved)
 
     monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
     engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,

@@ -165,26 +165,25 @@ class ServingBatch:
                 )
         return resolved
 
-    def new_run(self, request: SpeechRequest, resolved: ResolvedRequest) -> SpeechRun:
-        """The request's batch-1 run on the engine's generator (raises ValueError naming a problem of its inputs)."""
-        inputs = dict(request.inputs)
-        input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
-        return SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
-
-    def prefill(self, run: SpeechRun) -> dict:
-        """Run a request's prompt alone in its batch-1 workspace (on `prefill_stream`, after the last `admit` read
-        that workspace); returns its first step's outputs (as `read_results`). The outputs' copy waits for everything
-        the prefill queued: the workspace is complete when this returns (`admit` may read it on another stream)."""
+    def prefill(self, request: SpeechRequest, resolved: ResolvedRequest) -> tuple[SpeechRun, dict]:
+        """A request's batch-1 run on the engine's generator, its prompt prefilled alone in the prefill workspace, and
+        its first step's outputs (as `read_results`); raises ValueError naming a problem of its inputs. All of it on
+        `prefill_stream` (the run's copies of the request's tensors too), after the last `admit` read the workspace.
+        The outputs' copy waits for everything the prefill queued: the workspace is complete when this returns
+        (`admit` may read it on another stream)."""
         stream = contextlib.nullcontext() if self.prefill_stream is None else torch.cuda.stream(self.prefill_stream)
         with stream:
             if self._admitted is not None:
                 self.prefill_stream.wait_event(self._admitted)
+            inputs = dict(request.inputs)
+            input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+            run = SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
             ws = run.prefill()
             # One copy; a prompt pass appends at most one speech group.
             token, done, groups, *speech = to_host(
                 torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
             ).tolist()
-        return {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
+        return run, {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots
     @property

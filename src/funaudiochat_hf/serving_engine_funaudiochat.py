@@ -268,7 +268,7 @@ class SpeechEngine:
             if waiting >= self.max_queue + free_slots:  # a free slot takes a request at the next step
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(
-                    f"The server is at capacity ({self.max_batch_size} running, {len(self._waiting)} queued).",
+                    f"The server is at capacity ({self.max_batch_size} running, {waiting} queued).",
                     retry_after=1.0,
                 )
             self._waiting.append(handle)
@@ -403,8 +403,7 @@ class SpeechEngine:
             return True
         try:
             handle._mark("admitted")
-            run = self.batch.new_run(handle.request, handle.options)
-            first = self.batch.prefill(run)
+            run, first = self.batch.prefill(handle.request, handle.options)
             handle._mark("prefilled")
         except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
             logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
