@@ -50,12 +50,14 @@ class _FakeGraph:
 
 
 class _Capturing:
-    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded."""
+    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded; keeps the capture streams."""
 
     active = False
+    streams = []
 
-    def __init__(self, graph, capture_error_mode):
+    def __init__(self, graph, stream, capture_error_mode):
         assert isinstance(graph, _FakeGraph) and capture_error_mode == "thread_local"
+        _Capturing.streams.append(stream)
 
     def __enter__(self):
         _Capturing.active = True
@@ -64,13 +66,25 @@ class _Capturing:
         _Capturing.active = False
 
 
-def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
+def _fake_cuda_graphs(monkeypatch) -> None:
+    """`torch.cuda`'s graph, graph-recording context and streams stood in for on a CPU."""
     monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(_Capturing, "streams", [])
+
+
+def _fake_workspace():
+    ws = type("Workspace", (), {})()
+    ws.step_graphs, ws.device = StepGraphs(), torch.device("cuda")
+    return ws
+
+
+def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
+    _fake_cuda_graphs(monkeypatch)
     calls = []
     step = CapturedStep(lambda model, ws, cfg: calls.append(("recorded" if _Capturing.active else "ran", cfg)), "key")
-    ws = type("Workspace", (), {})()
-    ws.step_graphs = StepGraphs()
+    ws = _fake_workspace()
     ws.step_graphs.check(((1, torch.float32, (2,)),))
 
     step(None, ws, "cfg")  # compiles / builds its kernels: run for real, nothing recorded
@@ -91,17 +105,19 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     assert len(ws.step_graphs) == 0
     step(None, ws, "cfg")
     assert calls[-1] == ("ran", "cfg")
+    step(None, ws, "cfg")
+    # Each capture on a stream of its own (`torch.cuda.graph`'s default one is shared by every thread).
+    streams = _Capturing.streams
+    assert len(streams) == 2 and None not in streams and streams[0] is not streams[1]
 
 
 def test_first_check_keeps_what_ran_warm(monkeypatch):
     """The first address check follows the first call's warm-up runs (the prompt pass runs before it): made with
     these very tensors, they stay warm, so the second call records; a later move warms up again."""
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
+    _fake_cuda_graphs(monkeypatch)
     calls = []
     step = CapturedStep(lambda model, ws, cfg: calls.append("recorded" if _Capturing.active else "ran"), "prompt")
-    ws = type("Workspace", (), {})()
-    ws.step_graphs = StepGraphs()
+    ws = _fake_workspace()
     step(None, ws, "cfg")  # before any check: the first call's prompt pass
     ws.step_graphs.check(((1, torch.float32, (2,)),))
     step(None, ws, "cfg")
