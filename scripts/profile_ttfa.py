@@ -78,8 +78,7 @@ def host_syncs(call) -> collections.Counter:
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
         found[where or f"{Path(filename).name}:{lineno}"] += 1
 
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores `showwarning` too
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
@@ -87,7 +86,6 @@ def host_syncs(call) -> collections.Counter:
             call()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = shown
     return found
 
 

@@ -317,7 +317,7 @@ class SpeechEngine:
             self._lock.notify_all()
         self._decode_thread.join()
         self._prefill_thread.join()
-        self._fail_pending("The speech engine was closed.")  # what the prefill thread prefilled after the last pass
+        self._fail_pending(self._failure or "The speech engine was closed.")  # waiting, prefilled and running requests
         self._output.put(None)
         self._output_thread.join()
         self.batch.close()
@@ -333,7 +333,8 @@ class SpeechEngine:
         self._run_thread(self._iteration, "decode loop")
 
     def _run_thread(self, iteration: Callable[[], bool], name: str) -> None:
-        """Run `iteration` until it returns False; a failure fails every request, says why and stops the engine."""
+        """Run `iteration` until it returns False (closing: `close` fails what is left); a failure fails every request,
+        says why and stops the engine."""
         try:
             with torch.no_grad():
                 while iteration():
@@ -344,7 +345,7 @@ class SpeechEngine:
                 self._failure = f"The speech engine failed: {type(error).__name__}: {error}"
                 self._closed = True  # the other threads stop too
                 self._lock.notify_all()
-        self._fail_pending(self._failure or "The speech engine was closed.")
+            self._fail_pending(self._failure)
 
     def _fail_pending(self, reason: str) -> None:
         with self._lock:
