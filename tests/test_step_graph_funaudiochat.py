@@ -128,10 +128,10 @@ def test_first_check_keeps_what_ran_warm(monkeypatch):
 
 
 def test_addresses_are_checked_before_the_prompt_pass_replays(model, inputs, monkeypatch):
-    """The prompt pass is recorded too: from a workspace's second call on, its tensor addresses are checked before the
-    prompt pass, so that a replaced weight drops the recordings before one replays (the old tensor may be freed).
-    On a CPU, with the plan of a GPU whose Triton kernels are off and the recorded parts run directly, the order of
-    the prompt pass, the checks and the CRQ's first sub-steps of each call."""
+    """The audio encoder and the prompt pass are recorded too: from a workspace's second call on, its tensor addresses
+    are checked before either, so that a replaced weight drops the recordings before one replays (the old tensor may be
+    freed). On a CPU, with the plan of a GPU whose Triton kernels are off and the recorded parts run directly, the
+    order of the audio encoder, the prompt pass, the checks and the CRQ's first sub-steps of each call."""
     from funaudiochat_hf import generation_plan_funaudiochat
 
     monkeypatch.setattr(generation_plan_funaudiochat.DeviceFacts, "of", classmethod(lambda cls, m: cls("cuda", False)))
@@ -142,10 +142,10 @@ def test_addresses_are_checked_before_the_prompt_pass_replays(model, inputs, mon
     generator = model.speech_generator(backend="cuda_graphs")
     first = generator.generate(**inputs, **GOLDEN_KWARGS)
     first_call = events[: events.index("step")]
-    assert first_call[:2] == ["prompt", "check"]  # no cache yet before the prompt pass: checked after it
+    assert first_call[:3] == ["audio_chunks", "prompt", "check"]  # no cache before the prompt pass: checked after
     events.clear()
     again = generator.generate(**inputs, **GOLDEN_KWARGS)
-    assert events[:2] == ["check", "prompt"] and events.count("check") == 1
+    assert events[:3] == ["check", "audio_chunks", "prompt"] and events.count("check") == 1
     assert torch.equal(again.sequences, first.sequences) and torch.equal(again.speech_ids, first.speech_ids)
     eager = model.generate_speech(**inputs, **GOLDEN_KWARGS, backend="eager")  # the padded prompt pass: same tokens
     assert torch.equal(first.sequences, eager.sequences) and torch.equal(first.speech_ids, eager.speech_ids)
@@ -189,8 +189,10 @@ def test_step_graph_matches_eager_and_records_again_when_a_weight_moves_on_gpu(i
         check(eager, generator.generate(**inputs, **kwargs))
         graphs = _workspace(generator).step_graphs
         # The step runs many times a call: warm, then recorded in the first call. The prefill's CRQ sub-steps (and,
-        # under "cuda_graphs", the bucket-padded prompt pass) run once a call: warm in the first, recorded in the second.
-        once = ({"prefill_crq", "prompt"} if backend == "cuda_graphs" else {"prefill_crq"}) if call > 0 else set()
+        # under "cuda_graphs", the audio encoder and the bucket-padded prompt pass) run once a call: warm in the first,
+        # recorded in the second.
+        prefill_parts = {"prefill_crq", "prompt", "audio_chunks"} if backend == "cuda_graphs" else {"prefill_crq"}
+        once = prefill_parts if call > 0 else set()
         assert set(key[0] for key in graphs.graphs) == {"step"} | once
     recorded = dict(graphs.graphs)
     check(eager, generator.generate(**inputs, **kwargs))

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from .attention_funaudiochat import register_gqa_decode_attention
+from .generation_audio_graph_funaudiochat import RecordedChunkEncoder
 from .generation_config_funaudiochat import SpeechRequest
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput
 from .generation_plan_funaudiochat import PROMPT_BUCKET, DecodePlan
@@ -162,14 +163,19 @@ class SpeechRun:
             prompt_ids = self.input_ids.masked_fill(~self.mask, vocab)
             seen = torch.zeros(ws.text_seen.shape[0], vocab + 1, dtype=torch.bool, device=ws.device)
             ws.text_seen.copy_(seen.scatter_(1, prompt_ids, True)[:, :vocab])
-        inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs).to(ws.device, ws.dtype)
-        self._draw_noise()
-        # A workspace checked before has its caches: check now, before the prompt pass may replay a recording that
-        # reads a tensor replaced since (a weight's old memory may be freed). Its first call checks after the pass,
-        # which allocates the caches (a static cache makes its tensors on first use).
+        # A workspace checked before has its caches: check now, before the audio encoder or the prompt pass may replay
+        # a recording that reads a tensor replaced since (a weight's old memory may be freed). Its first call checks
+        # after the pass, which allocates the caches (a static cache makes its tensors on first use).
         checked = cfg.plan.step_graph and ws.step_graphs.addresses is not None
         if checked:
             ws.check_graphs(model)
+        # The audio encoder's layers recorded per chunk count with the prompt pass (host-bound when eager).
+        chunk_encoder = None
+        if cfg.plan.prefill_graph and cfg.plan.step_graph and getattr(model, "continuous_audio_tower", None) is not None:
+            chunk_encoder = RecordedChunkEncoder(model, ws, cfg)
+        inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs, chunk_encoder=chunk_encoder)
+        inputs_embeds = inputs_embeds.to(ws.device, ws.dtype)
+        self._draw_noise()
         if self.bucket_padding is not None:
             # The prompt pass over fixed buffers: recorded once per padded length, then one replay.
             buffers = ws.prompt_buffers_for(length, inputs_embeds.shape[-1])

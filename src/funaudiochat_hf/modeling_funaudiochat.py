@@ -14,6 +14,7 @@ Data flow (spec §4-5):
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,7 @@ class FunAudioChatForConditionalGeneration(
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        chunk_encoder: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> FunAudioChatAudioFeaturesOutput | tuple:
         """Continuous audio features of every clip with a waveform (the `continuous_audio_tower`).
 
@@ -188,6 +190,8 @@ class FunAudioChatForConditionalGeneration(
             speech_maxlen: output length `S` (the padded speech-id length; default: the longest clip's output length).
             output_hidden_states, output_attentions: the encoder layers' states / weights (default: the audio config).
             return_dict: a [`FunAudioChatAudioFeaturesOutput`] (default: `config.return_dict`), else its tuple.
+            chunk_encoder: runs the encoder's layers in place of `FunAudioChatAudioEncoder.encode_chunks` (e.g. its
+                recorded CUDA graph, `generation_audio_graph_funaudiochat`).
         Returns:
             `last_hidden_state` `(A_w, S, output_dim)` 25 Hz features, zero past each clip's length;
             `audio_output_lengths` `(A_w,)`; `hidden_states` / `attentions` of the encoder when asked for.
@@ -215,24 +219,31 @@ class FunAudioChatForConditionalGeneration(
                 f"feature_attention_mask {tuple(feature_attention_mask.shape)} does not match input_features "
                 f"{tuple(input_features.shape)} (expected (clips, frames))."
             )
-        frame_mask = feature_attention_mask.to(input_features.device).bool()
+        # The mask on the host (one read, before any work is queued): lengths and slices need no more host syncs.
+        frame_mask = feature_attention_mask.detach().to("cpu", torch.bool)
         feature_lens = frame_mask.sum(-1)
         _, audio_output_lengths = self.continuous_audio_tower.output_lengths(feature_lens)
         if speech_maxlen is None:
             speech_maxlen = int(audio_output_lengths.max()) if audio_output_lengths.numel() else 0
-        packed = input_features.transpose(1, 2)[frame_mask].T  # (num_mel_bins, total_valid_frames), clip-major
-        encoder_output = self.continuous_audio_tower(
+        if torch.equal(frame_mask, torch.arange(frame_mask.shape[-1]) < feature_lens[:, None]):
+            # Right-padded clips (the feature extractor's): each clip's valid frames are a slice.
+            clips = [input_features[index, :, :length] for index, length in enumerate(feature_lens.tolist())]
+            packed = torch.cat(clips, dim=1) if len(clips) != 1 else clips[0]
+        else:
+            packed = input_features.transpose(1, 2)[frame_mask.to(input_features.device)].T
+        encoder_output = self.continuous_audio_tower(  # packed: (num_mel_bins, total_valid_frames), clip-major
             packed,
             feature_lens,
             speech_maxlen,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            chunk_encoder=chunk_encoder,
         )
         output = FunAudioChatAudioFeaturesOutput(
             last_hidden_state=encoder_output.last_hidden_state,
             hidden_states=encoder_output.hidden_states,
             attentions=encoder_output.attentions,
-            audio_output_lengths=audio_output_lengths,
+            audio_output_lengths=audio_output_lengths.to(input_features.device),
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if return_dict else output.to_tuple()
@@ -247,8 +258,10 @@ class FunAudioChatForConditionalGeneration(
         feature_exist_mask: torch.Tensor | None = None,
         text_ids: torch.Tensor | None = None,
         text_attention_mask: torch.Tensor | None = None,
+        chunk_encoder: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> FunAudioChatPromptEmbeddings:
-        """Spec §5.1; see `embed_prompt`. Also returns what the losses need."""
+        """Spec §5.1; see `embed_prompt`. Also returns what the losses need. `chunk_encoder`: see
+        `get_audio_features`."""
         embed_tokens = self.get_input_embeddings()
         _check_token_ids("input_ids", input_ids, embed_tokens.num_embeddings)
         if speech_ids is not None:
@@ -278,17 +291,27 @@ class FunAudioChatForConditionalGeneration(
         num_clips, speech_len = speech_ids.shape
         num_groups = speech_len // group_size
         audio_output_lengths = (speech_attention_mask.sum(-1) + group_size - 1) // group_size
+        # Counted on the host before the encoders' work is queued (these reads then wait for nothing).
+        groups_per_clip = [min(int(groups), num_groups) for groups in audio_output_lengths.tolist()]
+        num_placeholders = int(audio_token_mask.sum())
+        if num_placeholders != sum(groups_per_clip):
+            raise ValueError(
+                f"The prompt has {num_placeholders} <|AUDIO|> placeholders but the audio gives {sum(groups_per_clip)} "
+                f"groups (speech_attention_mask lengths / group_size {group_size}, rounded up, over {num_clips} "
+                "clips)."
+            )
 
+        clips_with_audio = None  # all
+        if feature_exist_mask is not None:
+            clips_with_audio = feature_exist_mask.to("cpu", torch.bool).nonzero().squeeze(1)
         continuous = None
         if input_features is not None:
             if feature_attention_mask is None:
                 raise ValueError("input_features were given without feature_attention_mask.")
             continuous = self.get_audio_features(
-                input_features, feature_attention_mask, speech_len, return_dict=True
+                input_features, feature_attention_mask, speech_len, return_dict=True, chunk_encoder=chunk_encoder
             ).last_hidden_state.to(text_embeds.dtype)
-        if feature_exist_mask is not None:
-            feature_exist_mask = feature_exist_mask.bool()
-        audio_embeds = self.audio_tower(speech_ids, continuous, feature_exist_mask).to(text_embeds.device)
+        audio_embeds = self.audio_tower(speech_ids, continuous, clips_with_audio).to(text_embeds.device)
 
         transcript_embeds = None
         group_text_labels = None
@@ -315,23 +338,19 @@ class FunAudioChatForConditionalGeneration(
             # As the reference training path: every clip is averaged with its transcript (user audio with zeros).
             audio_embeds = (transcript_embeds + audio_embeds) / 2
 
+        def valid_groups(per_group: torch.Tensor) -> torch.Tensor:  # (clips, groups, ...) -> (valid groups, ...)
+            if not groups_per_clip:
+                return per_group.flatten(0, 1)
+            return torch.cat([per_group[clip, :groups] for clip, groups in enumerate(groups_per_clip)])
+
         # Keep each clip's valid groups, clip-major, and scatter them into the <|AUDIO|> slots (row-major).
-        group_is_valid = torch.arange(num_groups, device=speech_ids.device) < audio_output_lengths[:, None]
-        num_placeholders = int(audio_token_mask.sum())
-        num_audio_groups = int(group_is_valid.sum())
-        if num_placeholders != num_audio_groups:
-            raise ValueError(
-                f"The prompt has {num_placeholders} <|AUDIO|> placeholders but the audio gives {num_audio_groups} "
-                f"groups (speech_attention_mask lengths / group_size {group_size}, rounded up, over {num_clips} "
-                "clips)."
-            )
         scatter_mask = audio_token_mask[..., None].expand_as(text_embeds)
-        inputs_embeds = text_embeds.masked_scatter(scatter_mask, audio_embeds[group_is_valid])
+        inputs_embeds = text_embeds.masked_scatter(scatter_mask, valid_groups(audio_embeds))
         crq_text_embeds = text_embeds
         if transcript_embeds is not None:
-            crq_text_embeds = text_embeds.masked_scatter(scatter_mask, transcript_embeds[group_is_valid])
-            group_text_labels = group_text_labels[group_is_valid]
-        group_speech_labels = speech_labels.reshape(num_clips, num_groups, group_size)[group_is_valid]
+            crq_text_embeds = text_embeds.masked_scatter(scatter_mask, valid_groups(transcript_embeds))
+            group_text_labels = valid_groups(group_text_labels)
+        group_speech_labels = valid_groups(speech_labels.reshape(num_clips, num_groups, group_size))
         return FunAudioChatPromptEmbeddings(
             inputs_embeds=inputs_embeds,
             text_embeds=crq_text_embeds,
@@ -350,6 +369,7 @@ class FunAudioChatForConditionalGeneration(
         feature_exist_mask: torch.Tensor | None = None,
         text_ids: torch.Tensor | None = None,
         text_attention_mask: torch.Tensor | None = None,
+        chunk_encoder: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """LLM input embeddings of a prompt with its audio (spec §5.1).
 
@@ -361,6 +381,8 @@ class FunAudioChatForConditionalGeneration(
             feature_attention_mask: `(A_w, frames)`.
             feature_exist_mask: `(A,)` bool, which clips have a waveform (default: all).
             text_ids: `(A, T)` transcripts of the clips (training only); `text_attention_mask` `(A,)` which have one.
+            chunk_encoder: runs the continuous encoder's layers (see `get_audio_features`; `generate_speech` passes
+                its recorded graph on CUDA).
         Returns:
             `(batch, seq, hidden)` text embeddings with the audio group vectors in the `<|AUDIO|>` slots.
         Raises:
@@ -375,6 +397,7 @@ class FunAudioChatForConditionalGeneration(
             feature_exist_mask=feature_exist_mask,
             text_ids=text_ids,
             text_attention_mask=text_attention_mask,
+            chunk_encoder=chunk_encoder,
         ).inputs_embeds
 
     # ----------------------------------------------------------------------------------------------------------

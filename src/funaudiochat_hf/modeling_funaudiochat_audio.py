@@ -5,6 +5,7 @@ Module names follow the official checkpoint so the released safetensors load unc
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,20 +34,14 @@ def sinusoid_position_table(length: int, channels: int, max_timescale: float = 1
     return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
 
 
-def _chunk_lengths(feature_lens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Lengths of the consecutive `chunk_size`-frame chunks of every clip (the last one of a clip may be shorter).
-
-    Args:
-        feature_lens: `(num_clips,)` frame counts, all > 0.
-    Returns:
-        `(num_chunks,)` chunk lengths, clip-major.
-    """
-    num_chunks = torch.div(feature_lens + chunk_size - 1, chunk_size, rounding_mode="floor")
-    chunk_lengths = torch.full((int(num_chunks.sum()),), chunk_size, dtype=torch.long, device=feature_lens.device)
-    last_chunk = num_chunks.cumsum(0) - 1
-    tail = feature_lens % chunk_size
-    chunk_lengths[last_chunk] = torch.where(tail == 0, chunk_size, tail)
-    return chunk_lengths
+def chunk_lengths(clip_lens: list[int], chunk_size: int) -> list[int]:
+    """Lengths of the consecutive `chunk_size`-frame chunks of every clip, clip-major (a clip's last chunk may be
+    shorter). `clip_lens`: frame counts, all > 0."""
+    lengths = []
+    for length in clip_lens:
+        full, tail = divmod(length, chunk_size)
+        lengths += [chunk_size] * full + ([tail] if tail else [])
+    return lengths
 
 
 class FunAudioChatUnusedTable(nn.Module):
@@ -155,6 +150,45 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         after_conv = (feature_lens - 1) // 2 + 1
         return after_conv, (after_conv - 2) // 2 + 1
 
+    def encode_chunks(
+        self,
+        chunks: torch.Tensor,
+        chunk_lengths: torch.Tensor,
+        all_hidden_states: list | None = None,
+        all_attentions: list | None = None,
+    ) -> torch.Tensor:
+        """The padded-chunk path's layers: conv front end, positions, every layer with the padded keys masked. Fixed
+        shapes and no host sync, so that a recorded CUDA graph can replay it (`generation_audio_graph_funaudiochat`).
+
+        Args:
+            chunks: `(num_chunks, num_mel_bins, frames)` mel chunks right-padded to `frames` (<= `2 * n_window`).
+            chunk_lengths: `(num_chunks,)` valid frames of every chunk, on the encoder's device.
+            all_hidden_states: a list that gets every layer's input and the last layer's output, each
+                `(num_chunks, ceil(frames / 2), d_model)`; `all_attentions`: one that gets every layer's weights.
+        Returns:
+            `(num_chunks, ceil(frames / 2), d_model)`: the last layer's output, frame t of a chunk valid for
+            `t < (chunk_length - 1) // 2 + 1` (padding rows never touch valid ones: every op but attention is per frame).
+        """
+        dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
+        chunks = chunks.to(device, dtype)
+        frame_mask = torch.arange(chunks.shape[-1], device=device) < chunk_lengths[:, None]
+        hidden = F.gelu(self.conv1(chunks)) * frame_mask[:, None, :].to(dtype)
+        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(frames / 2), d_model)
+        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
+        num_chunks, frames, _ = hidden.shape
+        valid = torch.arange(frames, device=device) < ((chunk_lengths - 1) // 2 + 1)[:, None]
+        key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
+        key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
+        hidden = hidden.reshape(num_chunks * frames, -1)
+        for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
+            if all_hidden_states is not None:
+                all_hidden_states.append(hidden.view(num_chunks, frames, -1))
+            hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask, attention_weights=all_attentions)[0]
+        hidden = hidden.view(num_chunks, frames, -1)
+        if all_hidden_states is not None:
+            all_hidden_states.append(hidden)
+        return hidden
+
     def forward(
         self,
         input_features: torch.Tensor,
@@ -162,14 +196,18 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         speech_maxlen: int,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        chunk_encoder: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> BaseModelOutput:
         """
         Args:
             input_features: `(num_mel_bins, total_frames)` the valid mel frames of all clips, concatenated clip-major.
-            feature_lens: `(num_clips,)` mel frames per clip (0 for a clip without audio).
+            feature_lens: `(num_clips,)` mel frames per clip (0 for a clip without audio); read on the host once.
             speech_maxlen: output length per clip (`S`, the padded speech-id length).
             output_hidden_states: also return the input of every layer and the last layer's output (default: config).
             output_attentions: also return every layer's attention weights (default: config; eager attention).
+            chunk_encoder: runs the padded-chunk path in place of `encode_chunks` (same arguments; it may pad the
+                chunks to `2 * n_window` frames), e.g. a recorded CUDA graph of it; unused when hidden states or
+                attentions are asked for, or with flash attention.
         Returns:
             `last_hidden_state` `(num_clips, speech_maxlen, output_dim)`: 25 Hz features, zero past each clip's length
             (and for empty clips), truncated to `speech_maxlen`. `hidden_states`: `encoder_layers + 1` tensors,
@@ -183,37 +221,36 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             output_attentions = self.config.output_attentions
         all_hidden_states = [] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
-        num_clips = feature_lens.shape[0]
         dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
-        input_features, feature_lens = input_features.to(device), feature_lens.to(device)
-        nonempty = feature_lens > 0
-        if not bool(nonempty.any()):
+        # Every length on the host (one read): the chunk layout and the clips' rows are plain slices, no host syncs.
+        feature_lens = [int(length) for length in feature_lens.tolist()]
+        num_clips = len(feature_lens)
+        clip_lens = [length for length in feature_lens if length > 0]
+        if not clip_lens:
             output = torch.zeros(num_clips, speech_maxlen, self.proj.out_features, dtype=dtype, device=device)
             return BaseModelOutput(last_hidden_state=output, hidden_states=None, attentions=None)
-        clip_lens = feature_lens[nonempty]
-        if int(clip_lens.sum()) != input_features.shape[-1]:
+        if sum(clip_lens) != input_features.shape[-1]:
             raise ValueError(
-                f"feature_lens sum to {int(clip_lens.sum())} frames but input_features has {input_features.shape[-1]}."
+                f"feature_lens sum to {sum(clip_lens)} frames but input_features has {input_features.shape[-1]}."
             )
 
         # Chunk every clip into 2-s windows and right-pad them to a batch: (num_chunks, mel_bins, max_chunk_len).
-        chunk_lengths = _chunk_lengths(clip_lens, 2 * self.n_window)
-        chunks = input_features.T.split(chunk_lengths.tolist(), dim=0)
+        lengths = chunk_lengths(clip_lens, 2 * self.n_window)
+        chunks = input_features.to(device).T.split(lengths, dim=0)
         padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2).to(dtype)
-        frame_mask = torch.arange(padded.shape[-1], device=device) < chunk_lengths[:, None]
-
-        hidden = F.gelu(self.conv1(padded)) * frame_mask[:, None, :].to(dtype)
-        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(max_chunk_len / 2), d_model)
-        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
-
-        chunk_lens_after_conv = (chunk_lengths - 1) // 2 + 1
-        valid = torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]
+        lengths_on_device = torch.tensor(lengths, device=device)
+        clip_lens_after_conv = [(length - 1) // 2 + 1 for length in clip_lens]
         if not self.pad_chunks or "flash" in (self.config._attn_implementation or ""):
             # The valid frames packed, (total_frames_after_conv, d_model), chunk boundaries in cu_seqlens: flash
             # attention's varlen kernel, or transformers' per-chunk attention calls.
             if output_attentions:
                 raise ValueError("output_attentions needs the padded-chunk path: eager attention and pad_chunks.")
-            hidden = hidden[valid]
+            frame_mask = torch.arange(padded.shape[-1], device=device) < lengths_on_device[:, None]
+            hidden = F.gelu(self.conv1(padded)) * frame_mask[:, None, :].to(dtype)
+            hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)
+            hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
+            chunk_lens_after_conv = (lengths_on_device - 1) // 2 + 1
+            hidden = hidden[torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]]
             cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
             for layer in self.layers:
                 if output_hidden_states:
@@ -221,33 +258,32 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
                 hidden = layer(hidden, cu_seqlens=cu_seqlens)[0]
             if output_hidden_states:
                 all_hidden_states.append(hidden)
+            clips = hidden.split(clip_lens_after_conv, dim=0)
         else:
-            # The chunks padded to one length, (num_chunks * frames, d_model), padded keys masked: one attention call
-            # per layer for every chunk, no host sync (every op but attention is per frame, so padding rows do not
-            # touch the valid ones); the valid frames are packed afterwards.
-            num_chunks, frames, _ = hidden.shape
-            key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
-            key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
-            hidden = hidden.reshape(num_chunks * frames, -1)
-            for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
-                if output_hidden_states:
-                    all_hidden_states.append(hidden.view(num_chunks, frames, -1))
-                hidden = layer(hidden, cu_seqlens=None, attention_mask=key_mask, attention_weights=all_attentions)[0]
-            if output_hidden_states:
-                all_hidden_states.append(hidden.view(num_chunks, frames, -1))
-            hidden = hidden.view(num_chunks, frames, -1)[valid]
+            # The chunks padded to one length, one attention call per layer for every chunk (`encode_chunks`).
+            if chunk_encoder is None or output_hidden_states or output_attentions:
+                hidden = self.encode_chunks(padded, lengths_on_device, all_hidden_states, all_attentions)
+            else:
+                hidden = chunk_encoder(padded, lengths_on_device)
+            # A clip's frames are consecutive rows of its chunks: all but its last chunk are full (`2 * n_window`
+            # frames, n_window rows after the conv), and the rows hold full chunks unless every clip has one chunk.
+            rows = hidden.shape[1]
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            clips, first_chunk = [], 0
+            for clip_len, length_after_conv in zip(clip_lens, clip_lens_after_conv):
+                clips.append(flat[first_chunk * rows : first_chunk * rows + length_after_conv])
+                first_chunk += -(-clip_len // (2 * self.n_window))
 
-        # Full chunks have an even length, so a clip's chunks add up to its after-conv length.
-        clip_lens_after_conv, _ = self.output_lengths(clip_lens)
         pooled = []
-        for clip_hidden in hidden.split(clip_lens_after_conv.tolist(), dim=0):
+        for clip_hidden in clips:
             if clip_hidden.shape[0] >= 2:  # average-pool 2:1 to 25 Hz (floor); a 1-frame clip stays as is
                 clip_hidden = F.avg_pool1d(clip_hidden.T, kernel_size=2, stride=2).T
             pooled.append(clip_hidden)
         projected = self.proj(self.ln_post(torch.cat(pooled, dim=0))).split([p.shape[0] for p in pooled], dim=0)
 
         output = projected[0].new_zeros(num_clips, speech_maxlen, projected[0].shape[-1])
-        for clip_index, clip_features in zip(nonempty.nonzero().squeeze(1).tolist(), projected):
+        clip_indices = [index for index, length in enumerate(feature_lens) if length > 0]
+        for clip_index, clip_features in zip(clip_indices, projected):
             length = min(clip_features.shape[0], speech_maxlen)
             output[clip_index, :length] = clip_features[:length]
         return BaseModelOutput(
@@ -287,29 +323,30 @@ class FunAudioChatDiscreteEncoder(nn.Module):
         self,
         speech_ids: torch.Tensor,
         continuous_features: torch.Tensor | None = None,
-        feature_exist_mask: torch.Tensor | None = None,
+        clips_with_audio: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """
         Args:
             speech_ids: `(N, S)` speech-token ids, S a multiple of `group_size`.
             continuous_features: `(N_w, S, H)` continuous encoder output of the clips that have a waveform.
-            feature_exist_mask: `(N,)` bool, which clips have a waveform (N_w true entries; default: all).
+            clips_with_audio: `(N_w,)` indices of the clips that have a waveform, ascending (default: all N).
         Returns:
             `(N, S // K, H)` one LLM input vector per group.
         """
         hidden = self.encode_groups(speech_ids)
         if continuous_features is None:
             return hidden
-        if feature_exist_mask is None:
-            feature_exist_mask = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        clips_with_audio = feature_exist_mask.to(hidden.device).nonzero().squeeze(1)
-        if clips_with_audio.shape[0] != continuous_features.shape[0]:
+        with_audio = hidden.shape[0] if clips_with_audio is None else clips_with_audio.shape[0]
+        if with_audio != continuous_features.shape[0]:
             raise ValueError(
-                f"feature_exist_mask marks {clips_with_audio.shape[0]} clips with a waveform but "
-                f"{continuous_features.shape[0]} continuous feature rows were given."
+                f"feature_exist_mask marks {with_audio} clips with a waveform but {continuous_features.shape[0]} "
+                "continuous feature rows were given."
             )
         continuous_features = continuous_features.to(hidden.device, hidden.dtype)
         continuous = self.continual_output_matching(self._group_mean(continuous_features))
+        if clips_with_audio is None:
+            clips_with_audio = torch.arange(hidden.shape[0], device=hidden.device)
+        clips_with_audio = clips_with_audio.to(hidden.device)
         if self.continuous_features_mode == "replace":
             return hidden.index_copy(0, clips_with_audio, continuous)
         return hidden.index_add(0, clips_with_audio, continuous)
@@ -319,5 +356,6 @@ __all__ = [
     "FunAudioChatAudioAttention",
     "FunAudioChatAudioEncoder",
     "FunAudioChatDiscreteEncoder",
+    "chunk_lengths",
     "sinusoid_position_table",
 ]

@@ -1,0 +1,73 @@
+"""The prompt's continuous audio encoder replayed as a CUDA graph per chunk count (`DecodePlan.prefill_graph`).
+
+The encoder (Whisper-large-v3-sized: 32 layers) runs a question's few 2-s chunks: little GPU work, but ~15 eager
+kernels a layer, so an eager call is bound by the host's launches (more so when a serving process's other threads
+hold the interpreter lock). [`RecordedChunkEncoder`] pads the chunks to the full `2 * n_window` frames, so that the
+shapes depend on the chunk count only, and replays `FunAudioChatAudioEncoder.encode_chunks` recorded on the decode
+workspace (a [`CapturedStep`] under `("audio_chunks", num_chunks)`, in the workspace's `StepGraphs`, dropped with them
+when a weight moves). Padding frames are masked keys and per-frame rows, so the valid frames are the eager call's.
+"""
+
+import dataclasses
+import functools
+
+import torch
+
+from .step_graph_funaudiochat import CapturedStep
+
+
+@dataclasses.dataclass
+class AudioChunkBuffers:
+    """The fixed inputs and output of the recorded encoder for one chunk count."""
+
+    chunks: torch.Tensor  # (num_chunks, num_mel_bins, 2 * n_window) mel chunks, zero past each chunk's length
+    chunk_lengths: torch.Tensor  # (num_chunks,) valid mel frames of every chunk
+    hidden: torch.Tensor  # (num_chunks, n_window, d_model) the last layer's output
+
+    @classmethod
+    def for_encoder(cls, encoder, num_chunks: int) -> "AudioChunkBuffers":
+        weight = encoder.conv1.weight
+        frames = 2 * encoder.n_window
+        return cls(
+            chunks=torch.zeros(num_chunks, weight.shape[1], frames, dtype=weight.dtype, device=weight.device),
+            chunk_lengths=torch.ones(num_chunks, dtype=torch.long, device=weight.device),
+            hidden=torch.zeros(num_chunks, (frames + 1) // 2, weight.shape[0], dtype=weight.dtype, device=weight.device),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chunks, self.chunk_lengths, self.hidden]
+
+
+def _encode_buffers(model, ws, cfg, num_chunks: int) -> None:
+    buffers = ws.audio_chunk_buffers[num_chunks]
+    hidden = model.continuous_audio_tower.encode_chunks(buffers.chunks, buffers.chunk_lengths)
+    buffers.hidden.copy_(hidden)
+
+
+class RecordedChunkEncoder:
+    """A `chunk_encoder` for `embed_prompt` (see `FunAudioChatAudioEncoder.forward`): the chunks copied into the
+    workspace's fixed buffers of their count, `encode_chunks` replayed from its recording (the first call of a count
+    runs it directly, the second records it: [`CapturedStep`]).
+
+    The returned `(num_chunks, n_window, d_model)` tensor is the workspace's buffer: read it before the next call.
+    """
+
+    def __init__(self, model, ws, cfg):
+        self.model, self.ws, self.cfg = model, ws, cfg
+
+    def __call__(self, chunks: torch.Tensor, chunk_lengths: torch.Tensor) -> torch.Tensor:
+        """`chunks` `(num_chunks, num_mel_bins, frames <= 2 * n_window)`, `chunk_lengths` `(num_chunks,)`."""
+        encoder = self.model.continuous_audio_tower
+        num_chunks, _, frames = chunks.shape
+        buffers = self.ws.audio_chunk_buffers_for(num_chunks, encoder)
+        if frames > buffers.chunks.shape[-1]:
+            raise ValueError(f"Audio chunks of {frames} frames exceed the encoder's {buffers.chunks.shape[-1]}.")
+        buffers.chunks[..., frames:].zero_()
+        buffers.chunks[..., :frames].copy_(chunks)
+        buffers.chunk_lengths.copy_(chunk_lengths)
+        encode = functools.partial(_encode_buffers, num_chunks=num_chunks)
+        CapturedStep(encode, ("audio_chunks", num_chunks))(self.model, self.ws, self.cfg)
+        return buffers.hidden
+
+
+__all__ = ["AudioChunkBuffers", "RecordedChunkEncoder"]
