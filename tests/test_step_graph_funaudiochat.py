@@ -50,28 +50,48 @@ class _FakeGraph:
 
 
 class _Capturing:
-    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded; keeps the capture streams."""
+    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded; keeps the capture streams and
+    the most captures that were ever in progress at once."""
 
     active = False
     streams = []
+    in_progress = 0
+    most_at_once = 0
 
-    def __init__(self, graph, stream, capture_error_mode):
+    def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
         assert isinstance(graph, _FakeGraph) and capture_error_mode == "thread_local"
         _Capturing.streams.append(stream)
 
     def __enter__(self):
         _Capturing.active = True
+        _Capturing.in_progress += 1
+        _Capturing.most_at_once = max(_Capturing.most_at_once, _Capturing.in_progress)
 
     def __exit__(self, *exc):
+        _Capturing.in_progress -= 1
         _Capturing.active = False
 
 
+class _FakeStream:
+    def __init__(self, device=None):
+        self.device = device
+
+    def wait_stream(self, other):
+        pass
+
+
 def _fake_cuda_graphs(monkeypatch) -> None:
-    """`torch.cuda`'s graph, graph-recording context and streams stood in for on a CPU."""
+    """`torch.cuda`'s graph, graph-recording context and streams stood in for on a CPU (and no side stream made yet)."""
+    from funaudiochat_hf import cuda_graph_capture
+
     monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "current_stream", lambda device=None: _FakeStream(device))
+    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_graph_capture, "_CAPTURE", cuda_graph_capture._CaptureStreams())
     monkeypatch.setattr(_Capturing, "streams", [])
+    monkeypatch.setattr(_Capturing, "most_at_once", 0)
 
 
 def _fake_workspace():
@@ -106,9 +126,44 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     step(None, ws, "cfg")
     assert calls[-1] == ("ran", "cfg")
     step(None, ws, "cfg")
-    # Each capture on a stream of its own (`torch.cuda.graph`'s default one is shared by every thread).
+    # Every capture on the device's one side stream: a new stream per capture got cuBLAS workspaces of its own
+    # (34.6 MB on an H100), kept for the life of the process.
     streams = _Capturing.streams
-    assert len(streams) == 2 and None not in streams and streams[0] is not streams[1]
+    assert len(streams) == 2 and isinstance(streams[0], _FakeStream) and streams[0] is streams[1]
+
+
+def test_two_threads_never_capture_at_once(monkeypatch):
+    """The speech engine's prefill and output threads may both record: their captures (on the device's one side
+    stream) take turns, each recording its own work; the devices' side streams differ."""
+    import threading
+    import time
+
+    _fake_cuda_graphs(monkeypatch)
+    start = threading.Barrier(4, timeout=30)
+    recorded = []
+
+    def run(index):
+        def function(model, ws, cfg):
+            if _Capturing.active:
+                time.sleep(0.02)  # long enough for another thread to try to capture meanwhile
+                recorded.append(index)
+
+        ws = _fake_workspace()
+        ws.device = torch.device("cuda", index % 2)
+        captured = CapturedStep(function, ("test", index))
+        captured(None, ws, None)  # runs it
+        start.wait()
+        captured(None, ws, None)  # records and replays
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(recorded) == [0, 1, 2, 3] and _Capturing.most_at_once == 1
+    streams = _Capturing.streams
+    assert len({id(stream) for stream in streams}) == 2  # one per device
+    assert {stream.device.index for stream in streams} == {0, 1}
 
 
 def test_first_check_keeps_what_ran_warm(monkeypatch):
@@ -220,20 +275,21 @@ def test_step_graph_batch_rows_equal_single_runs_on_gpu(inputs, backend):
 
 
 @pytest.mark.gpu
-def test_two_threads_record_at_the_same_time_on_gpu():
-    """The speech engine's prefill and output threads may record CUDA graphs at the same time: each capture has a
-    stream of its own (on `torch.cuda.graph`'s one shared default stream the second capture fails or mixes in the
-    first's work). Both recordings then replay their own work."""
+def test_two_threads_record_on_gpu():
+    """The speech engine's prefill and output threads may record CUDA graphs at the same time: their captures take
+    turns on the device's one side stream (two at once on one stream fail or mix their work; a stream per capture
+    keeps cuBLAS workspaces for good). Both recordings then replay their own work."""
     import threading
+    import time
     from types import SimpleNamespace
 
-    barrier, errors = threading.Barrier(2, timeout=30), []
+    start, errors = threading.Barrier(2, timeout=30), []
     tensors = [torch.ones(4, device="cuda") for _ in range(2)]
 
     def step(index):
         def function(model, ws, cfg):
             if ws.recording:
-                barrier.wait()  # both threads are inside their capture
+                time.sleep(0.05)  # the other thread tries to capture meanwhile
             tensors[index].mul_(index + 2)
 
         return function
@@ -244,6 +300,7 @@ def test_two_threads_record_at_the_same_time_on_gpu():
             captured = CapturedStep(step(index), ("test", index))
             captured(None, ws, None)  # runs it
             ws.recording = True
+            start.wait()
             captured(None, ws, None)  # records and replays
             ws.recording = False
             captured(None, ws, None)  # replays

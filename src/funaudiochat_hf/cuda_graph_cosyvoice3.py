@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from .cuda_graph_capture import capture_stream, recording
+
 
 def broadcast_dims(tensor: torch.Tensor) -> tuple[int, ...]:
     """The dimensions along which `tensor` repeats one slice (stride 0, more than one element)."""
@@ -93,11 +95,10 @@ class CUDAGraphRunner:
         self._lock = threading.Lock()
         # One memory pool for all of this runner's recordings (created with the first): replays are serialised by
         # the lock and each output is cloned before it is released, so a recording's intermediates may overlap
-        # another's. The runner then holds the memory of its largest recording, not the sum of all of them. A pool's
+        # another's. The runner then holds the memory of its largest recording, not the sum of all of them. (A pool's
         # free blocks serve only allocations on the stream they were made on: every recording is captured on the
-        # runner's one stream (created with the pool), or each would reserve memory of its own.
+        # device's one capture stream, `cuda_graph_capture`.)
         self._pool = None
-        self._stream: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
         return len(self._recordings)
@@ -123,22 +124,16 @@ class CUDAGraphRunner:
     def _record(self, tensors: tuple[torch.Tensor, ...]) -> _Recording:
         device = tensors[0].device
         inputs = [_static_copy(t) for t in tensors]
-        # Warm up on the side stream (lazy cuBLAS / cuDNN / cuFFT initialisation must not happen during capture).
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self.function(*inputs)
-        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # thread_local: CUDA work of other threads (the chat model) during the capture is not an error; the runner's
-        # stream as the capture stream (not `torch.cuda.graph`'s one shared default: another thread, such as the
-        # speech engine's prefill thread, may record at the same time).
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            output = self.function(*inputs)
+        with capture_stream(device) as stream:
+            # Warm up first (lazy cuBLAS / cuDNN / cuFFT initialisation must not happen during capture).
+            with torch.cuda.stream(stream):
+                self.function(*inputs)
+            with recording(graph, stream, pool=self._pool):
+                output = self.function(*inputs)
+            torch.cuda.current_stream(device).wait_stream(stream)  # the warm-up read `inputs`, reloaded there
         return _Recording(graph, inputs, output)
 
 

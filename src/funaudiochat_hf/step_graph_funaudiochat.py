@@ -16,6 +16,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
+from .cuda_graph_capture import capture_stream, recording
+
 
 def tensor_addresses(*objects) -> tuple[tuple, ...]:
     """`(data_ptr, dtype, shape)` of every tensor in `objects`, in a fixed order: tensors, modules (their parameters
@@ -89,11 +91,8 @@ class CapturedStep:
                 graphs.warm.add(self.key)
                 return
             graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's unrelated CUDA calls during the capture do not invalidate it. A capture
-            # stream of its own (from PyTorch's pool), not `torch.cuda.graph`'s one shared default: the speech
-            # engine's prefill thread and output thread may record at the same time.
-            capture_stream = torch.cuda.Stream(ws.device)
-            with torch.cuda.graph(graph, stream=capture_stream, capture_error_mode="thread_local"):
+            # One capture at a time in the process, on the device's one side stream (`cuda_graph_capture`).
+            with capture_stream(ws.device) as stream, recording(graph, stream):
                 self.function(model, ws, cfg)
             graphs.graphs[self.key] = graph
         graph.replay()
