@@ -1,5 +1,6 @@
 """Tests of `step_graph_funaudiochat`: `generate_speech`'s decode step recorded and replayed as one CUDA graph."""
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -40,39 +41,35 @@ def test_tensor_addresses_cover_modules_dataclasses_and_containers():
 
 
 class _FakeGraph:
-    """Stands in for `torch.cuda.CUDAGraph` on a CPU: counts replays."""
-
-    def __init__(self):
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-
-
-class _Capturing:
-    """Stands in for `torch.cuda.graph(...)`: flags the work run inside it as recorded; keeps the capture streams and
-    the most captures that were ever in progress at once."""
+    """Stands in for `torch.cuda.CUDAGraph` on a CPU: flags the work run between `capture_begin` and `capture_end` as
+    recorded, keeps the capture streams and the most captures ever in progress at once; counts replays."""
 
     active = False
     streams = []
     in_progress = 0
     most_at_once = 0
 
-    def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
-        assert isinstance(graph, _FakeGraph) and capture_error_mode == "thread_local"
-        _Capturing.streams.append(stream)
+    def __init__(self):
+        self.replays = 0
 
-    def __enter__(self):
-        _Capturing.active = True
-        _Capturing.in_progress += 1
-        _Capturing.most_at_once = max(_Capturing.most_at_once, _Capturing.in_progress)
+    def capture_begin(self, *pool, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local" and len(pool) <= 1
+        _FakeGraph.streams.append(_FakeStream.current)
+        _FakeGraph.active = True
+        _FakeGraph.in_progress += 1
+        _FakeGraph.most_at_once = max(_FakeGraph.most_at_once, _FakeGraph.in_progress)
 
-    def __exit__(self, *exc):
-        _Capturing.in_progress -= 1
-        _Capturing.active = False
+    def capture_end(self):
+        _FakeGraph.in_progress -= 1
+        _FakeGraph.active = False
+
+    def replay(self):
+        self.replays += 1
 
 
 class _FakeStream:
+    current = None  # the stream of the innermost `torch.cuda.stream(...)` block
+
     def __init__(self, device=None):
         self.device = device
 
@@ -80,18 +77,38 @@ class _FakeStream:
         pass
 
 
+@contextlib.contextmanager
+def _fake_stream_context(stream):
+    outer, _FakeStream.current = _FakeStream.current, stream
+    try:
+        yield
+    finally:
+        _FakeStream.current = outer
+
+
 def _fake_cuda_graphs(monkeypatch) -> None:
-    """`torch.cuda`'s graph, graph-recording context and streams stood in for on a CPU (and no side stream made yet)."""
+    """`torch.cuda`'s graphs and streams stood in for on a CPU (and no side stream made yet). A capture must neither
+    synchronise the device nor empty the caching allocators (as `torch.cuda.graph` does)."""
     from funaudiochat_hf import cuda_graph_capture
 
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "graph", _Capturing)
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "current_stream", lambda device=None: _FakeStream(device))
-    monkeypatch.setattr(step_graph_funaudiochat.torch.cuda, "current_device", lambda: 0)
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"a capture called torch.cuda.{name}")
+
+        return call
+
+    cuda = step_graph_funaudiochat.torch.cuda
+    monkeypatch.setattr(cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(cuda, "graph", forbidden("graph"))
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(cuda, name, forbidden(name))
+    monkeypatch.setattr(cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(cuda, "stream", _fake_stream_context)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: _FakeStream(device))
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_graph_capture, "_CAPTURE", cuda_graph_capture._CaptureStreams())
-    monkeypatch.setattr(_Capturing, "streams", [])
-    monkeypatch.setattr(_Capturing, "most_at_once", 0)
+    monkeypatch.setattr(_FakeGraph, "streams", [])
+    monkeypatch.setattr(_FakeGraph, "most_at_once", 0)
 
 
 def _fake_workspace():
@@ -103,7 +120,7 @@ def _fake_workspace():
 def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     _fake_cuda_graphs(monkeypatch)
     calls = []
-    step = CapturedStep(lambda model, ws, cfg: calls.append(("recorded" if _Capturing.active else "ran", cfg)), "key")
+    step = CapturedStep(lambda model, ws, cfg: calls.append(("recorded" if _FakeGraph.active else "ran", cfg)), "key")
     ws = _fake_workspace()
     ws.step_graphs.check(((1, torch.float32, (2,)),))
 
@@ -128,7 +145,7 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     step(None, ws, "cfg")
     # Every capture on the device's one side stream: a new stream per capture got cuBLAS workspaces of its own
     # (34.6 MB on an H100), kept for the life of the process.
-    streams = _Capturing.streams
+    streams = _FakeGraph.streams
     assert len(streams) == 2 and isinstance(streams[0], _FakeStream) and streams[0] is streams[1]
 
 
@@ -144,7 +161,7 @@ def test_two_threads_never_capture_at_once(monkeypatch):
 
     def run(index):
         def function(model, ws, cfg):
-            if _Capturing.active:
+            if _FakeGraph.active:
                 time.sleep(0.02)  # long enough for another thread to try to capture meanwhile
                 recorded.append(index)
 
@@ -160,8 +177,8 @@ def test_two_threads_never_capture_at_once(monkeypatch):
         thread.start()
     for thread in threads:
         thread.join()
-    assert sorted(recorded) == [0, 1, 2, 3] and _Capturing.most_at_once == 1
-    streams = _Capturing.streams
+    assert sorted(recorded) == [0, 1, 2, 3] and _FakeGraph.most_at_once == 1
+    streams = _FakeGraph.streams
     assert len({id(stream) for stream in streams}) == 2  # one per device
     assert {stream.device.index for stream in streams} == {0, 1}
 
@@ -171,7 +188,7 @@ def test_first_check_keeps_what_ran_warm(monkeypatch):
     these very tensors, they stay warm, so the second call records; a later move warms up again."""
     _fake_cuda_graphs(monkeypatch)
     calls = []
-    step = CapturedStep(lambda model, ws, cfg: calls.append("recorded" if _Capturing.active else "ran"), "prompt")
+    step = CapturedStep(lambda model, ws, cfg: calls.append("recorded" if _FakeGraph.active else "ran"), "prompt")
     ws = _fake_workspace()
     step(None, ws, "cfg")  # before any check: the first call's prompt pass
     ws.step_graphs.check(((1, torch.float32, (2,)),))

@@ -4,10 +4,16 @@ A capture needs a stream other than the default one. Each stream that runs a cuB
 own (34.6 MB on an H100) that PyTorch keeps for the life of the process: with a fresh stream per capture, every
 recording of a new shape left that much allocated for good (a generator's three calls left 104 MB after its `close`,
 H100). And two captures at once on one stream are invalid, while the speech engine's prefill thread (a new prompt
-bucket, an audio chunk count) and output thread (a decoder shape) may both record. So every capture, and the warm-up
-run before it, takes the process's capture lock and runs on its device's side stream, made once and kept (as
-`torch.cuda.graph`'s own default stream is): the cuBLAS workspaces of at most one extra stream per device, ever.
-Captures are rare (start-up, a new shape) and short; replays take no lock.
+bucket, an audio chunk count) and output thread (a decoder shape) may both record ("only one capture may be underway
+at a time in the process", PyTorch's CUDA graph notes). So every capture, and the warm-up run before it, takes the
+process's capture lock and runs on its device's side stream, made once and kept (as `torch.cuda.graph`'s own default
+stream is): the cuBLAS workspaces of at most one extra stream per device, ever. Captures are rare (start-up, a new
+shape) and short; replays take no lock.
+
+`recording` is `torch.cuda.graph` without what that does before every capture: a device-wide synchronize and emptying
+the CUDA and pinned-host caching allocators (memory hygiene, not needed for a capture). In a serving process a capture
+happens while other threads run: those would stall them all and make their next allocations call cudaMalloc and
+cudaHostAlloc, which synchronise the device again.
 """
 
 import contextlib
@@ -45,10 +51,17 @@ def capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
         yield stream
 
 
-def recording(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
-    """`torch.cuda.graph` on `stream` (from `capture_stream`); thread_local: CUDA work of other threads during the
-    capture (the decode steps, the vocoder) is not an error."""
-    return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+@contextlib.contextmanager
+def recording(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None) -> Iterator[None]:
+    """Capture the CUDA work queued inside into `graph`, on `stream` (from `capture_stream`), its memory from `pool`
+    (a `torch.cuda.graph_pool_handle()`; None: a pool of its own). thread_local: CUDA work of other threads during
+    the capture (the decode steps, the vocoder) is not an error."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 __all__ = ["capture_stream", "recording"]
