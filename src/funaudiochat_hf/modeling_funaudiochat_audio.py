@@ -150,6 +150,19 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
         after_conv = (feature_lens - 1) // 2 + 1
         return after_conv, (after_conv - 2) // 2 + 1
 
+    def _conv_front(self, chunks: torch.Tensor, chunk_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(num_chunks, num_mel_bins, frames)` padded chunks -> `(num_chunks, ceil(frames / 2), d_model)`: both convs
+        (the padding frames zeroed in between) and the positions; and `(num_chunks, ceil(frames / 2))` which frames are
+        valid."""
+        dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
+        chunks = chunks.to(device, dtype)
+        frame_mask = torch.arange(chunks.shape[-1], device=device) < chunk_lengths[:, None]
+        hidden = F.gelu(self.conv1(chunks)) * frame_mask[:, None, :].to(dtype)
+        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)
+        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
+        valid = torch.arange(hidden.shape[1], device=device) < ((chunk_lengths - 1) // 2 + 1)[:, None]
+        return hidden, valid
+
     def encode_chunks(
         self,
         chunks: torch.Tensor,
@@ -169,15 +182,9 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             `(num_chunks, ceil(frames / 2), d_model)`: the last layer's output, frame t of a chunk valid for
             `t < (chunk_length - 1) // 2 + 1` (padding rows never touch valid ones: every op but attention is per frame).
         """
-        dtype, device = self.conv1.weight.dtype, self.conv1.weight.device
-        chunks = chunks.to(device, dtype)
-        frame_mask = torch.arange(chunks.shape[-1], device=device) < chunk_lengths[:, None]
-        hidden = F.gelu(self.conv1(chunks)) * frame_mask[:, None, :].to(dtype)
-        hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)  # (num_chunks, ceil(frames / 2), d_model)
-        hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
+        hidden, valid = self._conv_front(chunks, chunk_lengths)
         num_chunks, frames, _ = hidden.shape
-        valid = torch.arange(frames, device=device) < ((chunk_lengths - 1) // 2 + 1)[:, None]
-        key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=device)
+        key_mask = torch.zeros(num_chunks, 1, 1, frames, dtype=hidden.dtype, device=hidden.device)
         key_mask = key_mask.masked_fill(~valid[:, None, None, :], torch.finfo(hidden.dtype).min)
         hidden = hidden.reshape(num_chunks * frames, -1)
         for layer in self.layers:  # the chunk layout is in the mask's shape: no cu_seqlens
@@ -245,13 +252,9 @@ class FunAudioChatAudioEncoder(FunAudioChatPreTrainedModel):
             # attention's varlen kernel, or transformers' per-chunk attention calls.
             if output_attentions:
                 raise ValueError("output_attentions needs the padded-chunk path: eager attention and pad_chunks.")
-            frame_mask = torch.arange(padded.shape[-1], device=device) < lengths_on_device[:, None]
-            hidden = F.gelu(self.conv1(padded)) * frame_mask[:, None, :].to(dtype)
-            hidden = F.gelu(self.conv2(hidden)).transpose(1, 2)
-            hidden = hidden + self.positional_embedding[: hidden.shape[1]].to(hidden.device, hidden.dtype)
-            chunk_lens_after_conv = (lengths_on_device - 1) // 2 + 1
-            hidden = hidden[torch.arange(hidden.shape[1], device=device) < chunk_lens_after_conv[:, None]]
-            cu_seqlens = F.pad(chunk_lens_after_conv.cumsum(0), (1, 0)).to(torch.int32)
+            hidden, valid = self._conv_front(padded, lengths_on_device)
+            hidden = hidden[valid]
+            cu_seqlens = F.pad(((lengths_on_device - 1) // 2 + 1).cumsum(0), (1, 0)).to(torch.int32)
             for layer in self.layers:
                 if output_hidden_states:
                     all_hidden_states.append(hidden)
