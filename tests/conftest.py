@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -50,6 +51,29 @@ def load_module(path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class HostReads(TorchDispatchMode):
+    """Records (`found`) the ops dispatched while `active()` is true whose result or work depends on a device value
+    that the host must read, a sync on a GPU (and an error in a CUDA graph capture): `.item()`, nonzero, boolean
+    indexing, masked_select, unique, repeat_interleave, equal, and `masked_fill` with a tensor fill value (CUDA reads it
+    with `.item()`)."""
+
+    OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave", "equal"}
+
+    def __init__(self, active):
+        super().__init__()
+        self.active, self.found = active, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active():
+            name = func.overloadpacket.__name__
+            tensor_fill = name.startswith("masked_fill") and isinstance(args[2], torch.Tensor)
+            indices = args[1] if name == "index" and len(args) > 1 else ()
+            bool_index = any(isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in indices)
+            if name in self.OPS or tensor_fill or bool_index:
+                self.found.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:

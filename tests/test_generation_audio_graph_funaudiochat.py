@@ -3,11 +3,12 @@ embedding around it free of host reads once the encoder's work is queued."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from funaudiochat_hf.generation_audio_graph_funaudiochat import RecordedChunkEncoder
 from funaudiochat_hf.generation_workspace_funaudiochat import DecodeWorkspace
 from funaudiochat_hf.step_graph_funaudiochat import CapturedStep, StepGraphs
+
+from conftest import HostReads
 
 
 class _Workspace:
@@ -62,26 +63,10 @@ def test_the_prompt_embedding_reads_no_value_on_the_host_after_the_audio_encoder
         started.append(True)
         return model.continuous_audio_tower.encode_chunks(chunks, chunk_lengths)
 
-    host_reads = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal"}
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.found = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            bool_index = name == "index" and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
-            )
-            if started and (name in host_reads or bool_index):
-                self.found.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     prompt = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     with torch.no_grad():
         expected = model.embed_prompt(inputs["input_ids"], **prompt)
-        with HostReads() as mode:
+        with HostReads(lambda: bool(started)) as mode:
             embeds = model.embed_prompt(inputs["input_ids"], **prompt, chunk_encoder=chunk_encoder)
     assert started, "the audio encoder did not run"
     assert mode.found == []

@@ -17,7 +17,7 @@ from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput
 from funaudiochat_hf.generation_vocoding_funaudiochat import speech_segments
 from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3Token2Wav, CosyVoice3Token2WavOutput
 
-from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY
+from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, HostReads
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
@@ -970,8 +970,6 @@ def test_the_decode_step_reads_no_device_value_on_the_host(model, inputs, monkey
     """The decode step is recorded as one CUDA graph: an op that reads a tensor's value on the host (a sync) breaks the
     capture. `masked_fill_` with a tensor fill value is one (CUDA reads the value with `.item()`); the text-only step
     (`disable_speech`, where the finish kernel does not run) used it and failed on a GPU at its first call."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from funaudiochat_hf import generation_state_funaudiochat as state_module
 
     steps = []
@@ -985,26 +983,11 @@ def test_the_decode_step_reads_no_device_value_on_the_host(model, inputs, monkey
             steps[-1] = False
 
     monkeypatch.setattr(state_module, "decode_step", flagged_step)
-    # Ops whose result or work depends on a device value that the host must read.
-    host_reads = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave"}
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.found = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if steps and steps[-1]:
-                name = func.overloadpacket.__name__
-                if name in host_reads or (name.startswith("masked_fill") and isinstance(args[2], torch.Tensor)):
-                    self.found.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     # Static caches, as on a GPU (with dynamic ones transformers builds the masks, reading values on the host).
     kwargs = dict(GOLDEN_KWARGS, max_new_tokens=6, eos_token_id=[], cache_implementation="static")
     if disable_speech:
         kwargs.update(disable_speech=True, force_text_abos=False)
-    with HostReads() as mode:
+    with HostReads(lambda: bool(steps and steps[-1])) as mode:
         model.generate_speech(**inputs, **kwargs)
     assert len(steps) >= 4, "the decode steps did not run"
     assert mode.found == []
