@@ -4,6 +4,7 @@ embedding around it free of host reads once the encoder's work is queued."""
 import pytest
 import torch
 
+from funaudiochat_hf import generation_audio_graph_funaudiochat as audio_graph
 from funaudiochat_hf.generation_audio_graph_funaudiochat import RecordedChunkEncoder
 from funaudiochat_hf.generation_workspace_funaudiochat import DecodeWorkspace
 from funaudiochat_hf.step_graph_funaudiochat import CapturedStep, StepGraphs
@@ -50,6 +51,15 @@ def test_recorded_encoder_pads_chunks_to_full_length_and_gives_the_eager_feature
     assert calls == [("audio_chunks", 5), ("audio_chunks", 1), ("audio_chunks", 1), ("audio_chunks", 3), ("audio_chunks", 2)]
     assert sorted(ws.audio_chunk_buffers) == [1, 2, 3, 5]
     assert {tuple(b.chunks.shape[1:]) for b in ws.audio_chunk_buffers.values()} == {(encoder.conv1.in_channels, full)}
+
+    # Above the recorded counts (long questions): the eager encoder, no buffers or recording kept.
+    monkeypatch.setattr(audio_graph, "MAX_RECORDED_AUDIO_CHUNKS", 2)
+    features, mask = _features(model, [2 * full + 7])
+    with torch.no_grad():
+        eager = model.get_audio_features(features, mask).last_hidden_state
+        graphed = model.get_audio_features(features, mask, chunk_encoder=recorded).last_hidden_state
+    torch.testing.assert_close(graphed, eager, atol=0, rtol=0)
+    assert len(calls) == 5 and sorted(ws.audio_chunk_buffers) == [1, 2, 3, 5]
 
 
 def test_the_prompt_embedding_reads_no_value_on_the_host_after_the_audio_encoder_starts(model, inputs):

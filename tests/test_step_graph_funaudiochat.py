@@ -54,6 +54,7 @@ class _FakeGraph:
 
     def capture_begin(self, *pool, capture_error_mode="global"):
         assert capture_error_mode == "thread_local" and len(pool) <= 1
+        self.pool = pool[0] if pool else None
         _FakeGraph.streams.append(_FakeStream.current)
         _FakeGraph.active = True
         _FakeGraph.in_progress += 1
@@ -106,6 +107,7 @@ def _fake_cuda_graphs(monkeypatch) -> None:
     monkeypatch.setattr(cuda, "stream", _fake_stream_context)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: _FakeStream(device))
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "graph_pool_handle", object)
     monkeypatch.setattr(cuda_graph_capture, "_CAPTURE", cuda_graph_capture._CaptureStreams())
     monkeypatch.setattr(_FakeGraph, "streams", [])
     monkeypatch.setattr(_FakeGraph, "most_at_once", 0)
@@ -147,6 +149,26 @@ def test_captured_step_runs_then_records_once_then_replays(monkeypatch):
     # (34.6 MB on an H100), kept for the life of the process.
     streams = _FakeGraph.streams
     assert len(streams) == 2 and isinstance(streams[0], _FakeStream) and streams[0] is streams[1]
+
+
+def test_graphs_recorded_with_a_shared_pool_share_the_workspaces_one(monkeypatch):
+    """Graphs that never replay together (the audio encoder's, one per chunk count) share one memory pool of the
+    workspace, so they hold the largest one's intermediates, not the sum; others get a pool of their own; when the
+    graphs are dropped (a tensor moved) so is the pool."""
+    _fake_cuda_graphs(monkeypatch)
+    ws = _fake_workspace()
+    ws.step_graphs.check(((1, torch.float32, (2,)),))
+    steps = [CapturedStep(lambda model, ws, cfg: None, ("audio", n), shared_pool=True) for n in (1, 2)]
+    steps.append(CapturedStep(lambda model, ws, cfg: None, "step"))
+    for step in steps * 2:  # run, then record
+        step(None, ws, None)
+    graphs = ws.step_graphs.graphs
+    assert graphs[("audio", 1)].pool is graphs[("audio", 2)].pool is not None and graphs["step"].pool is None
+    first_pool = graphs[("audio", 1)].pool
+    ws.step_graphs.check(((2, torch.float32, (2,)),))
+    for step in steps[:1] * 2:
+        step(None, ws, None)
+    assert graphs[("audio", 1)].pool is not first_pool
 
 
 def test_two_threads_never_capture_at_once(monkeypatch):

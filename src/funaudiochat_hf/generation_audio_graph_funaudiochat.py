@@ -6,6 +6,10 @@ hold the interpreter lock). [`RecordedChunkEncoder`] pads the chunks to the full
 shapes depend on the chunk count only, and replays `FunAudioChatAudioEncoder.encode_chunks` recorded on the decode
 workspace (a [`CapturedStep`] under `("audio_chunks", num_chunks)`, in the workspace's `StepGraphs`, dropped with them
 when a weight moves). Padding frames are masked keys and per-frame rows, so the valid frames are the eager call's.
+
+Memory: the recordings of every chunk count share one pool (they replay one at a time and write into their own
+buffers), so they hold the largest one's intermediates; and counts above `MAX_RECORDED_AUDIO_CHUNKS` (questions over
+64 s, whose encoder is no longer launch-bound) run eagerly, so a rare long question leaves nothing behind.
 """
 
 import dataclasses
@@ -15,6 +19,9 @@ import torch
 
 from .step_graph_funaudiochat import CapturedStep
 
+
+# The most 2-s chunks a recording covers (64 s of audio); longer questions run the encoder eagerly.
+MAX_RECORDED_AUDIO_CHUNKS = 32
 
 @dataclasses.dataclass
 class AudioChunkBuffers:
@@ -47,7 +54,8 @@ def _encode_buffers(model, ws, cfg, num_chunks: int) -> None:
 class RecordedChunkEncoder:
     """A `chunk_encoder` for `embed_prompt` (see `FunAudioChatAudioEncoder.forward`): the chunks copied into the
     workspace's fixed buffers of their count, `encode_chunks` replayed from its recording (the first call of a count
-    runs it directly, the second records it: [`CapturedStep`]).
+    runs it directly, the second records it: [`CapturedStep`]). More than `MAX_RECORDED_AUDIO_CHUNKS` chunks run
+    `encode_chunks` eagerly.
 
     The returned `(num_chunks, n_window, d_model)` tensor is the workspace's buffer: read it before the next call.
     """
@@ -59,6 +67,8 @@ class RecordedChunkEncoder:
         """`chunks` `(num_chunks, num_mel_bins, frames <= 2 * n_window)`, `chunk_lengths` `(num_chunks,)`."""
         encoder = self.model.continuous_audio_tower
         num_chunks, _, frames = chunks.shape
+        if num_chunks > MAX_RECORDED_AUDIO_CHUNKS:
+            return encoder.encode_chunks(chunks, chunk_lengths)
         buffers = self.ws.audio_chunk_buffers_for(num_chunks, encoder)
         if frames > buffers.chunks.shape[-1]:
             raise ValueError(f"Audio chunks of {frames} frames exceed the encoder's {buffers.chunks.shape[-1]}.")
@@ -66,8 +76,8 @@ class RecordedChunkEncoder:
         buffers.chunks[..., :frames].copy_(chunks)
         buffers.chunk_lengths.copy_(chunk_lengths)
         encode = functools.partial(_encode_buffers, num_chunks=num_chunks)
-        CapturedStep(encode, ("audio_chunks", num_chunks))(self.model, self.ws, self.cfg)
+        CapturedStep(encode, ("audio_chunks", num_chunks), shared_pool=True)(self.model, self.ws, self.cfg)
         return buffers.hidden
 
 
-__all__ = ["AudioChunkBuffers", "RecordedChunkEncoder"]
+__all__ = ["MAX_RECORDED_AUDIO_CHUNKS", "AudioChunkBuffers", "RecordedChunkEncoder"]

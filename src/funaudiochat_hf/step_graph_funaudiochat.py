@@ -52,12 +52,21 @@ class StepGraphs:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.warm: set[Hashable] = set()  # keys whose function has run once outside a capture
         self.addresses: tuple[tuple, ...] | None = None
+        self._shared_pool = None  # the memory pool of the graphs recorded with `shared_pool=True`
+
+    def shared_pool(self):
+        """The memory pool shared by this workspace's graphs that never replay at the same time (made on first use,
+        dropped with the graphs): they then hold the memory of the largest one, not the sum."""
+        if self._shared_pool is None:
+            self._shared_pool = torch.cuda.graph_pool_handle()
+        return self._shared_pool
 
     def check(self, addresses: tuple[tuple, ...]) -> None:
         """Keep the graphs if they read tensors at these `addresses` (see [`tensor_addresses`]), else drop them (and
         their memory pools): the next calls warm up and record again."""
         if addresses != self.addresses:
             self.graphs.clear()
+            self._shared_pool = None
             # The first check follows the first warm-up runs, made with these very tensors: they stay warm, so that
             # the second call records (the prompt pass, which runs before the first check, included).
             if self.addresses is not None:
@@ -76,11 +85,13 @@ class CapturedStep:
     and depend on nothing but those tensors and `key` (which names its configuration). Its first call for a key runs
     it directly: `torch.compile` compiles it or checks its guards and Triton builds its kernels, none of which may
     happen while capturing. The second records it (recording runs nothing) and replays the recording; later calls
-    only replay, one launch each.
+    only replay, one launch each. `shared_pool`: its intermediates in the workspace's shared pool
+    ([`StepGraphs.shared_pool`]), for functions that write every output into fixed buffers and never run alongside
+    another such graph (e.g. the prompt's audio encoder, one recording per chunk count).
     """
 
-    def __init__(self, function: Callable, key: Hashable):
-        self.function, self.key = function, key
+    def __init__(self, function: Callable, key: Hashable, shared_pool: bool = False):
+        self.function, self.key, self.uses_shared_pool = function, key, shared_pool
 
     def __call__(self, model, ws, cfg) -> None:
         graphs: StepGraphs = ws.step_graphs
@@ -92,7 +103,8 @@ class CapturedStep:
                 return
             graph = torch.cuda.CUDAGraph()
             # One capture at a time in the process, on the device's one side stream (`cuda_graph_capture`).
-            with capture_stream(ws.device) as stream, recording(graph, stream):
+            pool = graphs.shared_pool() if self.uses_shared_pool else None
+            with capture_stream(ws.device) as stream, recording(graph, stream, pool):
                 self.function(model, ws, cfg)
             graphs.graphs[self.key] = graph
         graph.replay()
