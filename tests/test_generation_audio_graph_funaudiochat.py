@@ -18,7 +18,7 @@ class _Workspace:
     audio_chunk_buffers_for = DecodeWorkspace.audio_chunk_buffers_for
 
     def __init__(self):
-        self.audio_chunk_buffers, self.step_graphs = {}, StepGraphs()
+        self.audio_chunk_buffers, self.step_graphs = None, StepGraphs()
 
 
 def _features(model, lengths: list[int], seed: int = 0):
@@ -49,8 +49,10 @@ def test_recorded_encoder_pads_chunks_to_full_length_and_gives_the_eager_feature
         torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
         assert eager.abs().sum() > 0
     assert calls == [("audio_chunks", 5), ("audio_chunks", 1), ("audio_chunks", 1), ("audio_chunks", 3), ("audio_chunks", 2)]
-    assert sorted(ws.audio_chunk_buffers) == [1, 2, 3, 5]
-    assert {tuple(b.chunks.shape[1:]) for b in ws.audio_chunk_buffers.values()} == {(encoder.conv1.in_channels, full)}
+    # One set of buffers for the most chunks recorded; each count's recording uses its first rows.
+    buffers = ws.audio_chunk_buffers
+    assert buffers.chunks.shape == (audio_graph.MAX_RECORDED_AUDIO_CHUNKS, encoder.conv1.in_channels, full)
+    assert buffers.first(3).chunks.data_ptr() == buffers.chunks.data_ptr() and len(buffers.first(3).hidden) == 3
 
     # Above the recorded counts (long questions): the eager encoder, no buffers or recording kept.
     monkeypatch.setattr(audio_graph, "MAX_RECORDED_AUDIO_CHUNKS", 2)
@@ -59,7 +61,7 @@ def test_recorded_encoder_pads_chunks_to_full_length_and_gives_the_eager_feature
         eager = model.get_audio_features(features, mask).last_hidden_state
         graphed = model.get_audio_features(features, mask, chunk_encoder=recorded).last_hidden_state
     torch.testing.assert_close(graphed, eager, atol=0, rtol=0)
-    assert len(calls) == 5 and sorted(ws.audio_chunk_buffers) == [1, 2, 3, 5]
+    assert len(calls) == 5 and ws.audio_chunk_buffers is buffers
 
 
 def test_the_prompt_embedding_reads_no_value_on_the_host_after_the_audio_encoder_starts(model, inputs):
@@ -98,7 +100,7 @@ def test_recorded_audio_encoder_replays_and_matches_eager_on_gpu(inputs):
         outputs = [generator.generate(**batch, **kwargs) for _ in range(3)]
         (ws,) = generator._workspaces.values()
         assert any(key[0] == "audio_chunks" for key in ws.step_graphs.graphs)
-        (buffers,) = ws.audio_chunk_buffers.values()
+        buffers = ws.audio_chunk_buffers
         eager = model.get_audio_features(batch["input_features"], batch["feature_attention_mask"]).last_hidden_state
         graphed = model.get_audio_features(
             batch["input_features"], batch["feature_attention_mask"], chunk_encoder=RecordedChunkEncoder(model, ws, None)

@@ -41,13 +41,20 @@ class AudioChunkBuffers:
             hidden=torch.zeros(num_chunks, (frames + 1) // 2, weight.shape[0], dtype=weight.dtype, device=weight.device),
         )
 
+    def first(self, num_chunks: int) -> "AudioChunkBuffers":
+        """Views of the first `num_chunks` rows (fixed addresses: what one chunk count's recording reads and writes)."""
+        if not 1 <= num_chunks <= self.chunks.shape[0]:
+            raise ValueError(f"{num_chunks} audio chunks: the buffers hold 1 to {self.chunks.shape[0]}.")
+        return AudioChunkBuffers(self.chunks[:num_chunks], self.chunk_lengths[:num_chunks], self.hidden[:num_chunks])
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.chunks, self.chunk_lengths, self.hidden]
 
 
 def _encode_buffers(model, ws, cfg, num_chunks: int) -> None:
-    buffers = ws.audio_chunk_buffers[num_chunks]
-    hidden = model.continuous_audio_tower.encode_chunks(buffers.chunks, buffers.chunk_lengths)
+    encoder = model.continuous_audio_tower
+    buffers = ws.audio_chunk_buffers_for(num_chunks, encoder)
+    hidden = encoder.encode_chunks(buffers.chunks, buffers.chunk_lengths)
     buffers.hidden.copy_(hidden)
 
 

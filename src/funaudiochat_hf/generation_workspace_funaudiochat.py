@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .generation_audio_graph_funaudiochat import AudioChunkBuffers
+from .generation_audio_graph_funaudiochat import MAX_RECORDED_AUDIO_CHUNKS, AudioChunkBuffers
 from .generation_plan_funaudiochat import DecodePlan
 from .sampling_funaudiochat import SamplingParameters, SamplingSettings, SamplingSwitches
 from .step_graph_funaudiochat import StepGraphs, tensor_addresses
@@ -152,8 +152,9 @@ class DecodeWorkspace:
         self.step_graphs = StepGraphs()
         # `plan.prefill_graph`: the bucket-padded prompt's fixed inputs, by padded length (`prompt_buffers_for`).
         self.prompt_buffers: dict[int, PromptBuffers] = {}
-        # `plan.prefill_graph`: the recorded audio encoder's fixed inputs and output, by chunk count.
-        self.audio_chunk_buffers: dict[int, AudioChunkBuffers] = {}
+        # `plan.prefill_graph`: the recorded audio encoder's fixed inputs and output, for the most chunks recorded
+        # (`audio_chunk_buffers_for`: each chunk count's recording reads and writes its first rows).
+        self.audio_chunk_buffers: AudioChunkBuffers | None = None
         # Tables the decode step reads that depend on no run's state (`decode_table`).
         self.decode_tables: dict[Hashable, object] = {}
         # Per-step raw logits, only with `output_logits=True` (debugging / parity tests).
@@ -192,7 +193,7 @@ class DecodeWorkspace:
         view.fused_crq = view.speech_head = view.folded = view.llm_kernels = view.text_head = None
         view.step_graphs = StepGraphs()
         view.prompt_buffers = {}
-        view.audio_chunk_buffers = {}
+        view.audio_chunk_buffers = None
         return view
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -221,7 +222,7 @@ class DecodeWorkspace:
         """Bytes held by the workspace's buffers and caches (each storage counted once)."""
         prompts = [
             tensor
-            for buffers in (*self.prompt_buffers.values(), *self.audio_chunk_buffers.values())
+            for buffers in (*self.prompt_buffers.values(), *filter(None, [self.audio_chunk_buffers]))
             for tensor in buffers.tensors()
         ]  # fmt: skip
         tables = [t for table in self.decode_tables.values() for t in (table if isinstance(table, tuple) else (table,))]
@@ -252,12 +253,12 @@ class DecodeWorkspace:
         return buffers
 
     def audio_chunk_buffers_for(self, num_chunks: int, encoder) -> AudioChunkBuffers:
-        """The recorded audio `encoder`'s fixed buffers for `num_chunks` chunks (created on first use, kept with the
-        workspace, like `prompt_buffers_for`'s)."""
-        buffers = self.audio_chunk_buffers.get(num_chunks)
-        if buffers is None:
-            buffers = self.audio_chunk_buffers[num_chunks] = AudioChunkBuffers.for_encoder(encoder, num_chunks)
-        return buffers
+        """The recorded audio `encoder`'s fixed buffers for `num_chunks` chunks: the first rows of the workspace's
+        buffers for `MAX_RECORDED_AUDIO_CHUNKS` (made on first use, kept with the workspace, like
+        `prompt_buffers_for`'s)."""
+        if self.audio_chunk_buffers is None:
+            self.audio_chunk_buffers = AudioChunkBuffers.for_encoder(encoder, MAX_RECORDED_AUDIO_CHUNKS)
+        return self.audio_chunk_buffers.first(num_chunks)
 
     def reset(
         self,
