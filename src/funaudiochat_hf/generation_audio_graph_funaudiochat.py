@@ -8,7 +8,7 @@ workspace (a [`CapturedStep`] under `("audio_chunks", num_chunks)`, in the works
 when a weight moves). Padding frames are masked keys and per-frame rows, so the valid frames are the eager call's.
 
 Memory: the recordings of every chunk count share one pool (they replay one at a time and write into their own
-buffers), so they hold the largest one's intermediates; and counts above `MAX_RECORDED_AUDIO_CHUNKS` (questions over
+buffers, the first rows of one set), so they hold the largest one's intermediates; and counts above `MAX_RECORDED_AUDIO_CHUNKS` (questions over
 64 s, whose encoder is no longer launch-bound) run eagerly, so a rare long question leaves nothing behind.
 """
 
@@ -23,9 +23,11 @@ from .step_graph_funaudiochat import CapturedStep
 # The most 2-s chunks a recording covers (64 s of audio); longer questions run the encoder eagerly.
 MAX_RECORDED_AUDIO_CHUNKS = 32
 
+
 @dataclasses.dataclass
 class AudioChunkBuffers:
-    """The fixed inputs and output of the recorded encoder for one chunk count."""
+    """The fixed inputs and output of the recorded encoder: the workspace keeps one set for the most chunks, and a
+    chunk count's recording reads and writes its first rows (`first`)."""
 
     chunks: torch.Tensor  # (num_chunks, num_mel_bins, 2 * n_window) mel chunks, zero past each chunk's length
     chunk_lengths: torch.Tensor  # (num_chunks,) valid mel frames of every chunk
