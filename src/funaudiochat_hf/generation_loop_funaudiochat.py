@@ -170,9 +170,7 @@ class SpeechRun:
         if checked:
             ws.check_graphs(model)
         # The audio encoder's layers recorded per chunk count with the prompt pass (host-bound when eager).
-        chunk_encoder = None
-        if cfg.plan.prefill_graph and cfg.plan.step_graph and getattr(model, "continuous_audio_tower", None) is not None:
-            chunk_encoder = RecordedChunkEncoder(model, ws, cfg)
+        chunk_encoder = RecordedChunkEncoder(model, ws, cfg) if cfg.plan.prefill_graph and cfg.plan.step_graph else None
         inputs_embeds = model.embed_prompt(self.input_ids, **self.prompt_inputs, chunk_encoder=chunk_encoder)
         inputs_embeds = inputs_embeds.to(ws.device, ws.dtype)
         self._draw_noise()

@@ -220,11 +220,10 @@ class DecodeWorkspace:
 
     def memory_bytes(self) -> int:
         """Bytes held by the workspace's buffers and caches (each storage counted once)."""
-        prompts = [
-            tensor
-            for buffers in (*self.prompt_buffers.values(), *filter(None, [self.audio_chunk_buffers]))
-            for tensor in buffers.tensors()
-        ]  # fmt: skip
+        fixed_inputs = list(self.prompt_buffers.values())
+        if self.audio_chunk_buffers is not None:
+            fixed_inputs.append(self.audio_chunk_buffers)
+        prompts = [tensor for buffers in fixed_inputs for tensor in buffers.tensors()]
         tables = [t for table in self.decode_tables.values() for t in (table if isinstance(table, tuple) else (table,))]
         return storage_bytes([*self._buffers(), *self._cache_tensors(), *prompts, *tables])
 
