@@ -39,9 +39,12 @@ def _single_run(model, inputs, max_new_tokens, **kwargs):
     return out.sequences[0, inputs["input_ids"].shape[1] :].tolist(), out.speech_ids[0].tolist()
 
 
-def _take(handle, count):
-    events = handle.events(timeout=TIMEOUT)
-    return [next(events) for _ in range(count)]
+def _take(handle, steps):
+    """The request's events until they hold `steps` decode results (an event holds all that queued up meanwhile)."""
+    events, taken = handle.events(timeout=TIMEOUT), []
+    while sum(len(event.text_ids) for event in taken) < steps:
+        taken.append(next(events))
+    return taken
 
 
 def _drain(handle):
@@ -411,11 +414,11 @@ def test_the_warm_up_decodes_every_shape_a_load_decodes(model, prompts, monkeypa
     warmed = set(shapes)
     shapes.clear()
     try:
-        handles = []
+        handles, taken = [], []
         for index, (prompt, steps) in enumerate([("text40", 16), ("text25", 11), ("text40", 14)]):
             handles.append(engine.submit(SpeechRequest(prompts[prompt], max_new_tokens=steps, seed=index)))
-            _take(handles[-1], 2 + index)  # out of phase: their chunks fall in different rounds
-        replies = [_drain(handle) for handle in handles]
+            taken.append(_take(handles[-1], 2 + index))  # out of phase: their chunks fall in different rounds
+        replies = [events + _drain(handle) for events, handle in zip(taken, handles)]
     finally:
         engine.close()
     assert all(reply[-1].finish_reason == "length" for reply in replies)
@@ -583,10 +586,12 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
     assert [t for event in joined for t in event.text_ids] == expected
 
 
-def test_a_first_chunk_queued_during_a_round_goes_before_the_rounds_left():
-    """The output thread takes what the decode thread queued before every round, not once per batch of rounds: when
-    vocoding falls behind (several steps' items queued), a reply's first item that arrives while a round runs is
-    vocoded next, before the steady rounds left from before it (each request's items in order)."""
+def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
+    """The output thread takes what the decode thread queued before every round, not once per batch of rounds, and a
+    round takes every queued item of a request, merged in order: when vocoding falls behind (several steps' items
+    queued), one round catches up with all of them (one round per step would stay behind for good). A reply's first
+    item that arrives while a round runs is vocoded next, alone, before the steady items that came with it; a
+    request's items after its last (a cancellation after its end) are not merged into it."""
     import queue as queues
     from types import SimpleNamespace
 
@@ -597,21 +602,41 @@ def test_a_first_chunk_queued_during_a_round_goes_before_the_rounds_left():
     engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
     engine._output = queues.Queue()
 
-    def item(request_id, step):
-        return _StepOutput(SimpleNamespace(id=request_id), [step], [], None, None, 0.0)
+    def item(request_id, step, finish=None):
+        return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], finish, None, float(step))
 
-    for step in range(3):  # three steps' items of two streaming requests: three rounds
+    for step in range(3):  # three steps' items of two streaming requests: one round
         engine._output.put(item("a", step))
         engine._output.put(item("b", step))
+    engine._output.put(item("b", 3, finish="stop"))
+    engine._output.put(item("b", 4, finish="cancelled"))
     rounds = []
 
     def emit_round(items):
-        rounds.append([(i.handle.id, i.text_ids[0]) for i in items])
-        if len(rounds) == 1:  # a new reply's first item comes while the first round runs
+        rounds.append([(i.handle.id, i.text_ids, i.speech_ids, i.finish, i.queued) for i in items])
+        if len(rounds) == 1:  # a new reply's first item comes while the first round runs, with a's next one
+            engine._output.put(item("a", 3))
             engine._output.put(item("new", 0))
         if len(rounds) == 2:
             engine._output.put(None)  # closing
 
     engine._emit_round = emit_round
     engine._output_loop()
-    assert rounds == [[("a", 0), ("b", 0)], [("new", 0)], [("a", 1), ("b", 1)], [("a", 2), ("b", 2)]], rounds
+    assert rounds == [
+        [("a", [0, 1, 2], [10, 11, 12], None, 0.0), ("b", [0, 1, 2, 3], [10, 11, 12, 13], "stop", 0.0)],
+        [("new", [0], [10], None, 0.0)],
+        [("b", [4], [14], "cancelled", 4.0), ("a", [3], [13], None, 3.0)],
+    ], rounds
+
+
+def test_events_taken_again_go_on_where_the_last_call_stopped():
+    """A second `events()` call yields what the first left and returns once the last event was taken: before, it
+    waited for events that never come (an event may hold all of a short reply)."""
+    from funaudiochat_hf.serving_requests_funaudiochat import RequestHandle, SpeechEvent
+
+    handle = RequestHandle(SpeechRequest({"input_ids": torch.zeros(1, 3, dtype=torch.long)}), None)
+    handle._emit(SpeechEvent(text_ids=[1]))
+    handle._emit(SpeechEvent(text_ids=[2], finished=True, finish_reason="stop"))
+    assert [event.text_ids for event in _take(handle, 1)] == [[1]]
+    assert [event.text_ids for event in handle.events(timeout=0.5)] == [[2]]
+    assert list(handle.events(timeout=0.5)) == []

@@ -70,7 +70,8 @@ THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 
 
 class _StepOutput(NamedTuple):
-    """What the decode thread hands the output thread about one request: one step's results, or its end."""
+    """What the decode thread hands the output thread about one request: one step's results, or its end (the output
+    thread merges a request's queued ones, `_merged`)."""
 
     handle: RequestHandle
     text_ids: list[int]
@@ -111,6 +112,17 @@ class _LaunchedStep:
 
     slots: list[_Active]
     outputs: HostCopy
+
+
+def _merged(items: list[_StepOutput]) -> _StepOutput:
+    """One request's consecutive step outputs as one: their text and speech ids in order, the finish reason and
+    error of the last, handed over when the first was (the metrics' wait for the vocoder is its oldest output's)."""
+    if len(items) == 1:
+        return items[0]
+    first, last = items[0], items[-1]
+    text_ids = [token for item in items for token in item.text_ids]
+    speech_ids = [token for item in items for token in item.speech_ids]
+    return _StepOutput(last.handle, text_ids, speech_ids, last.finish, last.error, first.queued)
 
 
 class _Histogram:
@@ -512,7 +524,7 @@ class SpeechEngine:
             if not closing:
                 queued, closing = self._queued_items()
                 items += queued
-            if items:  # a round of at most one item per request, in order: each event as if taken alone
+            if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
                 self._emit_round(round_items)
             if closing and not items:
@@ -532,21 +544,25 @@ class SpeechEngine:
             items.append(item)
 
     def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
-        """`(round, rest)`: the first queued item of each request (requests join at different steps, so one request's
-        next items may come before another's first), of the requests still waiting for their first audio if any
-        (else of all), and the other items in order. A reply's first chunk thus gets vocoder calls of its own, also
-        when queued while a round ran: a round's chunks share one flow call, whose time grows with its rows and
-        windows (the DiT is GEMM-bound at a steady window), so it would otherwise wait for every steady chunk."""
+        """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
+        (`_merged`), of the requests still waiting for their first audio if any (else of all), and the other items
+        in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
+        fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A reply's
+        first chunk gets vocoder calls of its own, also when queued while a round ran: a round's chunks share one
+        flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window), so it
+        would otherwise wait for every steady chunk."""
         waiting = set()
         if self._vocoder is not None:
             waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
-        seen, round_items, rest = set(), [], []
+        taken: dict[int, list[_StepOutput]] = {}  # request id -> its items of this round, in order
+        ended, rest = set(), []
         for item in items:
             request = item.handle.id
-            take = request not in seen and (not waiting or request in waiting)
-            (round_items if take else rest).append(item)
-            seen.add(request)
-        return round_items, rest
+            take = request not in ended and (not waiting or request in waiting)
+            (taken.setdefault(request, []) if take else rest).append(item)
+            if take and item.finish is not None:  # anything after a request's last item is left (and dropped)
+                ended.add(request)
+        return [_merged(group) for group in taken.values()], rest
 
     def _emit_round(self, items: list) -> None:
         """Emit the events of queued items of distinct requests, in order, their audio decoded together (one vocoder

@@ -113,10 +113,13 @@ class RequestHandle:
         return self._cancelled.is_set()
 
     def events(self, timeout: float | None = None) -> Iterator[SpeechEvent]:
-        """The request's events, blocking, until the last (`finished`) one; `timeout` per event (queue.Empty)."""
+        """The request's events, blocking, until the last (`finished`) one; `timeout` per event (queue.Empty). Another
+        call goes on where the last one stopped (nothing, once the last event was taken)."""
         if self._queue is None:
             raise RuntimeError("This request's events go to the `sink` given to `submit`.")
         while True:
+            if self.finished.is_set() and self._queue.empty():  # set after its last event was queued: taken already
+                return
             event = self._queue.get(timeout=timeout)
             yield event
             if event.finished:
