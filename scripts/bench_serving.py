@@ -26,7 +26,8 @@ uvicorn in a thread on a free loopback port, warms up, and measures:
 
 Every reply runs exactly `--max-tokens` steps (no end-of-text id: random weights would stop at random points). The
 report (`--json PATH`, and `$OUT/bench_serving.json` when OUT is set) is rewritten after every phase; `--time-budget`
-skips the phases that no longer fit, and a watchdog writes the report and exits if a phase hangs past the budget.
+skips the phases that no longer fit (`--skip-idle`: the idle phase in any case), and a watchdog writes the report and
+exits if a phase hangs past the budget.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--feature-window-seconds", type=int, default=None, help="the feature extractor's window (`chunk_length`; "
         "features are padded to it): default the tiny processor's 30 s; the official one's is likely 300 s")
     add("--time-budget", type=float, default=420.0, help="seconds; later phases are skipped (default: %(default)s)")
+    add("--skip-idle", action="store_true", help="skip the idle phase (a) whatever the budget: the load alone, e.g. "
+        "to compare engine variants; its correctness check then compares the load's seed-0 requests")
     add("--json", help="also write the report to this file")
     args = parser.parse_args(argv)
     if args.conversations < 1 or args.rate <= 0 or args.max_tokens < 1 or args.max_batch_size < 1:
@@ -857,7 +860,9 @@ def main(argv: list[str] | None = None) -> int:
         run.save()
 
         reference = None
-        if run.fits("idle", 100):  # leaves the load its time
+        if args.skip_idle:
+            run.report["skipped"].append("idle")
+        elif run.fits("idle", 100):  # leaves the load its time
             reference = measure_idle(run, server, engine, model, decoder, processor, inputs, question,
                                      samples_per_step)
             run.save()
