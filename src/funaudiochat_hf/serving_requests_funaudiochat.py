@@ -53,7 +53,8 @@ class SpeechRequest:
 
 @dataclass
 class SpeechEvent:
-    """An increment of one request's reply.
+    """An increment of one request's reply: the decode steps since its last event (one, or several when vocoding
+    ran behind).
 
     Attributes:
         text: new text (special tokens dropped, never half a character).
