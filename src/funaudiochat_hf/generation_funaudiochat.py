@@ -69,17 +69,19 @@ class FunAudioChatSpeechGenerationMixin:
         backend: str = "auto",
         kernel_config=None,
         plan_overrides=None,
+        max_workspaces: int | None = None,
     ) -> SpeechGenerator:
         """A new [`SpeechGenerator`] for this model: it owns the static caches (`max_batch_size` rows,
         `max_length` LLM positions, None: sized by each call), weight copies, CUDA graphs and compiled functions of
         its calls, reports their size (`memory_bytes()`) and frees them (`close()`, or use it as a context manager).
         `backend`: "auto" | "eager" | "cuda_graphs" | "compiled" (see `generation_plan_funaudiochat`);
         `kernel_config`: the Triton kernels' tuning; `plan_overrides`: `{part: False}` turns parts of the fast
-        backends off (debugging).
+        backends off (debugging); `max_workspaces`: static workspaces it keeps (default 2).
 
         Use it with `gen.generate(**inputs, ...)` / `gen.stream(...)` or `generate_speech(speech_generator=gen)`.
         """
-        return SpeechGenerator(self, max_batch_size, max_length, backend, kernel_config, plan_overrides)
+        extra = {} if max_workspaces is None else {"max_workspaces": max_workspaces}
+        return SpeechGenerator(self, max_batch_size, max_length, backend, kernel_config, plan_overrides, **extra)
 
     def clear_speech_caches(self) -> None:
         """Close the default `SpeechGenerator` (its caches, weight copies and CUDA graphs); the next call builds a
