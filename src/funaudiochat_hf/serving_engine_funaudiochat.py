@@ -87,7 +87,6 @@ class _Active:
     """Host-side bookkeeping of a request in a slot."""
 
     handle: RequestHandle
-    run: SpeechRun  # its prefill's (shared by the requests prefilled together)
     generator: torch.Generator  # its noise
     row: int
     start: int  # first cache column of its prompt
@@ -499,7 +498,7 @@ class SpeechEngine:
             row = free[0]
             self.batch.admit(row, item.run, item.source, handle.options, handle.prompt_tokens)
             column, first = self.batch.column, item.first
-            slot = _Active(handle, item.run, item.generator, row, column - handle.prompt_tokens,
+            slot = _Active(handle, item.generator, row, column - handle.prompt_tokens,
                            column + item.max_new_tokens, item.max_new_tokens,
                            groups=len(first["speech"]) // self.batch.k)  # fmt: skip
             with self._lock:
