@@ -370,21 +370,18 @@ def stack_prompt_inputs(inputs: list[dict], pad_token_id: int, audio_pad_id: int
         input_ids[row, width - tensor.shape[1] :] = tensor[0]
         attention_mask[row, width - tensor.shape[1] :] = 1 if mask is None else mask[0]
     stacked = {"input_ids": input_ids, "attention_mask": attention_mask}
-    clip_keys = [key for key in ("speech_ids", "input_features") if any(item.get(key) is not None for item in inputs)]
-    if "speech_ids" in clip_keys:
-        clips = [item["speech_ids"] for item in inputs if item.get("speech_ids") is not None]
-        stacked["speech_ids"] = _cat_right_padded(clips, audio_pad_id)
-        stacked["speech_attention_mask"] = _cat_right_padded(
-            [item["speech_attention_mask"] for item in inputs if item.get("speech_ids") is not None], 0
-        )
+    with_speech = [item for item in inputs if item.get("speech_ids") is not None]
+    if with_speech:
+        stacked["speech_ids"] = _cat_right_padded([item["speech_ids"] for item in with_speech], audio_pad_id)
+        stacked["speech_attention_mask"] = _cat_right_padded([item["speech_attention_mask"] for item in with_speech], 0)
         # Which clips have a waveform: a prompt's own mask, else all of its clips or none (whether it has features).
         stacked["feature_exist_mask"] = torch.cat([
             item["feature_exist_mask"].bool() if item.get("feature_exist_mask") is not None
             else torch.full((item["speech_ids"].shape[0],), item.get("input_features") is not None)
-            for item in inputs if item.get("speech_ids") is not None
+            for item in with_speech
         ])  # fmt: skip
-    if "input_features" in clip_keys:
-        with_features = [item for item in inputs if item.get("input_features") is not None]
+    with_features = [item for item in inputs if item.get("input_features") is not None]
+    if with_features:
         stacked["input_features"] = _cat_right_padded([item["input_features"] for item in with_features], 0.0)
         stacked["feature_attention_mask"] = _cat_right_padded(
             [item["feature_attention_mask"] for item in with_features], 0

@@ -430,14 +430,19 @@ class SpeechEngine:
             count = max(rows for rows in self.batch.prefill_rows if rows <= len(handles))
             group, handles = handles[:count], handles[count:]
             self._prefill_group(group)
-            if handles:  # the next group reuses the workspace: wait until this one's requests are placed
+            if handles and not self._wait_until_placed():  # the next group reuses the workspace
                 with self._lock:
-                    while not self._closed and self._prefilled:
-                        self._lock.wait()
-                    if self._closed:
-                        self._waiting.extendleft(reversed(handles))  # failed by `close` with the others
-                        return False
+                    self._waiting.extendleft(reversed(handles))  # failed by `close` with the others
+                return False
         return True
+
+    def _wait_until_placed(self) -> bool:
+        """Wait until the decode thread has placed every prefilled request (the prefill workspace is free); False:
+        closing."""
+        with self._lock:
+            while not self._closed and self._prefilled:
+                self._lock.wait()
+            return not self._closed
 
     def _prefill_group(self, handles: list[RequestHandle]) -> None:
         """Prefill `handles` together and queue them for placement; when that fails and they are several, each
@@ -451,9 +456,7 @@ class SpeechEngine:
                 logger.warning(f"Prefilling {len(handles)} requests together failed ({error}); one by one.")
                 for index, handle in enumerate(handles):
                     if index:
-                        with self._lock:
-                            while not self._closed and self._prefilled:
-                                self._lock.wait()
+                        self._wait_until_placed()
                     self._prefill_group([handle])
                 return
             logger.warning(f"Request {handles[0].id} failed before joining the batch: {error}")
