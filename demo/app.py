@@ -186,7 +186,6 @@ def start_engine(pipe, batch_size: int | None = None, max_prompt_tokens: int | N
         max_new_tokens=MAX_NEW_TOKENS,
         generation_options=options,
         backend=fast.get("backend", "auto"),
-        max_prefill_rows=1,  # a Space's GPU is small and its visitors rarely arrive together: no extra workspaces
     )
 
 

@@ -106,8 +106,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "correctness check while they run; default: every conversation arrives on its own)")
     add("--max-tokens", type=int, default=100, help="reply length in LLM steps of 0.2 s (default: %(default)s)")
     add("--max-batch-size", type=int, default=16, help="engine slots (default: %(default)s)")
-    add("--max-prefill-rows", type=int, default=None, help="requests prefilled together, as funaudiochat-serve's "
-        "(default: its default; 1: one at a time, e.g. side by side)")
     add("--question-seconds", type=float, default=3.0, help="the synthetic spoken question (default: %(default)s)")
     add("--stream-options", type=server_stream_options, default=None, metavar="JSON",
         help="the engine's streaming decoder settings, as funaudiochat-serve --stream-options")  # fmt: skip
@@ -261,7 +259,6 @@ def start_engine(model, decoder, processor, args):
         generation_options={"eos_token_id": []},
         backend=defaults.backend,
         stream_options=args.stream_options,
-        max_prefill_rows=defaults.max_prefill_rows if args.max_prefill_rows is None else args.max_prefill_rows,
     )
 
 

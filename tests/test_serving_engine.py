@@ -519,49 +519,9 @@ def test_row_counts_replay_the_graphs_recorded_at_the_start_on_gpu(prompts):
         length = prompts[name]["input_ids"].shape[1]
         assert events[index][-1].finish_reason == "length"
         assert sum(len(event.text_ids) for event in events[index]) == steps
-        # The prefill's token (an event may hold several steps' results; a text prompt's prefill has no speech).
-        assert events[index][0].text_ids[:1] == expected.sequences[0, length : length + 1].tolist()
-
-
-@pytest.mark.gpu
-def test_requests_prefilled_together_on_gpu(prompts, monkeypatch):
-    """On CUDA at the defaults a group of waiting requests is prefilled in a workspace of its row count (the recorded
-    prompt pass of its bucket, its own recordings), each request finishing as asked, with its single run's first
-    token (later ones only up to rounding on a GPU, see the test above)."""
-    from transformers import AutoModel
-
-    from conftest import FUNAUDIOCHAT_TINY
-    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
-
-    prefill, groups, entered, release = ServingBatch.prefill, [], threading.Event(), threading.Event()
-
-    def held_prefill(self, requests):
-        groups.append(len(requests))
-        if len(groups) == 1:
-            entered.set()
-            assert release.wait(TIMEOUT)
-        return prefill(self, requests)
-
-    monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
-    model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
-    options = {"do_sample": False, "repetition_penalty": 1.0}
-    engine = SpeechEngine(model, max_batch_size=8, max_prompt_tokens=48, max_new_tokens=8, generation_options=options)
-    names = ["text40", "text25", "text40", "text25", "text25"]
-    try:
-        handles = [engine.submit(SpeechRequest(prompts[names[0]], max_new_tokens=8))]
-        assert entered.wait(TIMEOUT)
-        handles += [engine.submit(SpeechRequest(prompts[name], max_new_tokens=8)) for name in names[1:]]
-        release.set()
-        events = [_drain(handle) for handle in handles]
-    finally:
-        release.set()
-        engine.close()
-    assert groups == [1, 4], groups
-    for name, reply in zip(names, events):
-        expected = model.generate_speech(**prompts[name], max_new_tokens=8, return_audio=False, **options)
-        length = prompts[name]["input_ids"].shape[1]
-        assert reply[-1].finish_reason == "length" and sum(len(event.text_ids) for event in reply) == 8
-        assert reply[0].text_ids[:1] == expected.sequences[0, length : length + 1].tolist()
+        assert events[index][0].text_ids == expected.sequences[0, length : length + 1].tolist()
+        group = len(events[index][0].speech_ids)
+        assert events[index][0].speech_ids == expected.speech_ids[0, :group].tolist()
 
 
 def test_the_next_step_is_queued_before_the_previous_steps_outputs_are_read(model, prompts, monkeypatch):
@@ -597,11 +557,11 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
 
     prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
 
-    def held_prefill(self, requests):
-        if requests[0][0].inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining one
+    def held_prefill(self, request, resolved):
+        if request.inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
             entered.set()
             assert release.wait(TIMEOUT)
-        return prefill(self, requests)
+        return prefill(self, request, resolved)
 
     monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
     engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,
@@ -609,7 +569,7 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
     try:
         running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=24))
         events = running.events(timeout=TIMEOUT)
-        before = _take(running, 2)
+        before = [next(events) for _ in range(2)]
         joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
         assert entered.wait(TIMEOUT)
         during = [next(events) for _ in range(5)]  # steps while the joining request's prefill is held
@@ -680,110 +640,3 @@ def test_events_taken_again_go_on_where_the_last_call_stopped():
     assert [event.text_ids for event in _take(handle, 1)] == [[1]]
     assert [event.text_ids for event in handle.events(timeout=0.5)] == [[2]]
     assert list(handle.events(timeout=0.5)) == []
-
-
-@pytest.mark.parametrize("mode", ["greedy", "seeded", "bucketed"])
-def test_requests_waiting_together_are_prefilled_together_and_equal_their_single_runs(model, prompts, monkeypatch,
-                                                                                      mode):  # fmt: skip
-    """Requests that wait while a prefill runs are prefilled together (left-padded rows, a spoken prompt with its
-    audio among text prompts of other lengths; "bucketed": also padded to the CUDA backends' prompt bucket), each
-    with its own seed and sampling values, and each gets its single run's tokens; a group whose count has no prefill
-    workspace (3) is split (2 + 1)."""
-    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
-
-    if mode == "bucketed":
-        import dataclasses
-
-        from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
-
-        plan = SpeechGenerator.plan
-        replace = dataclasses.replace
-        monkeypatch.setattr(SpeechGenerator, "plan",
-                            lambda *a, **k: replace(plan(*a, **k), prefill_graph=True, static_cache=True))  # fmt: skip
-        from funaudiochat_hf import generation_loop_funaudiochat as loop
-
-        lengths, bucketed = [], loop.bucketed_prefill_forward
-        monkeypatch.setattr(loop, "bucketed_prefill_forward",
-                            lambda model, ws, cfg, length: lengths.append((ws.batch_size, length))
-                            or bucketed(model, ws, cfg, length=length))  # fmt: skip
-
-    prefill, groups, entered, release = ServingBatch.prefill, [], threading.Event(), threading.Event()
-
-    def held_prefill(self, requests):
-        groups.append(len(requests))
-        if len(groups) == 1:  # the first request's prefill is held while the others queue up
-            entered.set()
-            assert release.wait(TIMEOUT)
-        return prefill(self, requests)
-
-    monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
-    order = ["text25", "spoken", "text40", "text25", "spoken", "text40", "text25", "text40"]
-    if mode in ("greedy", "bucketed"):
-        engine_options, per_request = {"do_sample": False}, [{} for _ in order]
-    else:
-        engine_options = {}
-        per_request = [{"seed": i, **[{}, {"temperature": 0.7}, {"top_p": 0.9}, {"repetition_penalty": 1.2}][i % 4]}
-                       for i in range(len(order))]  # fmt: skip
-    engine = SpeechEngine(model, max_batch_size=8, max_prompt_tokens=340, max_new_tokens=8,
-                          generation_options=engine_options)  # fmt: skip
-    try:
-        handles = [engine.submit(SpeechRequest(prompts[order[0]], max_new_tokens=8, **per_request[0]))]
-        assert entered.wait(TIMEOUT)
-        for name, options in zip(order[1:], per_request[1:]):
-            handles.append(engine.submit(SpeechRequest(prompts[name], max_new_tokens=6, **options)))
-        release.set()
-        events = [_drain(handle) for handle in handles]
-        kept = {key[0] for key in engine.batch.generator._workspaces}  # static workspaces' row counts
-    finally:
-        release.set()
-        engine.close()
-    assert groups == [1, 4, 2, 1], groups  # 7 waiting, 7 free slots: 4, then 3 -> 2 + 1
-    if mode == "bucketed":  # static: the batch's and every prefill row count's workspace are kept, none evicted
-        assert kept == {8, 1, 2, 4}, kept
-    if mode == "bucketed":  # the text prompts' group went through the padded pass (the spoken ones' would not fit)
-        assert (2, 64) in lengths, lengths
-    for i, name in enumerate(order):
-        expected_text, expected_speech = _single_run(model, prompts[name], 8 if i == 0 else 6, **engine_options,
-                                                     **per_request[i])  # fmt: skip
-        assert [t for e in events[i] for t in e.text_ids] == expected_text, i
-        assert [t for e in events[i] for t in e.speech_ids] == expected_speech, i
-
-
-def test_a_request_that_fails_a_group_prefill_fails_alone(model, prompts):
-    """When a group's prefill fails, its requests are prefilled one by one: only the bad one gets the error."""
-    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
-
-    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=340, max_new_tokens=4,
-                          generation_options={"do_sample": False})  # fmt: skip
-    bad = dict(prompts["text25"])
-    bad["input_ids"] = bad["input_ids"].clone()
-    bad["input_ids"][0, 3] = model.config.audio_token_index  # an audio placeholder without audio: fails in the prefill
-    prefill, groups = ServingBatch.prefill, []
-    try:
-        engine.batch.prefill = lambda requests: groups.append(len(requests)) or prefill(engine.batch, requests)
-        with engine._lock:  # queued together before the prefill thread looks
-            good = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=4))
-            failing = engine.submit(SpeechRequest(bad, max_new_tokens=4))
-        good_events, failing_events = _drain(good), _drain(failing)
-    finally:
-        engine.close()
-    assert groups == [2, 1, 1], groups
-    assert failing_events[-1].finish_reason == "error" and "placeholder" in failing_events[-1].error
-    assert [t for e in good_events for t in e.text_ids] == _single_run(model, prompts["text40"], 4, do_sample=False)[0]
-
-
-def test_prefill_row_counts_stay_below_the_batch_size():
-    from funaudiochat_hf.serving_batch_funaudiochat import prefill_row_counts
-
-    assert prefill_row_counts(16, 4) == (1, 2, 4)
-    assert prefill_row_counts(16, 3) == (1, 2)
-    assert prefill_row_counts(4, 4) == (1, 2)  # a 4-row prefill workspace would be the batch's own
-    assert prefill_row_counts(2, 4) == (1,)
-    assert prefill_row_counts(1, 4) == (1,)
-    assert prefill_row_counts(16, 1) == (1,)
-
-
-@pytest.mark.parametrize("name", ["max_batch_size", "max_prompt_tokens", "max_new_tokens", "max_prefill_rows"])
-def test_engine_sizes_must_be_positive_integers(model, name):
-    with pytest.raises(ValueError, match=f"`{name}` must be a positive integer"):
-        SpeechEngine(model, **{name: 0})

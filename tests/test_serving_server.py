@@ -321,10 +321,9 @@ def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, cap
     options = json.dumps({"flow_left_context_tokens": 50, "token_hop_len": 25, "token_max_hop_len": 100,
                           "stream_scale_factor": 1.5})  # fmt: skip
     args = _parser().parse_args(["--model", str(tiny_path), "--device", "cpu", "--max-new-tokens", "8",
-                                 "--stream-options", options, "--max-prefill-rows", "2"])  # fmt: skip
+                                 "--stream-options", options])  # fmt: skip
     engine, _, _ = build_engine(args)
     try:
-        assert engine.batch.prefill_rows == (1, 2)  # --max-prefill-rows reaches the engine too
         assert engine.stream_options["flow_left_context_tokens"] == 50 and engine.stream_options["token_hop_len"] == 25
         assert engine.stream_options["first_token_hop_len"] == 5  # the other defaults stay
         stream = engine.decoder.streaming_decoder(**engine.stream_options)

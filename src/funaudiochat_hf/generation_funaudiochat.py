@@ -31,7 +31,7 @@ from .generation_config_funaudiochat import (
 )
 from .generation_loop_funaudiochat import SpeechRun
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent, TextDeltas
-from .generation_state_funaudiochat import MAX_CACHED_WORKSPACES, SpeechGenerator
+from .generation_state_funaudiochat import SpeechGenerator
 from .generation_vocoding_funaudiochat import (
     decode_speech_offline,
     decoder_sampling_rate,
@@ -69,20 +69,17 @@ class FunAudioChatSpeechGenerationMixin:
         backend: str = "auto",
         kernel_config=None,
         plan_overrides=None,
-        max_workspaces: int = MAX_CACHED_WORKSPACES,
     ) -> SpeechGenerator:
         """A new [`SpeechGenerator`] for this model: it owns the static caches (`max_batch_size` rows,
         `max_length` LLM positions, None: sized by each call), weight copies, CUDA graphs and compiled functions of
         its calls, reports their size (`memory_bytes()`) and frees them (`close()`, or use it as a context manager).
         `backend`: "auto" | "eager" | "cuda_graphs" | "compiled" (see `generation_plan_funaudiochat`);
         `kernel_config`: the Triton kernels' tuning; `plan_overrides`: `{part: False}` turns parts of the fast
-        backends off (debugging); `max_workspaces`: static workspaces it keeps.
+        backends off (debugging).
 
         Use it with `gen.generate(**inputs, ...)` / `gen.stream(...)` or `generate_speech(speech_generator=gen)`.
         """
-        return SpeechGenerator(
-            self, max_batch_size, max_length, backend, kernel_config, plan_overrides, max_workspaces=max_workspaces
-        )
+        return SpeechGenerator(self, max_batch_size, max_length, backend, kernel_config, plan_overrides)
 
     def clear_speech_caches(self) -> None:
         """Close the default `SpeechGenerator` (its caches, weight copies and CUDA graphs); the next call builds a

@@ -72,7 +72,6 @@ class SpeechRun:
         backend: str | None,
         per_row_sampling: bool = False,
         rows_of: DecodeWorkspace | None = None,
-        row_requests: list[SpeechRequest] | None = None,
     ):
         self.model, self.request = model, request
         device = model.language_model.get_input_embeddings().weight.device
@@ -113,17 +112,7 @@ class SpeechRun:
         # `rows_of`: the run steps the first rows of that workspace (no prefill of its own: the rows are that one's).
         self.ws = generator.workspace(batch, cache_length, self.cfg, per_row_sampling, rows_of)
         self.prompt_inputs = prompt_inputs
-        # `row_requests`: one request per row (a prefill of several serving requests together, `per_row_sampling`):
-        # each row's sampling values and noise generator are its request's, so that it computes what it would alone.
-        self.row_requests = row_requests
-        if row_requests is not None:
-            if len(row_requests) != batch or not per_row_sampling:
-                raise ValueError("`row_requests` needs one request per row and `per_row_sampling`.")
-            self.row_generators = [_random_generator(row_request, device) for row_request in row_requests]
-            self.generator = self.row_generators[0]
-        else:
-            self.row_generators = None
-            self.generator = _random_generator(request, device)
+        self.generator = _random_generator(request, device)
         self.steps = 0
 
     def _bucket_padding(self, model, generator: SpeechGenerator, length: int, max_new_tokens: int) -> int | None:
@@ -151,10 +140,7 @@ class SpeechRun:
         for settings, noise in streams:
             if not settings.do_sample:
                 continue
-            if self.row_generators is not None:  # row by row, as each row's single run draws its own noise
-                for row, row_generator in enumerate(self.row_generators):
-                    noise[row].exponential_(generator=row_generator)
-            elif generator.device == noise.device:
+            if generator.device == noise.device:
                 noise.exponential_(generator=generator)
             else:  # a user generator on another device (e.g. CPU) than the model
                 noise.copy_(torch.empty(noise.shape, device=generator.device).exponential_(generator=generator))
@@ -162,9 +148,6 @@ class SpeechRun:
     def prefill(self) -> DecodeWorkspace:
         model, cfg, ws, request = self.model, self.cfg, self.ws, self.request
         ws.reset(self.eos_ids, self.speech_pad_id, request.text, request.speech)
-        for row, row_request in enumerate(self.row_requests or ()):
-            ws.text_sampling.fill_row_(row, row_request.text)
-            ws.speech_sampling.fill_row_(row, row_request.speech)
         length = self.input_ids.shape[1]
         k = cfg.group_size
         ws.llm_mask.fill_(True)

@@ -110,8 +110,6 @@ class SpeechGenerator:
             `generation_plan_funaudiochat.OPTIONAL_PARTS`).
         growable: grow `max_batch_size` / `max_length` when a call needs more instead of raising (the model's
             default generator).
-        max_workspaces: static workspaces kept for reuse (their caches and graphs), the least recently used dropped
-            beyond it (a serving engine keeps its batch's and one per prefill row count).
     """
 
     def __init__(
@@ -124,7 +122,6 @@ class SpeechGenerator:
         plan_overrides: Mapping[str, bool] | None = None,
         *,
         growable: bool = False,
-        max_workspaces: int = MAX_CACHED_WORKSPACES,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
@@ -139,7 +136,6 @@ class SpeechGenerator:
         self.backend, self.kernel_config = backend, kernel_config
         self.plan_overrides = dict(plan_overrides or {})
         self.growable = growable
-        self.max_workspaces = max_workspaces
         self._lock = threading.Lock()
         self._workspaces: OrderedDict = OrderedDict()  # (batch, cache length, output_logits) -> DecodeWorkspace
         self._weights = DecodeWeights()
@@ -264,7 +260,7 @@ class SpeechGenerator:
             if ws is None:
                 ws = DecodeWorkspace(self.model, batch_size, cache_length, True, cfg.output_logits, per_row_sampling)
             self._workspaces[key] = ws
-            while len(self._workspaces) > self.max_workspaces:
+            while len(self._workspaces) > MAX_CACHED_WORKSPACES:
                 self._workspaces.popitem(last=False)
         self._weights.attach(self.model, plan, ws)
         if plan.overlap_text_head and ws.text_head is None:

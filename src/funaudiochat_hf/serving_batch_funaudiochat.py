@@ -39,15 +39,6 @@ _BATCH_SWITCH_VALUES = {"temperature": 1.0, "top_p": 0.5, "repetition_penalty": 
 REQUEST_SAMPLING_KEYS = ("temperature", "top_p", "repetition_penalty")
 # Row counts of the batch's decode step (besides the whole batch): a step runs the smallest that holds every busy row.
 _STEP_ROW_COUNTS = (1, 2, 4, 8, 16)
-# Row counts of a prefill of waiting requests together (each a workspace of its own, kept for the engine's life).
-_PREFILL_ROW_COUNTS = (1, 2, 4)
-
-
-def prefill_row_counts(batch_size: int, max_prefill_rows: int) -> tuple[int, ...]:
-    """The numbers of waiting requests a batch of `batch_size` slots prefills together, ascending: up to
-    `max_prefill_rows`, and fewer than `batch_size` (a prefill workspace of the batch's own size would be the batch's
-    workspace)."""
-    return tuple(rows for rows in _PREFILL_ROW_COUNTS if rows <= max_prefill_rows and (rows == 1 or rows < batch_size))
 
 
 def step_row_counts(batch_size: int) -> tuple[int, ...]:
@@ -76,15 +67,7 @@ class ServingBatch:
         "finish_step", "groups", "last_group", "speech_seen", "text_seen",
     )  # fmt: skip
 
-    def __init__(
-        self,
-        model,
-        batch_size: int,
-        cache_length: int,
-        generation_options: dict,
-        backend: str,
-        max_prefill_rows: int = 1,
-    ):
+    def __init__(self, model, batch_size: int, cache_length: int, generation_options: dict, backend: str):
         self.model = model
         self.options = dict(generation_options)
         if self.options.pop("cache_implementation", "static") != "static":
@@ -94,12 +77,7 @@ class ServingBatch:
                 raise ValueError(f"`{name}` is not a generation option of the engine (use `SpeechEngine(backend=...)`).")
         self.backend = backend
         self.batch_size, self.cache_length = batch_size, cache_length
-        self.prefill_rows = prefill_row_counts(batch_size, max_prefill_rows)
-        # Workspaces held: the batch's, the one-request prefill's and one per larger prefill row count.
-        self.generator = model.speech_generator(
-            max_batch_size=batch_size, max_length=cache_length, backend=backend,
-            max_workspaces=1 + len(self.prefill_rows),
-        )  # fmt: skip
+        self.generator = model.speech_generator(max_batch_size=batch_size, max_length=cache_length, backend=backend)
         self.generator.acquire()  # the engine's own, for its lifetime (released by `close`)
         try:
             self._start_batch()
@@ -187,47 +165,25 @@ class ServingBatch:
                 )
         return resolved
 
-    def prefill(self, requests: list[tuple[SpeechRequest, ResolvedRequest]]) -> tuple[SpeechRun, list[dict]]:
-        """The requests' run on the engine's generator, their prompts prefilled together in a prefill workspace of
-        `len(requests)` rows (one of `prefill_rows`; one request: exactly `generate_speech`'s batch-1 run; several:
-        left-padded rows with their own sampling values and generators, each computing what it would alone), and each
-        one's first step outputs (as `read_results`), in order; raises ValueError naming a problem of the inputs. All
-        of it on `prefill_stream` (the run's copies of the requests' tensors too), after the last `admit` read the
-        workspace. The outputs' copy waits for everything the prefill queued: the workspace is complete when this
-        returns (`admit` may read it on another stream)."""
-        rows = len(requests)
-        if rows not in self.prefill_rows:
-            raise ValueError(f"A prefill takes {self.prefill_rows} requests at a time, not {rows}.")
+    def prefill(self, request: SpeechRequest, resolved: ResolvedRequest) -> tuple[SpeechRun, dict]:
+        """A request's batch-1 run on the engine's generator, its prompt prefilled alone in the prefill workspace, and
+        its first step's outputs (as `read_results`); raises ValueError naming a problem of its inputs. All of it on
+        `prefill_stream` (the run's copies of the request's tensors too), after the last `admit` read the workspace.
+        The outputs' copy waits for everything the prefill queued: the workspace is complete when this returns
+        (`admit` may read it on another stream)."""
         stream = contextlib.nullcontext() if self.prefill_stream is None else torch.cuda.stream(self.prefill_stream)
         with stream:
             if self._admitted is not None:
                 self.prefill_stream.wait_event(self._admitted)
-            if rows == 1:
-                request, resolved = requests[0]
-                inputs = dict(request.inputs)
-                input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
-                run = SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
-            else:
-                audio_pad_id = self.model.config.audio_config.pad_token_id
-                inputs = stack_prompt_inputs([request.inputs for request, _ in requests], self.cfg.pad_token_id,
-                                             audio_pad_id)  # fmt: skip
-                input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
-                longest = max(resolved.max_new_tokens for _, resolved in requests)
-                group = self._resolve(input_ids, {**_BATCH_SWITCH_VALUES, "max_new_tokens": longest})
-                run = SpeechRun(self.model, self.generator, group, input_ids, attention_mask, inputs, None,
-                                per_row_sampling=True, row_requests=[resolved for _, resolved in requests])  # fmt: skip
+            inputs = dict(request.inputs)
+            input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+            run = SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
             ws = run.prefill()
             # One copy; a prompt pass appends at most one speech group.
-            k = self.k
-            outputs = torch.cat([ws.next_ids[:rows], ws.done[:rows].long(), ws.groups[:rows],
-                                 ws.speech_out[:rows, :k].flatten()])  # fmt: skip
-            values = to_host(outputs).tolist()
-        (tokens, done, groups), speech = [values[i * rows : (i + 1) * rows] for i in range(3)], values[3 * rows :]
-        firsts = [
-            {"token": tokens[row], "done": bool(done[row]), "speech": speech[row * k : row * k + groups[row] * k]}
-            for row in range(rows)
-        ]
-        return run, firsts
+            token, done, groups, *speech = to_host(
+                torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
+            ).tolist()
+        return run, {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots
     @property
@@ -235,13 +191,12 @@ class ServingBatch:
         """The batch's next cache column `C` (shared by every row)."""
         return int(self.ws.llm_cache.layers[0].cumulative_length)
 
-    def admit(self, row: int, run: SpeechRun, source: int, request: ResolvedRequest, length: int) -> None:
-        """Move a prefilled request (row `source` of its prefill workspace; `request`: its settings, `length`: its
-        prompt tokens) into slot `row`, right-aligned at the current column."""
+    def admit(self, row: int, run: SpeechRun) -> None:
+        """Move the prefilled request (its batch-1 workspace) into slot `row`, right-aligned at the current column."""
         ws, pre, k = self.ws, run.ws, self.k
-        # Its own columns: its prompt after its row's left padding (other rows' longer prompts, the bucket padding of
-        # a recorded prompt pass).
-        skip = run.input_ids.shape[1] - length
+        # The run's own columns: its prompt after any bucket padding of its recorded prompt pass.
+        skip = run.bucket_padding or 0
+        length = run.input_ids.shape[1] - skip
         end = self.column
         start = end - length
         for batch_cache, own_cache, scale in ((ws.llm_cache, pre.llm_cache, 1), (ws.crq_cache, pre.crq_cache, k)):
@@ -249,19 +204,19 @@ class ServingBatch:
                 continue
             own = slice(scale * skip, scale * (skip + length))
             for batch_layer, own_layer in zip(batch_cache.layers, own_cache.layers):
-                batch_layer.keys[row, :, scale * start : scale * end] = own_layer.keys[source, :, own]
-                batch_layer.values[row, :, scale * start : scale * end] = own_layer.values[source, :, own]
+                batch_layer.keys[row, :, scale * start : scale * end] = own_layer.keys[0, :, own]
+                batch_layer.values[row, :, scale * start : scale * end] = own_layer.values[0, :, own]
         ws.llm_mask[row] = True
         ws.llm_mask[row, :start] = False
         ws.crq_mask[row] = True
         ws.crq_mask[row, : k * start] = False
         for name in self._ROW_STATE:
-            getattr(ws, name)[row] = getattr(pre, name)[source]
+            getattr(ws, name)[row] = getattr(pre, name)[0]
         width = min(ws.speech_out.shape[1], pre.speech_out.shape[1])
         ws.speech_out[row] = run.speech_pad_id
-        ws.speech_out[row, :width] = pre.speech_out[source, :width]
-        ws.text_sampling.fill_row_(row, request.text)
-        ws.speech_sampling.fill_row_(row, request.speech)
+        ws.speech_out[row, :width] = pre.speech_out[0, :width]
+        ws.text_sampling.fill_row_(row, run.request.text)
+        ws.speech_sampling.fill_row_(row, run.request.speech)
         if self.prefill_stream is not None:  # the next prefill overwrites what was just read
             self._admitted = torch.cuda.Event()
             self._admitted.record()
@@ -354,46 +309,3 @@ def _shift_columns(tensor: torch.Tensor, shift: int, used: int, dim: int, fill_l
         tensor.narrow(dim, -shift, used).copy_(tensor.narrow(dim, 0, used).clone())
         if fill_left is not None:
             tensor.narrow(dim, 0, -shift).fill_(fill_left)
-
-
-def stack_prompt_inputs(inputs: list[dict], pad_token_id: int, audio_pad_id: int) -> dict:
-    """The processor inputs of several one-conversation prompts as one left-padded batch, as the processor pads a
-    batch of conversations: `input_ids` left-padded with `pad_token_id` and an `attention_mask`; the clips of all
-    prompts in prompt order, `speech_ids` right-padded with `audio_pad_id` and `input_features` with zeros, their
-    masks with zeros (the encoders read valid frames only), `feature_exist_mask` concatenated."""
-    ids = [item["input_ids"] for item in inputs]
-    masks = [item.get("attention_mask") for item in inputs]
-    width = max(tensor.shape[1] for tensor in ids)
-    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, (tensor, mask) in enumerate(zip(ids, masks)):
-        input_ids[row, width - tensor.shape[1] :] = tensor[0]
-        attention_mask[row, width - tensor.shape[1] :] = 1 if mask is None else mask[0]
-    stacked = {"input_ids": input_ids, "attention_mask": attention_mask}
-    with_speech = [item for item in inputs if item.get("speech_ids") is not None]
-    if with_speech:
-        stacked["speech_ids"] = _cat_right_padded([item["speech_ids"] for item in with_speech], audio_pad_id)
-        stacked["speech_attention_mask"] = _cat_right_padded([item["speech_attention_mask"] for item in with_speech], 0)
-        # Which clips have a waveform: a prompt's own mask, else all of its clips or none (whether it has features).
-        stacked["feature_exist_mask"] = torch.cat([
-            item["feature_exist_mask"].bool() if item.get("feature_exist_mask") is not None
-            else torch.full((item["speech_ids"].shape[0],), item.get("input_features") is not None)
-            for item in with_speech
-        ])  # fmt: skip
-    with_features = [item for item in inputs if item.get("input_features") is not None]
-    if with_features:
-        stacked["input_features"] = _cat_right_padded([item["input_features"] for item in with_features], 0.0)
-        stacked["feature_attention_mask"] = _cat_right_padded(
-            [item["feature_attention_mask"] for item in with_features], 0
-        )
-    unknown = {key for item in inputs for key in item} - set(stacked) - {"attention_mask"}
-    if unknown:
-        raise ValueError(f"Prompt inputs the engine cannot batch: {sorted(unknown)}.")
-    return stacked
-
-
-def _cat_right_padded(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate along dim 0, each right-padded with `value` along its last dim to the longest."""
-    width = max(tensor.shape[-1] for tensor in tensors)
-    padded = [torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]), value=value) for tensor in tensors]
-    return torch.cat(padded)

@@ -1,9 +1,8 @@
 """Continuous batching for Fun-Audio-Chat speech-to-speech: many conversations share the decode steps of one GPU.
 
-`SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. New
-requests are prefilled on a prefill thread, on a CUDA stream of its own, while the decode steps go on: one alone as
-`generate_speech` would (batch 1), several waiting together in one left-padded prefill (each row as if alone); between
-two steps their cache rows and per-row state are placed into free slots; a finished, cancelled or disconnected
+`SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
+request is prefilled alone (batch 1) on a prefill thread, on a CUDA stream of its own, while the decode steps go on;
+between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled or disconnected
 request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
 (`_iteration`), so the GPU does not wait for the host between steps.
 Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
@@ -87,7 +86,7 @@ class _Active:
     """Host-side bookkeeping of a request in a slot."""
 
     handle: RequestHandle
-    generator: torch.Generator  # its noise
+    run: SpeechRun
     row: int
     start: int  # first cache column of its prompt
     reserved_end: int  # start + prompt + max_new_tokens: columns it may write up to (exclusive)
@@ -104,8 +103,6 @@ class _Prefilled:
     run: SpeechRun
     first: dict  # its first step's outputs (`ServingBatch.prefill`)
     max_new_tokens: int
-    source: int  # its row of the prefill workspace
-    generator: torch.Generator  # its noise
 
 
 @dataclass
@@ -176,9 +173,6 @@ class SpeechEngine:
             "eager", "cuda_graphs" or "compiled".
         stream_options: keywords of the decoder's `streaming_decoder`, over `DEFAULT_STREAM_OPTIONS`
             (`generate_speech_stream`'s chunks, with the hop growing to 100 tokens).
-        max_prefill_rows: requests waiting together are prefilled together, up to this many (1, 2 or 4 at a time,
-            fewer than `max_batch_size`); each row count keeps a prefill workspace of its own (`cache_length` columns a
-            row, as the batch's rows). 1: one at a time.
     """
 
     def __init__(
@@ -195,10 +189,9 @@ class SpeechEngine:
         generation_options: dict | None = None,
         stream_options: dict | None = None,
         backend: str = "auto",
-        max_prefill_rows: int = 4,
     ):
         for name, value in (("max_batch_size", max_batch_size), ("max_prompt_tokens", max_prompt_tokens),
-                            ("max_new_tokens", max_new_tokens), ("max_prefill_rows", max_prefill_rows)):  # fmt: skip
+                            ("max_new_tokens", max_new_tokens)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if backend not in BACKENDS:
@@ -228,12 +221,10 @@ class SpeechEngine:
             f"tokens, replies up to {max_new_tokens} steps; allocating and warming up ..."
         )
         with torch.no_grad():
-            self.batch = ServingBatch(
-                model, max_batch_size, cache_length, generation_options or {}, backend, max_prefill_rows
-            )
+            self.batch = ServingBatch(model, max_batch_size, cache_length, generation_options or {}, backend)
         self._lock = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
-        # The requests of one prefill at most: the next prefill overwrites the workspace that their admission reads.
+        # At most one: the next prefill overwrites the prefill workspace that this one's admission reads.
         self._prefilled: deque[_Prefilled] = deque()
         self._slots: list[_Active | None] = [None] * max_batch_size
         self._closed = False
@@ -412,76 +403,37 @@ class SpeechEngine:
         self._run_thread(self._prefill_next, "prefill thread")
 
     def _prefill_next(self) -> bool:
-        """One pass of the prefill thread: prefill the first waiting requests together, as many as there are free
-        slots (up to the largest of `batch.prefill_rows` that fits), once the last prefilled ones have been placed
-        (their prefills share a workspace). False: closing."""
+        """One pass of the prefill thread: prefill the first waiting request once a slot is free for it and the last
+        prefilled one has been placed (their prefills share one workspace). False: closing."""
         with self._lock:
             while not self._closed and (self._prefilled or not self._waiting or None not in self._slots):
                 self._lock.wait()
             if self._closed:
                 return False
-            room = min(len(self._waiting), sum(slot is None for slot in self._slots))
-            count = max(rows for rows in self.batch.prefill_rows if rows <= room)
-            handles = [self._waiting.popleft() for _ in range(count)]
-        for handle in [handle for handle in handles if handle.cancelled]:
+            handle = self._waiting.popleft()
+        if handle.cancelled:
             self._finish(handle, "cancelled")
-        handles = [handle for handle in handles if not handle.cancelled]
-        while handles:  # an unusable row count (after cancellations) is prefilled in smaller groups
-            count = max(rows for rows in self.batch.prefill_rows if rows <= len(handles))
-            group, handles = handles[:count], handles[count:]
-            self._prefill_group(group)
-            if handles and not self._wait_until_placed():  # the next group reuses the workspace
-                with self._lock:
-                    self._waiting.extendleft(reversed(handles))  # failed by `close` with the others
-                return False
+            return True
+        try:
+            handle._mark("admitted")
+            run, first = self.batch.prefill(handle.request, handle.options)
+            handle._mark("prefilled")
+        except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
+            logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
+            self._finish(handle, "error", f"{type(error).__name__}: {error}")
+            return True
+        max_new = handle.request.max_new_tokens or self.max_new_tokens
+        with self._lock:
+            self._prefilled.append(_Prefilled(handle, run, first, max_new))
+            self._lock.notify_all()
         return True
 
-    def _wait_until_placed(self) -> bool:
-        """Wait until the decode thread has placed every prefilled request (the prefill workspace is free); False:
-        closing."""
-        with self._lock:
-            while not self._closed and self._prefilled:
-                self._lock.wait()
-            return not self._closed
-
-    def _prefill_group(self, handles: list[RequestHandle]) -> None:
-        """Prefill `handles` together and queue them for placement; when that fails and they are several, each
-        alone (only a request whose own inputs fail gets the error)."""
-        for handle in handles:
-            handle._mark("admitted")
-        try:
-            run, firsts = self.batch.prefill([(handle.request, handle.options) for handle in handles])
-        except Exception as error:  # the requests' problem: the batch is untouched (prefill workspace)
-            if len(handles) > 1:
-                logger.warning(f"Prefilling {len(handles)} requests together failed ({error}); one by one.")
-                for index, handle in enumerate(handles):
-                    if index:
-                        self._wait_until_placed()
-                    self._prefill_group([handle])
-                return
-            logger.warning(f"Request {handles[0].id} failed before joining the batch: {error}")
-            self._finish(handles[0], "error", f"{type(error).__name__}: {error}")
-            return
-        generators = run.row_generators or [run.generator]
-        with self._lock:
-            for source, (handle, first) in enumerate(zip(handles, firsts)):
-                handle._mark("prefilled")
-                max_new = handle.request.max_new_tokens or self.max_new_tokens
-                self._prefilled.append(_Prefilled(handle, run, first, max_new, source, generators[source]))
-            self._lock.notify_all()
-
     def _admit_prefilled(self) -> None:
-        """Place the prefilled requests in free slots, in order, while they fit (one that does not waits, and
-        nothing overtakes it)."""
-        while self._admit_first_prefilled():
-            pass
-
-    def _admit_first_prefilled(self) -> bool:
-        """Place the first prefilled request in a free slot when it fits; whether it left the queue."""
+        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
         with self._lock:
             free = [row for row, slot in enumerate(self._slots) if slot is None]
             if not self._prefilled or not free:
-                return False
+                return
             item = self._prefilled[0]
         handle = item.handle
         if handle.cancelled:
@@ -489,7 +441,7 @@ class SpeechEngine:
         else:
             offset = self._placement(handle.prompt_tokens, item.max_new_tokens)
             if offset is None:  # no room yet: wait for running rows to finish
-                return False
+                return
             if offset:
                 self.batch.rebase(offset, free)
                 for slot in self._slots:
@@ -499,18 +451,16 @@ class SpeechEngine:
                 with self._lock:
                     self.metrics.rebases += 1
             row = free[0]
-            self.batch.admit(row, item.run, item.source, handle.options, handle.prompt_tokens)
+            self.batch.admit(row, item.run)
             column, first = self.batch.column, item.first
-            slot = _Active(handle, item.generator, row, column - handle.prompt_tokens,
-                           column + item.max_new_tokens, item.max_new_tokens,
-                           groups=len(first["speech"]) // self.batch.k)  # fmt: skip
+            slot = _Active(handle, item.run, row, column - handle.prompt_tokens, column + item.max_new_tokens,
+                           item.max_new_tokens, groups=len(first["speech"]) // self.batch.k)  # fmt: skip
             with self._lock:
                 self._slots[row] = slot
             self._advance(slot, first["token"], first["done"], first["speech"])
-        with self._lock:  # once all are placed the prefill workspace is free again (`admit` reads are queued first)
+        with self._lock:  # the prefill workspace is free again (what `admit` read is queued before the next prefill)
             self._prefilled.popleft()
             self._lock.notify_all()
-        return True
 
     def _placement(self, length: int, max_new: int) -> int | None:
         """The column offset to shift the batch by before a request of `length` prompt tokens and `max_new` steps
@@ -525,7 +475,7 @@ class SpeechEngine:
 
     def _launch_step(self, active: list[_Active]) -> _LaunchedStep:
         """Queue one decode step of the busy slots and the copy of its outputs."""
-        self.batch.step({slot.row: slot.generator for slot in active})
+        self.batch.step({slot.row: slot.run.generator for slot in active})
         return _LaunchedStep(active, self.batch.start_read())
 
     def _take_outputs(self, launched: _LaunchedStep) -> None:

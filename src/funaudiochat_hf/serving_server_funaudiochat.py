@@ -244,8 +244,6 @@ def _parser() -> argparse.ArgumentParser:
         "%(default)s)")  # fmt: skip
     add("--max-new-tokens", type=int, help="longest reply in LLM steps of 0.2 s (default: 512; tiny model: 48)")
     add("--max-prompt-tokens", type=int, default=1024, help="longest prompt in tokens (default: %(default)s)")
-    add("--max-prefill-rows", type=int, default=4, help="requests waiting together are prefilled together, up to "
-        "this many (1, 2 or 4; each row count keeps a prefill workspace; 1: one at a time; default: %(default)s)")
     add("--api-key", help="require `Authorization: Bearer <key>` on /v1/ endpoints")
     add("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="chat model dtype")
@@ -312,7 +310,6 @@ def build_engine(args) -> tuple[SpeechEngine, object, str]:
         generation_options=options,
         backend=args.backend,
         stream_options=args.stream_options,
-        max_prefill_rows=args.max_prefill_rows,
     )
     name = args.served_model_name or args.model or "funaudiochat-tiny"
     return engine, pipe.processor, name
