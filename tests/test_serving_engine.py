@@ -97,6 +97,8 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
         for i in (1, 2, 3):
             events[i] = events.get(i, []) + _drain(handles[i])
         snapshot = engine.snapshot()
+        # The host's mirror of the shared column followed every step and both shifts.
+        assert engine.batch.column == int(engine.batch.ws.llm_cache.layers[0].cumulative_length)
     finally:
         engine.close()
     if mode == "bucketed":
@@ -292,6 +294,25 @@ def test_idle_slots_never_attend_to_nothing(model, prompts):
         assert bool(ws.llm_mask.all()) and bool(ws.crq_mask.all()) and bool(ws.done.all())
         for cache in (ws.llm_cache, ws.crq_cache):
             assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
+    finally:
+        engine.close()
+
+
+def test_the_shared_column_is_read_without_touching_the_device(model, prompts, monkeypatch):
+    # The decode thread reads the column before each admission: a device read there would wait for the step in flight.
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=340, max_new_tokens=4)
+    try:
+        _drain(engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=4)))
+        expected = int(engine.batch.ws.llm_cache.layers[0].cumulative_length)
+
+        def no_device_read(*args, **kwargs):
+            raise AssertionError("the column was read from a tensor")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "__int__", no_device_read)
+            patch.setattr(torch.Tensor, "item", no_device_read)
+            patch.setattr(torch.Tensor, "tolist", no_device_read)
+            assert engine.batch.column == expected
     finally:
         engine.close()
 

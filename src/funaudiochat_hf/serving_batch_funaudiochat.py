@@ -130,6 +130,8 @@ class ServingBatch:
         for row in range(self.batch_size):
             self.free(row)
         self.ws.step.zero_()
+        # The shared column, kept on the host from here on (`column`): read from the device once.
+        self._column = int(self.ws.llm_cache.layers[0].cumulative_length)
 
     def close(self) -> None:
         """Free the generator's caches, weight copies and graphs (once)."""
@@ -188,8 +190,10 @@ class ServingBatch:
     # ------------------------------------------------------------------ slots
     @property
     def column(self) -> int:
-        """The batch's next cache column `C` (shared by every row)."""
-        return int(self.ws.llm_cache.layers[0].cumulative_length)
+        """The batch's next cache column `C` (shared by every row): the caches' `cumulative_length`, mirrored on the
+        host (`step` advances it, `rebase` moves it). The decode thread reads it between steps; a read of the device's
+        value would wait for the step in flight (and, a pageable copy, stall the output thread's launches meanwhile)."""
+        return self._column
 
     def admit(self, row: int, run: SpeechRun) -> None:
         """Move the prefilled request (its batch-1 workspace) into slot `row`, right-aligned at the current column."""
@@ -247,6 +251,7 @@ class ServingBatch:
             _shift_columns(masks, shift, used, dim=1, fill_left=False, fill_right=True)
             for layer in cache.layers:
                 layer.cumulative_length.fill_(used - shift)
+        self._column = end - offset
         for row in free_rows:
             ws.llm_mask[row] = True
             ws.crq_mask[row] = True
@@ -276,6 +281,7 @@ class ServingBatch:
         run = self.row_runs[self.step_rows(generators)]
         run.step_fn(self.model, run.ws, run.cfg)
         self.steps_since_reset += 1
+        self._column += 1
 
     def start_read(self) -> HostCopy:
         """Start copying the last step's outputs to the host (`read_results` takes them): a snapshot queued right
