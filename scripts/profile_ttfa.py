@@ -58,12 +58,14 @@ def serving_prompt_inputs(model, seconds: float) -> dict:
     """What the speech server hands its engine for a synthetic spoken question of `seconds`: the processor's CPU
     tensors of `scripts/bench_serving.py`'s request (the tiny processor, its ids those of `model`'s config)."""
     import bench_serving
+    import bench_serving_models
 
     from funaudiochat_hf import FunAudioChatProcessor
     from funaudiochat_hf.serving_openai_funaudiochat import TranscriptMemory, parse_chat_request, wav_bytes
     from funaudiochat_hf.tiny_model import ASSETS_DIR, synthetic_question
 
-    processor = bench_serving.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), model.config)
+    tiny = FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR))
+    processor = bench_serving_models.FullSizeProcessor(tiny, model.config)
     body = bench_serving.chat_body(wav_bytes(synthetic_question(seconds), 16000), 12, seed=0)
     return parse_chat_request(body, processor, TranscriptMemory(), [], "profile", model.dtype).speech.inputs
 

@@ -1,5 +1,5 @@
-"""scripts/bench_serving.py: the full-size processor's id mapping, and a CPU smoke run of the whole benchmark on the
-tiny model (real numbers come from a GPU)."""
+"""scripts/bench_serving.py (with bench_serving_models.py): the full-size processor's id mapping, and a CPU smoke
+run of the whole benchmark on the tiny model (real numbers come from a GPU)."""
 
 import json
 import types
@@ -22,14 +22,21 @@ def script():
     return load_module(SCRIPT, "bench_serving")
 
 
-def test_full_size_processor_gives_the_full_configs_special_ids(script):
+@pytest.fixture(scope="module")
+def models(script):  # loading bench_serving put scripts/ on sys.path
+    import bench_serving_models
+
+    return bench_serving_models
+
+
+def test_full_size_processor_gives_the_full_configs_special_ids(models):
     from funaudiochat_hf import FunAudioChatConfig, FunAudioChatProcessor
     from funaudiochat_hf.processing_funaudiochat import AUDIO_TEMPLATE
     from funaudiochat_hf.tiny_model import ASSETS_DIR, synthetic_question
 
     config = FunAudioChatConfig()
     tiny = FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR))
-    processor = script.FullSizeProcessor(tiny, config)
+    processor = models.FullSizeProcessor(tiny, config)
     text = processor.apply_chat_template(
         [{"role": "user", "content": AUDIO_TEMPLATE}], tokenize=False, add_generation_prompt=True
     )
@@ -49,14 +56,14 @@ def test_full_size_processor_gives_the_full_configs_special_ids(script):
     assert processor.feature_extractor is tiny.feature_extractor  # everything else delegates
 
 
-def test_full_size_processor_refuses_a_config_whose_ids_do_not_line_up(script):
+def test_full_size_processor_refuses_a_config_whose_ids_do_not_line_up(models):
     from funaudiochat_hf import FunAudioChatConfig, FunAudioChatProcessor
     from funaudiochat_hf.tiny_model import ASSETS_DIR
 
     config = FunAudioChatConfig()
     config.text_config.audio_bos_index += 1
     with pytest.raises(ValueError, match="audio_bos"):
-        script.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), config)
+        models.FullSizeProcessor(FunAudioChatProcessor.from_pretrained(str(ASSETS_DIR)), config)
 
 
 @pytest.fixture
