@@ -88,17 +88,38 @@ def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, mo
     assert len(err_lines) == 1 and message in err_lines[0], err_lines
 
 
-@pytest.mark.parametrize("argv", [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"]])
-def test_bad_voice_and_input_are_rejected_before_any_model_loads(cache_dir, question, tmp_path, monkeypatch, capsys,
-                                                                 argv):  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"], ["QUESTION", "-o", "DIRECTORY"],
+     ["QUESTION", "-o", "reply.xyz"], ["QUESTION", "-o", "reply"], ["QUESTION", "-o", "/proc/reply.wav"]],
+)  # fmt: skip
+def test_bad_voice_input_and_output_are_rejected_before_any_model_loads(cache_dir, question, tmp_path, monkeypatch,
+                                                                        capsys, argv):  # fmt: skip
     from funaudiochat_hf import cli
 
     monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
     monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
     not_audio = tmp_path / "notes.wav"
     not_audio.write_bytes(b"RIFF\x00\x00")
-    assert main([{"QUESTION": str(question), "NOT_AUDIO": str(not_audio)}.get(a, a) for a in argv]) == 1
+    paths = {"QUESTION": str(question), "NOT_AUDIO": str(not_audio), "DIRECTORY": str(tmp_path)}
+    assert main([paths.get(a, a) for a in argv]) == 1
     assert capsys.readouterr().err.startswith("error:")
+    assert not (tmp_path / "reply").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("suffix, container", [(".flac", "FLAC"), (".ogg", "OGG"), (".mp3", "MP3")])
+def test_the_reply_is_written_in_the_container_its_name_says(cache_dir, question, tmp_path, monkeypatch, capsys,
+                                                             suffix, container, stream):  # fmt: skip
+    """16-bit PCM where the container holds it, else the container's own codec (Vorbis, MPEG layer III)."""
+    if container not in soundfile.available_formats():
+        pytest.skip(f"this libsndfile cannot write {container}")
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
+    reply = tmp_path / "new" / f"reply{suffix}"
+    argv = [str(question), "-o", str(reply), "--max-new-tokens", "8", "--greedy"] + (["--stream"] if stream else [])
+    assert main(argv) == 0, capsys.readouterr().err
+    info = soundfile.info(reply)
+    assert info.format == container and info.samplerate == 24000 and info.frames > 0
 
 
 def test_voices_of_a_folder_are_read_before_loading(cache_dir, question, monkeypatch, capsys):

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("input", nargs="?", help="the spoken question: an audio file (wav, flac, mp3, ogg; any rate, mono or stereo)")
-    add("-o", "--output", default="reply.wav", help="where to write the spoken reply (default: %(default)s)")
+    add("-o", "--output", default="reply.wav",
+        help="where to write the spoken reply: a .wav, .flac, .ogg or .mp3 file (default: %(default)s)")
     add(
         "--model",
         help="chat model folder or Hub id, e.g. FunAudioLLM/Fun-Audio-Chat-8B or a one-folder repo from "
@@ -105,6 +106,35 @@ def _check_input(path: str | None) -> None:
         load_audio(str(expanded))
     except ValueError as error:
         raise ValueError(f"input is not an audio file: {path} ({error})") from None
+
+
+def _output_subtype(path: Path) -> str:
+    """The sample format to write `path` in: 16-bit PCM where its container (from the extension) holds it, else the
+    container's own (Vorbis for .ogg, MPEG layer III for .mp3). Raises ValueError for an extension soundfile cannot
+    write."""
+    import soundfile
+
+    container = path.suffix[1:].upper()
+    if container not in soundfile.available_formats():
+        raise ValueError(f"cannot write audio to {path}: name a .wav file (or .flac, .ogg, .mp3)")
+    return "PCM_16" if soundfile.check_format(container, "PCM_16") else soundfile.default_subtype(container)
+
+
+def _check_output(output: str) -> None:
+    """The reply can be written where -o says: checked before any model loads, so a bad path costs no generation."""
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise ValueError(f"-o {output} is a directory: name the file, e.g. {Path(output) / 'reply.wav'}")
+    _output_subtype(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):  # opened to append: an existing file is left as it is until the reply is written
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise ValueError(f"cannot write the reply to {output}: {error.strerror or error}") from None
 
 
 def _check_sources(args) -> None:
@@ -236,7 +266,7 @@ def _write_wav(path: Path, audio: np.ndarray, sampling_rate: int) -> None:
     import soundfile
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    soundfile.write(str(path), audio, sampling_rate, subtype="PCM_16")
+    soundfile.write(str(path), audio, sampling_rate, subtype=_output_subtype(path))
 
 
 def _run_offline(pipe, args, kwargs) -> None:
@@ -244,7 +274,7 @@ def _run_offline(pipe, args, kwargs) -> None:
     reply = pipe(args.input, **kwargs)
     elapsed = time.perf_counter() - started
     print(_printable(reply["text"]), flush=True)
-    _write_wav(Path(args.output), reply["audio"], reply["sampling_rate"])
+    _write_wav(Path(args.output).expanduser(), reply["audio"], reply["sampling_rate"])
     seconds = len(reply["audio"]) / reply["sampling_rate"]
     _note(f"wrote {args.output}: {seconds:.2f} s of audio at {reply['sampling_rate']} Hz in {elapsed:.1f} s")
 
@@ -252,7 +282,7 @@ def _run_offline(pipe, args, kwargs) -> None:
 def _run_streaming(pipe, args, kwargs) -> None:
     import soundfile
 
-    output = Path(args.output)
+    output = Path(args.output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     first_audio = None
@@ -265,7 +295,8 @@ def _run_streaming(pipe, args, kwargs) -> None:
             if event["audio"].size:
                 if sink is None:  # the file is created with the first chunk, so the sampling rate is known
                     sink = soundfile.SoundFile(
-                        str(output), mode="w", samplerate=event["sampling_rate"], channels=1, subtype="PCM_16"
+                        str(output), mode="w", samplerate=event["sampling_rate"], channels=1,
+                        subtype=_output_subtype(output),
                     )
                     first_audio = time.perf_counter() - started
                 sink.write(event["audio"])
@@ -288,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         # Everything that can be checked without the models is checked first: loading them takes long.
         if not args.list_voices:
             _check_input(args.input)
+            _check_output(args.output)
         kwargs = _generate_kwargs(args)
         if args.model is None:
             # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
