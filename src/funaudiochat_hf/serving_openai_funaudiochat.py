@@ -207,9 +207,10 @@ def _check_length(text: str, what: str, max_chars: int, param: str) -> None:
 
 
 def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: list[str], model_name: str,
-                       model_dtype=None) -> ChatRequest:  # fmt: skip
+                       model_dtype=None, max_reply_tokens: int = 10**9) -> ChatRequest:  # fmt: skip
     """Validate a chat-completions body and build the engine request (the processor runs here, on the caller's
-    thread). Raises `RequestError`."""
+    thread). `max_reply_tokens`: the engine's longest reply, checked before the processor runs. Raises
+    `RequestError`."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     n = body.get("n", 1)
@@ -237,9 +238,9 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError("`stream_options` must be an object.", param="stream_options")
-    max_tokens = _number(body, "max_completion_tokens", 1, 10**9, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", 1, max_reply_tokens, integer=True)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, 10**9, integer=True)
+        max_tokens = _number(body, "max_tokens", 1, max_reply_tokens, integer=True)
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1)
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)

@@ -101,7 +101,8 @@ def create_app(engine: SpeechEngine, processor, model_name: str, api_key: str | 
         try:
             # The processor (audio decoding, features) runs off the event loop.
             chat = await asyncio.to_thread(
-                parse_chat_request, body, processor, transcripts, engine.voices, model_name, model_dtype
+                parse_chat_request, body, processor, transcripts, engine.voices, model_name, model_dtype,
+                engine.max_new_tokens,
             )
             events: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
@@ -333,7 +334,7 @@ def warm_up(engine: SpeechEngine, processor, model_name: str) -> float:
     body = spoken_question_body(question, model_name, min(WARMUP_STEPS, engine.max_new_tokens), seed=0)
     for _ in range(WARMUP_REPLIES):
         chat = parse_chat_request(body, processor, TranscriptMemory(), engine.voices, model_name,
-                                  getattr(engine.model, "dtype", None))  # fmt: skip
+                                  getattr(engine.model, "dtype", None), engine.max_new_tokens)  # fmt: skip
         events = list(engine.submit(chat.speech).events())
         if events and events[-1].finish_reason == "error":
             raise RuntimeError(f"The warm-up request failed: {events[-1].error}")
