@@ -91,7 +91,8 @@ def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, mo
 @pytest.mark.parametrize(
     "argv",
     [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"], ["QUESTION", "-o", "DIRECTORY"],
-     ["QUESTION", "-o", "reply.xyz"], ["QUESTION", "-o", "reply"], ["QUESTION", "-o", "/proc/reply.wav"]],
+     ["QUESTION", "-o", "reply.xyz"], ["QUESTION", "-o", "reply"], ["QUESTION", "-o", "/proc/reply.wav"],
+     ["QUESTION", "--model", "NO_DECODER"]],
 )  # fmt: skip
 def test_bad_voice_input_and_output_are_rejected_before_any_model_loads(cache_dir, question, tmp_path, monkeypatch,
                                                                         capsys, argv):  # fmt: skip
@@ -101,7 +102,10 @@ def test_bad_voice_input_and_output_are_rejected_before_any_model_loads(cache_di
     monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
     not_audio = tmp_path / "notes.wav"
     not_audio.write_bytes(b"RIFF\x00\x00")
-    paths = {"QUESTION": str(question), "NOT_AUDIO": str(not_audio), "DIRECTORY": str(tmp_path)}
+    from conftest import FUNAUDIOCHAT_TINY
+
+    paths = {"QUESTION": str(question), "NOT_AUDIO": str(not_audio), "DIRECTORY": str(tmp_path),
+             "NO_DECODER": str(FUNAUDIOCHAT_TINY)}  # fmt: skip
     assert main([paths.get(a, a) for a in argv]) == 1
     assert capsys.readouterr().err.startswith("error:")
     assert not (tmp_path / "reply").exists()

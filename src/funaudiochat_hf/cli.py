@@ -183,6 +183,20 @@ def _voices_before_loading(args) -> list[str] | None:
     return list(token2wav.get("speaker_names") or []) if token2wav else None
 
 
+def _check_decoder_before_loading(args) -> None:
+    """A chat model with no speech decoder inside needs --decoder: said from its config.json before its weights load
+    (the 8B model takes long), where that file is at hand."""
+    if args.model is None or args.decoder is not None:
+        return
+    config = _config_json(args.model)
+    if config is not None and config.get("model_type") == "funaudiochat" and not config.get("token2wav_config"):
+        raise ValueError(
+            f"--model {args.model} has no speech decoder inside: pass --decoder with a CosyVoice3 folder or Hub id "
+            "(the official two-repo layout: Fun-CosyVoice3-0.5B-2512), or use a one-folder repo built by "
+            "scripts/build_hub_repo.py"
+        )
+
+
 def _device(name: str) -> str:
     import torch
 
@@ -325,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
             kwargs.setdefault("max_new_tokens", TINY_MODEL_MAX_NEW_TOKENS)
         _check_sources(args)
+        _check_decoder_before_loading(args)
         voices = _voices_before_loading(args)
         if args.list_voices and voices is not None:
             print("\n".join(voices) if voices else "(this decoder stores no named voices)")
