@@ -358,3 +358,30 @@ def test_the_server_warms_up_with_spoken_requests_before_it_listens(tiny_path):
     assert seconds > 0
     assert snapshot["requests"]["length"] + snapshot["requests"]["stop"] == WARMUP_REPLIES
     assert snapshot["audio_seconds"] > 0 and snapshot["running"] == snapshot["queued"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["--model", "/no/such/folder"], "--model folder not found: /no/such/folder"),
+        (["--model", "NO_DECODER"], "has no speech decoder inside: pass --decoder"),
+        (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+    ],
+)
+def test_bad_options_and_a_busy_port_are_one_line_errors_before_loading(monkeypatch, capsys, argv, message):
+    """`funaudiochat-serve` says what is wrong in one line before any model loads (an 8B model takes long to load,
+    only to find its port taken)."""
+    from conftest import FUNAUDIOCHAT_TINY
+
+    from funaudiochat_hf import serving_server_funaudiochat as server
+
+    monkeypatch.setattr(server, "build_engine", lambda args: pytest.fail("the models were loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        values = {"NO_DECODER": str(FUNAUDIOCHAT_TINY), "BUSY": str(busy.getsockname()[1])}
+        assert server.main([values.get(a, a) for a in argv]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and message in err[0], err

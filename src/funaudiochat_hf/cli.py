@@ -86,6 +86,12 @@ def _printable(text: str) -> str:
     return _TERMINAL_CONTROLS.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
 
 
+def one_line_error(error: BaseException) -> str:
+    """The first line of an error's message (its type's name where it has none): what a command prints."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _looks_local(source: str) -> bool:
     """A path rather than a Hub id (`owner/name` or `name`)."""
     return source.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(source)) or source.count("/") > 1
@@ -365,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # one line for users; --debug for developers
         if args.debug:
             raise
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        _note(f"error: {message}")
+        _note(f"error: {one_line_error(error)}")
         return 1
 
 

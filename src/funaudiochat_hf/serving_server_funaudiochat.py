@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import socket
 import sys
 import time
 
@@ -258,7 +259,32 @@ def _parser() -> argparse.ArgumentParser:
     add("--trust-remote-code", action="store_true", help="allow code shipped in a Hub repo")
     add("--no-warmup", dest="warmup", action="store_false", help="skip the start-up replies that warm the engine up "
         "(the first requests then pay for it)")  # fmt: skip
+    add("--debug", action="store_true", help="show full tracebacks")
     return parser
+
+
+def check_before_loading(args) -> None:
+    """What can be checked before the models load (the 8B model takes long): the sizes, the model and decoder
+    sources (as the CLI checks them), and that the address is free to listen on. Raises ValueError."""
+    from .cli import _check_decoder_before_loading, _check_sources
+
+    for option, value in (("--max-batch-size", args.max_batch_size), ("--max-new-tokens", args.max_new_tokens),
+                          ("--max-prompt-tokens", args.max_prompt_tokens)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be at least 1, got {value}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    _check_sources(args)
+    _check_decoder_before_loading(args)
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            probe.bind((args.host, args.port))
+    except OSError as error:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
 
 
 _STREAM_OPTION_NAMES = (
@@ -348,7 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as error:
         print(f"error: {_missing_serve_extra(error)}", file=sys.stderr)
         return 1
-    engine, processor, name = build_engine(args)
+    from .cli import one_line_error
+
+    try:
+        check_before_loading(args)
+        engine, processor, name = build_engine(args)
+    except Exception as error:  # one line for users; --debug for developers
+        if args.debug:
+            raise
+        print(f"error: {one_line_error(error)}", file=sys.stderr)
+        return 1
     try:
         if args.warmup:
             print("warming up (spoken requests through the engine and the speech decoder) ...", file=sys.stderr,
