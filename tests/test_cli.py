@@ -186,7 +186,7 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     assert result.stderr.strip() == f"error: input file not found: {tmp_path / 'missing.wav'}"
 
 
-def test_a_first_download_is_announced(question, tmp_path, monkeypatch, capsys):
+def test_a_first_download_is_announced(cache_dir, question, tmp_path, monkeypatch, capsys):
     """A Hub id whose config is not in the local cache is downloaded first: the wait is announced before it starts."""
     import transformers
 
@@ -195,7 +195,33 @@ def test_a_first_download_is_announced(question, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    # Its config.json is fetched first (a one-folder repo's: a decoder inside), then the weights would be.
+    one_folder_config = str(cache_dir / f"tiny-{TINY_MODEL_VERSION}" / "config.json")
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda repo, name: one_folder_config)
     monkeypatch.setattr(transformers, "pipeline", offline)
     assert main([str(question), "--model", "someone/not-cached"]) == 1
     err = capsys.readouterr().err
     assert "note: downloading someone/not-cached from the Hub: the first run only" in err and "error: offline" in err
+
+
+@pytest.mark.parametrize("fetched", ["NO_DECODER", "FAILS"])
+def test_a_hub_model_without_a_decoder_is_refused_before_its_weights_download(question, tmp_path, monkeypatch,
+                                                                              capsys, fetched):  # fmt: skip
+    """The official layout's chat model named by Hub id without --decoder: its config.json (a few KB) says so before
+    the weights (16 GB) are downloaded; a config that cannot be fetched is one error, not two waits."""
+    from conftest import FUNAUDIOCHAT_TINY
+
+    from funaudiochat_hf import cli
+
+    def fetch(repo, name):
+        if fetched == "FAILS":
+            raise OSError("no network")
+        return str(FUNAUDIOCHAT_TINY / name)
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", fetch)
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
+    assert main([str(question), "--model", "someone/official-layout"]) == 1
+    err = capsys.readouterr().err
+    expected = "has no speech decoder inside" if fetched == "NO_DECODER" else "could not be fetched from the Hub"
+    assert expected in err

@@ -158,15 +158,30 @@ def _check_sources(args) -> None:
         raise ValueError(f"--speakers file not found: {args.speakers}")
 
 
-def _config_json(source: str) -> dict | None:
-    """A model's config.json from its folder or the local Hub cache (no download); None where not at hand."""
+def _config_json(source: str, fetch: bool = False) -> dict | None:
+    """A model's config.json from its folder or the local Hub cache; None where not at hand. With `fetch`, a Hub id's
+    config.json is downloaded when not cached (a few KB, the first file loading fetches anyway; ValueError where it
+    cannot be: offline, no such repository, a gated one)."""
     path = Path(source).expanduser() / "config.json"
     if not path.is_file() and not _looks_local(source):
-        from huggingface_hub import try_to_load_from_cache
+        import huggingface_hub
 
-        cached = try_to_load_from_cache(source, "config.json")
+        cached = huggingface_hub.try_to_load_from_cache(source, "config.json")
+        if not isinstance(cached, str) and fetch:
+            try:
+                cached = huggingface_hub.hf_hub_download(source, "config.json")
+            except Exception as error:  # loading would fail the same way, after a second wait
+                raise ValueError(f"{source}: its config.json could not be fetched from the Hub ({error})") from None
         path = Path(cached) if isinstance(cached, str) else path
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _weights_cached(source: str) -> bool:
+    """Whether a Hub id's weights (one file or a sharded index) are in the local Hub cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    names = ("model.safetensors", "model.safetensors.index.json")
+    return any(isinstance(try_to_load_from_cache(source, name), str) for name in names)
 
 
 def _voices_before_loading(args) -> list[str] | None:
@@ -190,11 +205,11 @@ def _voices_before_loading(args) -> list[str] | None:
 
 
 def _check_decoder_before_loading(args) -> None:
-    """A chat model with no speech decoder inside needs --decoder: said from its config.json before its weights load
-    (the 8B model takes long), where that file is at hand."""
+    """A chat model with no speech decoder inside needs --decoder: said from its config.json before its weights are
+    downloaded or loaded (the 8B model takes long), where that file can be had."""
     if args.model is None or args.decoder is not None:
         return
-    config = _config_json(args.model)
+    config = _config_json(args.model, fetch=True)  # before the weights' download, for a Hub id
     if config is not None and config.get("model_type") == "funaudiochat" and not config.get("token2wav_config"):
         raise ValueError(
             f"--model {args.model} has no speech decoder inside: pass --decoder with a CosyVoice3 folder or Hub id "
@@ -255,7 +270,7 @@ def _load_pipeline(args):
         started = time.perf_counter()
         model = str(build_tiny_model())
         _note(f"tiny model ready at {model} ({time.perf_counter() - started:.1f} s)")
-    elif not _looks_local(model) and _config_json(model) is None:
+    elif not _looks_local(model) and not _weights_cached(model):
         _note(f"note: downloading {model} from the Hub: the first run only, later runs read the local cache.")
     device = _device(args.device)
     _note(f"loading chat model {model} on {device} ...")
