@@ -73,6 +73,11 @@ def load_pipeline():
         from funaudiochat_hf.tiny_model import build_tiny_model
 
         model = str(build_tiny_model())
+    elif package:  # before a 16 GB download: an official-layout chat model needs its decoder named
+        from funaudiochat_hf.cli import check_decoder_before_loading
+
+        check_decoder_before_loading(model, os.environ.get("FUNAUDIOCHAT_DECODER"), "FUNAUDIOCHAT_MODEL",
+                                     "FUNAUDIOCHAT_DECODER")  # fmt: skip
     device = os.environ.get("FUNAUDIOCHAT_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = pipeline(
         "speech-to-speech" if package else None,

@@ -29,6 +29,19 @@ def _tiny_pipe(app, monkeypatch, **env):
     return app.load_pipeline()
 
 
+def test_a_chat_model_without_its_decoder_is_refused_before_loading(app, monkeypatch):
+    """FUNAUDIOCHAT_MODEL of the official layout without FUNAUDIOCHAT_DECODER: said from its config before the
+    weights load (or, for a Hub id, download)."""
+    import transformers
+    from conftest import FUNAUDIOCHAT_TINY
+
+    monkeypatch.setenv("FUNAUDIOCHAT_MODEL", str(FUNAUDIOCHAT_TINY))
+    monkeypatch.delenv("FUNAUDIOCHAT_DECODER", raising=False)
+    monkeypatch.setattr(transformers, "pipeline", lambda *a, **k: pytest.fail("the models were loaded"))
+    with pytest.raises(ValueError, match="FUNAUDIOCHAT_MODEL .* has no speech decoder inside: set FUNAUDIOCHAT_DECODER"):
+        app.load_pipeline()
+
+
 def test_fast_setting_is_ignored_with_a_note_off_the_gpu(app, monkeypatch, capsys):
     pipe = _tiny_pipe(app, monkeypatch, FUNAUDIOCHAT_FAST="1")
     assert pipe.fast_generate_kwargs == {}

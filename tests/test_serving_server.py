@@ -366,7 +366,7 @@ def test_the_server_warms_up_with_spoken_requests_before_it_listens(tiny_path):
         (["--max-batch-size", "0"], "--max-batch-size must be at least 1, got 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
         (["--model", "/no/such/folder"], "--model folder not found: /no/such/folder"),
-        (["--model", "NO_DECODER"], "has no speech decoder inside: pass --decoder"),
+        (["--model", "NO_DECODER"], "has no speech decoder inside: set --decoder"),
         (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
     ],
 )

@@ -204,16 +204,18 @@ def _voices_before_loading(args) -> list[str] | None:
     return list(token2wav.get("speaker_names") or []) if token2wav else None
 
 
-def _check_decoder_before_loading(args) -> None:
-    """A chat model with no speech decoder inside needs --decoder: said from its config.json before its weights are
-    downloaded or loaded (the 8B model takes long), where that file can be had."""
-    if args.model is None or args.decoder is not None:
+def check_decoder_before_loading(model: str | None, decoder: str | None, model_option: str = "--model",
+                                 decoder_option: str = "--decoder") -> None:  # fmt: skip
+    """A chat model with no speech decoder inside needs a decoder: said from its config.json before its weights are
+    downloaded or loaded (the 8B model takes long), where that file can be had. `model_option`, `decoder_option`:
+    how the caller's user names them (e.g. the Space's environment variables)."""
+    if model is None or decoder is not None:
         return
-    config = _config_json(args.model, fetch=True)  # before the weights' download, for a Hub id
+    config = _config_json(model, fetch=True)  # before the weights' download, for a Hub id
     if config is not None and config.get("model_type") == "funaudiochat" and not config.get("token2wav_config"):
         raise ValueError(
-            f"--model {args.model} has no speech decoder inside: pass --decoder with a CosyVoice3 folder or Hub id "
-            "(the official two-repo layout: Fun-CosyVoice3-0.5B-2512), or use a one-folder repo built by "
+            f"{model_option} {model} has no speech decoder inside: set {decoder_option} to a CosyVoice3 folder or Hub "
+            "id (the official two-repo layout: Fun-CosyVoice3-0.5B-2512), or use a one-folder repo built by "
             "scripts/build_hub_repo.py"
         )
 
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
             kwargs.setdefault("max_new_tokens", TINY_MODEL_MAX_NEW_TOKENS)
         _check_sources(args)
-        _check_decoder_before_loading(args)
+        check_decoder_before_loading(args.model, args.decoder)
         voices = _voices_before_loading(args)
         if args.list_voices and voices is not None:
             print("\n".join(voices) if voices else "(this decoder stores no named voices)")

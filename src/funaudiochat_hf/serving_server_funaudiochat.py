@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
 def check_before_loading(args) -> None:
     """What can be checked before the models load (the 8B model takes long): the sizes, the model and decoder
     sources (as the CLI checks them), and that the address is free to listen on. Raises ValueError."""
-    from .cli import _check_decoder_before_loading, _check_sources
+    from .cli import _check_sources, check_decoder_before_loading
 
     for option, value in (("--max-batch-size", args.max_batch_size), ("--max-new-tokens", args.max_new_tokens),
                           ("--max-prompt-tokens", args.max_prompt_tokens)):  # fmt: skip
@@ -277,7 +277,7 @@ def check_before_loading(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
     _check_sources(args)
-    _check_decoder_before_loading(args)
+    check_decoder_before_loading(args.model, args.decoder)
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
