@@ -163,7 +163,8 @@ def _check_int(name: str, value, minimum: int, maximum: int = 2**63 - 1) -> int:
     if not _is_int(value):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
     if not minimum <= value <= maximum:
-        raise ValueError(f"`{name}` must be in [{minimum}, {maximum}], got {value}.")
+        bounds = f"at least {minimum}" if maximum == 2**63 - 1 else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"`{name}` must be {bounds}, got {value}.")
     return int(value)
 
 
@@ -303,6 +304,8 @@ def resolve_request(
         raise TypeError(f"`seed` must be an int, got {type(seed).__name__} {seed!r}.")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise ValueError(f"`seed` must fit in 64 bits, got {seed}.")
+    if seed is not None and generator is not None:
+        raise ValueError("Pass `seed` or `generator`, not both: each alone says where the sampling noise comes from.")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"`generator` must be a torch.Generator, got {type(generator).__name__}.")
     output_logits = config.output_logits
