@@ -216,6 +216,12 @@ def test_batch_outputs_are_isolated_and_ordered(stub_pipe):
     assert (replies[1]["audio"] == _groups(3.0)).all()
 
 
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, True])
+def test_a_bad_batch_size_is_refused(stub_pipe, batch_size):
+    with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+        stub_pipe([synthetic_question(1.0)] * 2, batch_size=batch_size)
+
+
 def test_batch_of_chats(stub_pipe):
     chats = [[{"role": "user", "content": synthetic_question(s)}] for s in (1.0, 2.0)]
     replies = stub_pipe(chats)

@@ -155,8 +155,10 @@ class SpeechToSpeechPipeline(Pipeline):
         every output belongs to its own input only.
         """
         conversations, is_batch = self._split_inputs(inputs)
-        batch_size = kwargs.pop("batch_size", None) or self._batch_size or DEFAULT_BATCH_SIZE
-        if not isinstance(batch_size, int) or batch_size < 1:
+        batch_size = kwargs.pop("batch_size", None)
+        if batch_size is None:  # 0 is refused below, not taken for "unset"
+            batch_size = self._batch_size or DEFAULT_BATCH_SIZE
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
         preprocess_params, forward_params, postprocess_params = self._sanitize_parameters(**kwargs)
         preprocess_params = {**self._preprocess_params, **preprocess_params}
