@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from transformers import TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from funaudiochat_hf import FunAudioChatForConditionalGeneration, FunAudioChatProcessor
+from funaudiochat_hf.cli import _looks_local, one_line_error
 from funaudiochat_hf.training_funaudiochat import (
     FunAudioChatTrainer,
     JsonlSpeechDataset,
@@ -112,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-final-save", action="store_true",
         help="Do not save the final model (measurement runs: add --save-steps 0 for no checkpoint either).",
     )  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="Show the full traceback of an error.")
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -147,6 +150,8 @@ def world_size() -> int:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse contradictory or impossible settings before anything is loaded."""
+    if not args.learning_rate > 0:
+        raise ValueError(f"--learning-rate must be > 0, got {args.learning_rate}.")
     for name in ("batch_size", "global_batch_size", "grad_accum", "logging_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -185,6 +190,16 @@ def check_args(args: argparse.Namespace) -> None:
             "--gradient-checkpointing and FSDP's activation checkpointing (fsdp_activation_checkpointing in the "
             "accelerate config / --fsdp-config) exclude each other: under FSDP drop --gradient-checkpointing."
         )
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The model folder and the data files exist: checked before the model loads (not in `parse_args`, which
+    `scripts/multi_gpu_check.py` runs on folders it has yet to write)."""
+    if _looks_local(args.model) and not Path(args.model).expanduser().is_dir():
+        raise ValueError(f"--model folder not found: {args.model}")
+    for option, path in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
+        if path is not None and not Path(path).expanduser().is_file():
+            raise ValueError(f"{option} file not found: {path}")
 
 
 def build_training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -240,6 +255,7 @@ def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
 def main(argv: list[str] | None = None) -> Path | None:
     """Run the fine-tuning; returns the folder of the saved final model (None with --skip-final-save)."""
     args = parse_args(argv)
+    check_paths(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     checkpoint = resolve_checkpoint(args.resume, args.output_dir)
     training_args = build_training_arguments(args)
@@ -377,4 +393,9 @@ def merge_saved_adapter(base_model: str, adapter_dir: Path, model_kwargs: dict):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as error:  # a setting, a file or the data: one line (--debug: the traceback)
+        if "--debug" in sys.argv:
+            raise
+        sys.exit(f"error: {one_line_error(error)}")

@@ -162,6 +162,31 @@ def test_global_batch_size_sets_the_accumulation_per_world_size(finetune, monkey
         finetune.parse_args(_argv("--batch-size", "0"))
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/model", "--output-dir", "unused"], "--model folder not found: /no/such/model"),
+        (_argv("--dataset", "/no/such/train.jsonl"), "--dataset file not found: /no/such/train.jsonl"),
+        (_argv("--eval-dataset", "/no/such/eval.jsonl"), "--eval-dataset file not found"),
+        (_argv("--learning-rate", "-1"), "--learning-rate must be > 0"),
+    ],
+)
+def test_missing_files_and_bad_rates_are_refused_before_loading(finetune, monkeypatch, argv, message):
+    monkeypatch.setattr(finetune.FunAudioChatProcessor, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match=message):
+        finetune.main(argv)
+
+
+def test_a_setup_error_is_one_line_without_a_traceback(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "finetune.py"
+    argv = [sys.executable, str(script), *_argv("--dataset", str(tmp_path / "missing.jsonl"))]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"error: --dataset file not found: {tmp_path / 'missing.jsonl'}"]
+    debug = subprocess.run(argv + ["--debug"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
 def test_gradient_checkpointing_conflicts_with_fsdp_activation_checkpointing(finetune, monkeypatch, tmp_path):
     with monkeypatch.context() as patch:
         for key, value in _launcher_env(FSDP_YAML).items():
