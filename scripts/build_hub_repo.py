@@ -168,11 +168,15 @@ def build_hub_repo(
 
     import funaudiochat_hf
     from funaudiochat_hf import FunAudioChatForConditionalGeneration
+    from funaudiochat_hf.cli import check_decoder_before_loading
     from funaudiochat_hf.pipeline_speech_to_speech import load_speech_decoder
 
     for name, source in (("chat model", chat), ("decoder", decoder)):
         if source is not None and _looks_local(source) and not Path(source).expanduser().is_dir():
             raise FileNotFoundError(f"{name} folder not found: {source}")
+    # Before the output folder is touched (--overwrite empties it) and anything loads: a chat model of the official
+    # layout needs its decoder named.
+    check_decoder_before_loading(chat, decoder, "--chat", "--decoder")
     out = Path(out).expanduser()
     if out.exists() and any(out.iterdir()):
         if not overwrite:

@@ -88,6 +88,16 @@ def test_relative_import_forms(builder, tmp_path):
 def test_refuses_to_overwrite_and_needs_a_decoder(builder, tiny_model_dir, hub_dir, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         builder.build_hub_repo(str(tiny_model_dir), hub_dir)
+    # The official layout's chat folder without --decoder: refused before the output folder is emptied (--overwrite)
+    # or the model loads.
+    from conftest import FUNAUDIOCHAT_TINY
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="has no speech decoder inside: set --decoder"):
+        builder.build_hub_repo(str(FUNAUDIOCHAT_TINY), kept, overwrite=True)
+    assert (kept / "notes.txt").read_text() == "mine"
 
 
 def test_push_to_hub_dry_run_lists_files_without_network(builder, hub_dir, capsys, monkeypatch):
