@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -202,6 +203,19 @@ class Runner:
         return record
 
 
+def prune_checkpoints(folder: Path, keep: tuple[int, ...] = ()) -> list[str]:
+    """Delete `folder`'s `checkpoint-N` folders but those of steps `keep`; returns the names deleted. A reduced-depth
+    checkpoint (full vocabularies, fp32 weights and Adam states) takes ~22 GB: a run's last one, never resumed from,
+    filled a one-H100 machine's 64 GB disk before the LoRA run could save its model."""
+    deleted = []
+    for checkpoint in sorted(folder.glob("checkpoint-*")):
+        step = checkpoint.name.removeprefix("checkpoint-")
+        if checkpoint.is_dir() and not (step.isdigit() and int(step) in keep):
+            shutil.rmtree(checkpoint)
+            deleted.append(checkpoint.name)
+    return deleted
+
+
 def _losses(output_dir: Path) -> list[dict]:
     history = json.loads((output_dir / "log_history.json").read_text())
     return [{key: entry[key] for key in ("step", "loss", "text_loss", "speech_loss", "grad_norm")}
@@ -296,8 +310,10 @@ def reduced_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -> 
             result["weights"] = compare_weights(model_dir, runs["1gpu"] / "final", runs[f"{gpus}gpu"] / "final")
             result["pass"] = result["loss_max_rel_diff"] <= LOSS_RTOL and result["weights"]["relative"] <= UPDATE_RTOL
 
-    # Resume on the same number of GPUs from the middle checkpoint.
+    # Resume on the same number of GPUs from the middle checkpoint (the only one kept).
     source = runs[f"{gpus}gpu"]
+    if not args.dry_run:
+        prune_checkpoints(source, keep=(middle,))
     resumed_dir = work / f"reduced_{gpus}gpu_resumed"
     per_gpu = args.per_gpu_batch if gpus > 1 else global_batch
     resumed = runner.finetune(f"reduced_{gpus}gpu_resume", gpus, [*common, "--output-dir", str(resumed_dir),
@@ -311,6 +327,9 @@ def reduced_part(args, runner: Runner, work: Path, gpus: int, summary: dict) -> 
         resume["loss_max_rel_diff"] = _max_rel(again[middle:], full[middle:])
         resume["weights"] = compare_weights(model_dir, source / "final", resumed_dir / "final")
         resume["pass"] = resume["loss_max_rel_diff"] <= RESUME_LOSS_RTOL
+    if not args.dry_run:  # the models compared are in final/: no checkpoint is read again
+        prune_checkpoints(source)
+        prune_checkpoints(resumed_dir)
 
     lora_dir = work / f"reduced_{gpus}gpu_lora"
     lora = runner.finetune(f"reduced_{gpus}gpu_lora", gpus, [

@@ -430,6 +430,18 @@ def test_multi_gpu_check_on_one_gpu_runs_what_applies(tmp_path, finetune):
     assert resumed.resume == str(Path(one.output_dir) / "checkpoint-4") and one.save_steps == 4
 
 
+def test_multi_gpu_check_keeps_only_the_checkpoint_it_resumes_from(tmp_path):
+    """A reduced-depth checkpoint takes ~22 GB: the run's last one (never resumed from) filled a 64 GB disk."""
+    prune_checkpoints = _load_script("multi_gpu_check").prune_checkpoints
+    run = tmp_path / "run"
+    for name in ("checkpoint-4", "checkpoint-8", "final"):
+        (run / name).mkdir(parents=True)
+    (run / "checkpoint-notes.txt").write_text("not a checkpoint folder")
+    assert prune_checkpoints(run, keep=(4,)) == ["checkpoint-8"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "checkpoint-notes.txt", "final"]
+    assert prune_checkpoints(run) == ["checkpoint-4"] and (run / "final").is_dir()
+
+
 def test_multi_gpu_check_full_size_config_is_the_8b_architecture_with_the_tiny_tokenizer_ids():
     from funaudiochat_hf import FunAudioChatConfig
 
