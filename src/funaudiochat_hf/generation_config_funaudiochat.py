@@ -159,12 +159,14 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value, minimum: int, maximum: int = 2**63 - 1) -> int:
+def _check_int(name: str, value, minimum: int) -> int:
+    """An int of at least `minimum` that fits in 64 bits (token counts and ids go to int64 tensors)."""
     if not _is_int(value):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
-    if not minimum <= value <= maximum:
-        bounds = f"at least {minimum}" if maximum == 2**63 - 1 else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"`{name}` must be {bounds}, got {value}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}, got {value}.")
+    if value > 2**63 - 1:
+        raise ValueError(f"`{name}` must fit in 64 bits, got {value}.")
     return int(value)
 
 
