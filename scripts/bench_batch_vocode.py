@@ -33,7 +33,7 @@ from funaudiochat_hf.streaming_batch_cosyvoice3 import decode_ready  # noqa: E40
 
 
 HOP = 15
-STREAM_OPTIONS = {"token_hop_len": HOP, "first_token_hop_len": 5}  # the serving engine's defaults
+STREAM_OPTIONS = {"token_hop_len": HOP, "first_token_hop_len": 6}  # the serving engine's first hops
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -653,7 +653,9 @@ def measure_load(run: Run, server, engine, question_path: str, question: bytes, 
     closed = f" ({users} users, + {len(shares)} seed-0 requests at first)" if users else ""
     log(f"load: {args.conversations} conversations at {args.rate}/s{closed} in {report['wall_seconds']:.1f} s: errors "
         f"{report['errors']}; TTFA p50 {fmt(report['ttfa_p50_ms'])} ms, p95 {fmt(report['ttfa_p95_ms'])} ms; RTF p50 "
-        f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; aggregate "
+        f"{fmt(report['rtf_p50'], 3)}, p95 {fmt(report['rtf_p95'], 3)}; playback stall p50 / p95 "
+        f"{fmt(report['stall_p50_ms'])} / {fmt(report['stall_p95_ms'])} ms ({report['streams_stalled']} streams "
+        "stalled); aggregate "
         f"{fmt(report['aggregate_x_real_time'])}x real time; {report['decode_steps']} decode steps of "
         f"{fmt(report['step_rows_mean'], 2)} rows on average; outcomes {outcomes}")  # fmt: skip
     log("load: where the time to first audio went (p50 / p95 ms): " + ", ".join(

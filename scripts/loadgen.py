@@ -14,6 +14,8 @@ load: what the server sustains at that concurrency). Reported:
 - time to first audio (TTFA): request sent -> first non-empty audio chunk, p50 / p95;
 - per-stream real-time factor (RTF): the stream's wall time (sent -> last chunk) / its seconds of audio, p50 / p95
   (below 1: faster than real time);
+- playback stall: how long a player that starts at the first chunk and plays in real time would wait for audio
+  over the whole reply (chunks that come later than their audio is due), p50 / p95, and how many streams stalled;
 - aggregate x real time: all the audio generated / the run's wall time;
 - errors (HTTP errors, error events, streams without audio).
 
@@ -42,6 +44,21 @@ class StreamResult:
     ttfa: float | None = None  # seconds
     wall: float = 0.0  # seconds, request sent -> last event
     audio_seconds: float = 0.0
+    stall: float = 0.0  # seconds a real-time player would wait for audio after the first chunk
+
+
+def playback_stall(chunks: list[tuple[float, float]]) -> float:
+    """Seconds a player would wait for audio: it starts playing the first chunk when it arrives and plays in real time,
+    pausing whenever the next chunk has not come when the audio before it ran out. `chunks`: (arrival time, seconds
+    of audio) in order of arrival."""
+    if not chunks:
+        return 0.0
+    start, played, stalled = chunks[0][0], 0.0, 0.0
+    for arrival, seconds in chunks:
+        due = start + played + stalled  # when the audio before this chunk has been played
+        stalled += max(0.0, arrival - due)
+        played += seconds
+    return stalled
 
 
 def _question_wav(path: str | None) -> bytes:
@@ -72,7 +89,7 @@ def percentile(values: list[float], q: float) -> float | None:
 async def _one(client, url: str, body: dict, headers: dict, sampling_rate: int) -> StreamResult:
     sent = time.perf_counter()
     result = StreamResult(ok=False)
-    samples = 0
+    samples, chunks = 0, []
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -91,13 +108,16 @@ async def _one(client, url: str, body: dict, headers: dict, sampling_rate: int) 
                     audio = (choice.get("delta") or {}).get("audio") or {}
                     if audio.get("data"):
                         count = len(base64.b64decode(audio["data"])) // 2
-                        if count and result.ttfa is None:
-                            result.ttfa = time.perf_counter() - sent
+                        if count:
+                            now = time.perf_counter()
+                            result.ttfa = now - sent if result.ttfa is None else result.ttfa
+                            chunks.append((now, count / sampling_rate))
                         samples += count
     except Exception as error:  # a load test reports failures, it does not stop at the first
         return StreamResult(ok=False, error=f"{type(error).__name__}: {error}")
     result.wall = time.perf_counter() - sent
     result.audio_seconds = samples / sampling_rate
+    result.stall = playback_stall(chunks)
     result.ok = samples > 0
     if not result.ok:
         result.error = "no audio"
@@ -140,6 +160,7 @@ async def run(args) -> dict:
     ttfa = [r.ttfa for r in good if r.ttfa is not None]
     rtf = [r.wall / r.audio_seconds for r in good if r.audio_seconds > 0]
     audio = sum(r.audio_seconds for r in good)
+    stalls = [r.stall for r in good]
     return {
         "conversations": args.conversations,
         "rate_per_second": args.rate,
@@ -151,6 +172,9 @@ async def run(args) -> dict:
         "ttfa_p95_ms": None if not ttfa else 1000 * percentile(ttfa, 95),
         "rtf_p50": percentile(rtf, 50),
         "rtf_p95": percentile(rtf, 95),
+        "stall_p50_ms": None if not stalls else 1000 * percentile(stalls, 50),
+        "stall_p95_ms": None if not stalls else 1000 * percentile(stalls, 95),
+        "streams_stalled": sum(stall > 0 for stall in stalls),
         "audio_seconds": audio,
         "aggregate_x_real_time": audio / wall if wall > 0 else None,
         "streams": [asdict(r) for r in results] if args.per_stream else None,
@@ -201,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{report['wall_seconds']:.1f} s: "
         f"errors {report['errors']}; TTFA p50 {ms(report['ttfa_p50_ms'])}, p95 {ms(report['ttfa_p95_ms'])}; "
         f"per-stream RTF p50 {ratio(report['rtf_p50'])}, p95 {ratio(report['rtf_p95'])}; "
+        f"playback stall p50 {ms(report['stall_p50_ms'])}, p95 {ms(report['stall_p95_ms'])} "
+        f"({report['streams_stalled']} streams stalled); "
         f"aggregate {ratio(report['aggregate_x_real_time'])}x real time ({report['audio_seconds']:.1f} s of audio)"
     )
     if report["error_examples"]:

@@ -501,7 +501,7 @@ def test_stream_matches_offline_and_arrives_in_chunks(model, inputs):
     torch.testing.assert_close(audio, offline.audio[0])
     chunks = [i for i, e in enumerate(events) if len(e.audio)]
     assert len(chunks) >= 3
-    assert chunks[0] <= 3  # first audio after a few LLM steps (a first chunk of 5 + 3 tokens), not at the end
+    assert chunks[0] <= 3  # first audio after a few LLM steps (a first chunk of 6 + 3 tokens), not at the end
     reference_chunking = list(
         model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, first_token_hop_len=None)
     )
@@ -663,7 +663,7 @@ def test_stream_options_reach_the_streaming_decoder(model, inputs):
     events = list(model.generate_speech_stream(**inputs, **stream_kwargs))
     (stream,) = made
     assert stream.flow_left_context == 10 and stream.hift_left_context == 16
-    assert stream.hop_schedule == (5, 15, 30, 40)  # first_token_hop_len, token_hop_len, then growth
+    assert stream.hop_schedule == (6, 15, 30, 40)  # first_token_hop_len, token_hop_len, then growth
     assert sum(len(e.audio) for e in events) > 0
     with pytest.raises(TypeError, match="no_such_option"):
         list(model.generate_speech_stream(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder,

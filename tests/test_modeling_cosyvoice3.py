@@ -466,6 +466,27 @@ def test_streaming_short_first_chunk(original_model, flow_full):
         original_model.streaming_decoder(speaker="中文女", first_token_hop_len=0)
 
 
+def test_generate_speech_streams_first_chunk_is_the_longest_after_one_step(original_model, flow_full):
+    """`generate_speech_stream`'s default first hop (6): decoded from the prompt pass's 5 tokens and one LLM step's 5,
+    with 4 mel frames (80 ms) of audio; a first hop of 5 comes as early with half of that (HiFT holds the last 8
+    frames back), one of 7 a step later."""
+    import inspect
+
+    from funaudiochat_hf import FunAudioChatForConditionalGeneration
+
+    default = inspect.signature(FunAudioChatForConditionalGeneration.generate_speech_stream).parameters
+    tokens = flow_full["speech_token"][0, :40]
+
+    def first_audio(first_hop):
+        decoder = original_model.streaming_decoder(speaker="中文女", token_hop_len=15, first_token_hop_len=first_hop)
+        pieces = [decoder.push(tokens[i : i + 5]) for i in range(0, 40, 5)]
+        return next((i, piece.numel()) for i, piece in enumerate(pieces) if piece.numel())
+
+    assert first_audio(default["first_token_hop_len"].default) == (1, 4 * 480)
+    assert first_audio(5) == (1, 2 * 480)
+    assert first_audio(7)[0] == 2
+
+
 def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full):
     """HiFT on a bounded window (phase + noise position carried over) equals the whole-history run; a short flow
     window keeps the chunks whose window still starts at token 0 identical and changes the later ones."""

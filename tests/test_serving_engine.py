@@ -391,7 +391,7 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
 
 
 def test_the_engine_streams_with_a_growing_hop_by_default(model):
-    """Serving's decoder default: `generate_speech_stream`'s first chunks (5 tokens, then 15: the first audio is as
+    """Serving's decoder default: `generate_speech_stream`'s first chunks (6 tokens, then 15: the first audio is as
     early), then hops doubling to 100. A fixed hop of 15 recomputes the 200-token left context 14.5 times over and
     caps the conversations a GPU serves; an explicit setting still wins."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
@@ -404,9 +404,9 @@ def test_the_engine_streams_with_a_growing_hop_by_default(model):
         finally:
             engine.close()
         hops[name] = [stream.chunk_hop(index) for index in range(7)]
-    assert hops["default"] == [5, 15, 30, 60, 100, 100, 100]
-    assert hops["fixed"] == [5] + [15] * 6
-    direct = decoder.streaming_decoder(token_hop_len=15, first_token_hop_len=5)  # generate_speech_stream's
+    assert hops["default"] == [6, 15, 30, 60, 100, 100, 100]
+    assert hops["fixed"] == [6] + [15] * 6
+    direct = decoder.streaming_decoder(token_hop_len=15, first_token_hop_len=6)  # generate_speech_stream's
     assert [direct.chunk_hop(index) for index in range(2)] == hops["default"][:2]
 
 
@@ -647,6 +647,46 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
         [("a", [0, 1, 2], [10, 11, 12], None, 0.0), ("b", [0, 1, 2, 3], [10, 11, 12, 13], "stop", 0.0)],
         [("new", [0], [10], None, 0.0)],
         [("b", [4], [14], "cancelled", 4.0), ("a", [3], [13], None, 3.0)],
+    ], rounds
+
+
+def test_a_round_decodes_at_most_a_few_requests_so_a_first_chunk_waits_for_less(monkeypatch):
+    """A round takes at most `MAX_ROUND_REQUESTS` requests, those queued first; the rest wait for the next round, and a
+    reply's first item queued meanwhile goes before them (before, one round took every streaming request: a first
+    chunk arriving during it waited for all of their flow work)."""
+    import queue as queues
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    monkeypatch.setattr(engine_module, "MAX_ROUND_REQUESTS", 2)
+    engine = SpeechEngine.__new__(SpeechEngine)  # the output loop alone: no model, no threads
+    streaming = {"a", "b", "c", "d"}
+    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
+    engine._output = queues.Queue()
+
+    def item(request_id, step):
+        return _StepOutput(SimpleNamespace(id=request_id), [step], [step], None, None, float(step))
+
+    for step in range(2):
+        for request in "abcd":
+            engine._output.put(item(request, step))
+    rounds = []
+
+    def emit_round(items):
+        rounds.append([(i.handle.id, i.text_ids) for i in items])
+        if len(rounds) == 1:
+            engine._output.put(item("new", 0))
+        if len(rounds) == 3:
+            engine._output.put(None)  # closing
+
+    engine._emit_round = emit_round
+    engine._output_loop()
+    assert rounds == [
+        [("a", [0, 1]), ("b", [0, 1])],
+        [("new", [0])],
+        [("c", [0, 1]), ("d", [0, 1])],
     ], rounds
 
 

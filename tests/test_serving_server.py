@@ -273,6 +273,18 @@ def test_load_generator_smoke(server, tmp_path):
     assert code == 0 and report["errors"] == 0, report
     assert report["ttfa_p50_ms"] > 0 and report["ttfa_p95_ms"] >= report["ttfa_p50_ms"]
     assert report["rtf_p95"] > 0 and report["aggregate_x_real_time"] > 0 and report["audio_seconds"] > 0
+    assert 0 <= report["stall_p50_ms"] <= report["stall_p95_ms"] and 0 <= report["streams_stalled"] <= 3
+
+
+def test_playback_stall_is_the_wait_of_a_real_time_player():
+    """A player starts at the first chunk and plays in real time: a chunk that comes after the audio before it ran
+    out adds its lateness, and the stall pushes every later due time back."""
+    stall = _loadgen().playback_stall
+    assert stall([]) == 0.0 and stall([(5.0, 0.1)]) == 0.0
+    assert stall([(0.0, 0.08), (0.05, 0.6), (0.6, 0.6)]) == 0.0  # each came before the audio ran out
+    assert stall([(0.0, 0.04), (0.1, 0.6)]) == pytest.approx(0.06)  # 40 ms played, then 60 ms waiting
+    # the second chunk 0.06 s late: the third is due at 0.04 + 0.6 + 0.06 = 0.7 s, and comes 0.1 s after that
+    assert stall([(0.0, 0.04), (0.1, 0.6), (0.8, 0.6)]) == pytest.approx(0.16)
 
 
 def test_load_generator_closed_load_keeps_its_concurrency(monkeypatch):
@@ -326,9 +338,9 @@ def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, cap
     engine, _, _ = build_engine(args)
     try:
         assert engine.stream_options["flow_left_context_tokens"] == 50 and engine.stream_options["token_hop_len"] == 25
-        assert engine.stream_options["first_token_hop_len"] == 5  # the other defaults stay
+        assert engine.stream_options["first_token_hop_len"] == 6  # the other defaults stay
         stream = engine.decoder.streaming_decoder(**engine.stream_options)
-        assert stream.hop_schedule == (5, 25, 37, 55, 82, 100)  # hop growth
+        assert stream.hop_schedule == (6, 25, 37, 55, 82, 100)  # hop growth
     finally:
         engine.close()
     bad_options = ('{"voice": 1}', '{"token_hop_len": "25"}', '{"token_max_hop_len": 1.5}',

@@ -266,19 +266,21 @@ class FunAudioChatSpeechGenerationMixin:
         return_audio: bool | None = None,
         token_hop_len: int = 15,
         pre_lookahead_len: int = 3,
-        first_token_hop_len: int | None = 5,
+        first_token_hop_len: int | None = 6,
         stream_options: dict | None = None,
         **kwargs,
     ) -> Iterator[SpeechStreamEvent]:
         """Like `generate_speech`, but yields a [`SpeechStreamEvent`] after every LLM step (0.2 s of speech).
 
         Audio is vocoded while decoding by the decoder's `streaming_decoder(speaker, token_hop_len,
-        pre_lookahead_len, first_token_hop_len)`: the first chunk covers `first_token_hop_len` speech tokens (5 =
-        0.2 s, so it arrives after 2 LLM steps instead of the 4 that a first chunk of `token_hop_len` = 15 tokens
-        needs; None = the reference's chunking), later chunks `token_hop_len` tokens each. Batch size 1 only.
+        pre_lookahead_len, first_token_hop_len)`: the first chunk covers `first_token_hop_len` speech tokens and is
+        decoded once 6 + 3 (look-ahead) + 1 tokens have come, the prompt pass's 5 and one LLM step's (a first chunk of
+        `token_hop_len` = 15 tokens needs 4 steps; 6 is the longest after one step, 80 ms of audio out of it, the
+        rest held back for HiFT's look-ahead; None = the reference's chunking), later chunks `token_hop_len` tokens
+        each. Batch size 1 only.
         `tokenizer` (the processor's tokenizer) turns the text ids into `text`. `stream_options` go to
         `streaming_decoder` as well and take precedence (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
-        look-back, cheaper chunks; `{"token_max_hop_len": 100}`: hops that grow after the first chunks, 5, 15, 30,
+        look-back, cheaper chunks; `{"token_max_hop_len": 100}`: hops that grow after the first chunks, 6, 15, 30,
         60, 100, ..., less flow work per second of audio; `{"cuda_graphs": False}`). The generator is held until the
         iterator finishes or is closed.
         """

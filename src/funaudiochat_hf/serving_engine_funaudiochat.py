@@ -54,12 +54,12 @@ logger = logging.get_logger(__name__)
 # text limits of `limits_funaudiochat` are checked before tokenization (processor, server); these bound the tokens.
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 DEFAULT_MAX_NEW_TOKENS = 512
-# A reply's first chunks as `generate_speech_stream`'s (5 tokens, then 15: the first audio is as early), then the hop
+# A reply's first chunks as `generate_speech_stream`'s (6 tokens, then 15: the first audio is as early), then the hop
 # doubles up to 100 tokens (CosyVoice's own streaming driver's rule). A streamed chunk's flow recomputes its 200-token
 # left context: at a fixed hop of 15 the decoder does 14.5 times the work of the tokens it emits, which caps what one
 # GPU serves over all streams; at 100 it does 3 times.
 DEFAULT_STREAM_OPTIONS = {
-    "token_hop_len": 15, "pre_lookahead_len": 3, "first_token_hop_len": 5, "token_max_hop_len": 100,
+    "token_hop_len": 15, "pre_lookahead_len": 3, "first_token_hop_len": 6, "token_max_hop_len": 100,
 }  # fmt: skip
 # The interpreter's thread switch interval while an engine runs (seconds; CPython's default is 5 ms). The decode
 # thread waits for each step's outputs without the GIL and needs it back as soon as they arrive; while another thread
@@ -67,6 +67,10 @@ DEFAULT_STREAM_OPTIONS = {
 # thread blocks or the interval has passed, so at 5 ms every wait of a loaded engine's decode thread could take up to
 # 5 ms more: several times a step of ~10 ms.
 THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
+# The requests one vocoder round decodes at most (the ones whose outputs have waited longest). A steady chunk's flow
+# is GEMM-bound, so a round costs about its rows x windows and splitting it costs little, while a reply's first
+# chunk that arrives during a round waits for the whole round: at 16 steady streams of a 100-token hop, ~0.3 s.
+MAX_ROUND_REQUESTS = 4
 
 
 class _StepOutput(NamedTuple):
@@ -545,8 +549,8 @@ class SpeechEngine:
 
     def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
-        (`_merged`), of the requests still waiting for their first audio if any (else of all), and the other items
-        in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
+        (`_merged`), of the requests still waiting for their first audio if any (else of all), at most
+        `MAX_ROUND_REQUESTS` of them (the first in the queue), and the other items in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
         fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A reply's
         first chunk gets vocoder calls of its own, also when queued while a round ran: a round's chunks share one
         flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window), so it
@@ -559,6 +563,7 @@ class SpeechEngine:
         for item in items:
             request = item.handle.id
             take = request not in ended and (not waiting or request in waiting)
+            take = take and (request in taken or len(taken) < MAX_ROUND_REQUESTS)
             (taken.setdefault(request, []) if take else rest).append(item)
             if take and item.finish is not None:  # anything after a request's last item is left (and dropped)
                 ended.add(request)
