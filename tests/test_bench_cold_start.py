@@ -19,10 +19,11 @@ def script():
 
 
 def test_one_process_measures_a_first_and_a_second_reply(script):
-    """What one fresh process reports, measured in this one (tiny configs, CPU, 4 LLM steps per reply)."""
-    args = script.parse_args(["--tiny", "--device", "cpu", "--max-new-tokens", "4"])
+    """What one fresh process reports, measured in this one (tiny configs, CPU, 6 LLM steps per reply: the first audio
+    comes before the end)."""
+    args = script.parse_args(["--tiny", "--device", "cpu", "--max-new-tokens", "6"])
     row = script.measure_process(args, "empty")
-    assert row["caches"] == "empty" and row["device"] == "cpu" and row["max_new_tokens"] == 4
+    assert row["caches"] == "empty" and row["device"] == "cpu" and row["max_new_tokens"] == 6
     for name in TIMINGS:
         assert row[name] > 0, (name, row)
     assert row["import_s"] >= 0  # 0 here when another test imported it first; positive in a fresh process
