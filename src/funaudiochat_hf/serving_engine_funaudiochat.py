@@ -71,6 +71,8 @@ THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 # is GEMM-bound, so a round costs about its rows x windows and splitting it costs little, while a reply's first
 # chunk that arrives during a round waits for the whole round: at 16 steady streams of a 100-token hop, ~0.3 s.
 MAX_ROUND_REQUESTS = 4
+FIRST_AUDIO_HOLDS_STEPS = False  # EXPERIMENT
+FIRST_AUDIO_HOLD_MAX_SECONDS = 0.05
 
 
 class _StepOutput(NamedTuple):
@@ -234,6 +236,7 @@ class SpeechEngine:
         self._closed = False
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
+        self._first_audio_round = False
         self._output: queue.Queue = queue.Queue()
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
@@ -396,6 +399,11 @@ class SpeechEngine:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
         self._admit_prefilled()
+        if FIRST_AUDIO_HOLDS_STEPS:
+            with self._lock:
+                deadline = time.perf_counter() + FIRST_AUDIO_HOLD_MAX_SECONDS
+                while self._first_audio_round and not self._closed and time.perf_counter() < deadline:
+                    self._lock.wait(max(0.0, deadline - time.perf_counter()))
         active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
@@ -530,7 +538,18 @@ class SpeechEngine:
                 items += queued
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
-                self._emit_round(round_items)
+                first = FIRST_AUDIO_HOLDS_STEPS and self._vocoder is not None and all(
+                    self._vocoder.awaits_first_audio(item.handle.id) for item in round_items)
+                if first:
+                    with self._lock:
+                        self._first_audio_round = True
+                try:
+                    self._emit_round(round_items)
+                finally:
+                    if first:
+                        with self._lock:
+                            self._first_audio_round = False
+                            self._lock.notify_all()
             if closing and not items:
                 return
 

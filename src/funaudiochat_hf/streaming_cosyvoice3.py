@@ -29,9 +29,9 @@ class CosyVoice3StreamingDecoder:
     arriving in groups of 5 and hop 15 this adds no delay. `finalize()` decodes whatever is left in one final call
     (the reference's loop can call its final step twice and then repeats audio; this decoder does not).
 
-    `first_token_hop_len` (default None = `token_hop_len`, the reference's chunking): a shorter first chunk, e.g. 5
-    tokens, so the first audio needs 5 + 3 (+ 1) tokens instead of 15 + 3 (+ 1): about two LLM steps less time to
-    first audio. Later chunks keep `token_hop_len`. Only the chunk boundaries move; every chunk is still computed as
+    `first_token_hop_len` (default None = `token_hop_len`, the reference's chunking): a shorter first chunk, e.g. 6
+    tokens (`generate_speech_stream`'s), so the first audio needs 6 + 3 (+ 1) tokens instead of 15 + 3 (+ 1): two
+    LLM steps of 5 tokens less time to first audio. Later chunks keep `token_hop_len`. Only the chunk boundaries move; every chunk is still computed as
     described here (so the audio differs from the reference's stream where the boundaries differ, as it does between
     any two hop sizes).
 
