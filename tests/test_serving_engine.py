@@ -650,46 +650,6 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
     ], rounds
 
 
-def test_a_round_decodes_at_most_a_few_requests_so_a_first_chunk_waits_for_less(monkeypatch):
-    """A round takes at most `MAX_ROUND_REQUESTS` requests, those queued first; the rest wait for the next round, and a
-    reply's first item queued meanwhile goes before them (before, one round took every streaming request: a first
-    chunk arriving during it waited for all of their flow work)."""
-    import queue as queues
-    from types import SimpleNamespace
-
-    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
-    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
-
-    monkeypatch.setattr(engine_module, "MAX_ROUND_REQUESTS", 2)
-    engine = SpeechEngine.__new__(SpeechEngine)  # the output loop alone: no model, no threads
-    streaming = {"a", "b", "c", "d"}
-    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
-    engine._output = queues.Queue()
-
-    def item(request_id, step):
-        return _StepOutput(SimpleNamespace(id=request_id), [step], [step], None, None, float(step))
-
-    for step in range(2):
-        for request in "abcd":
-            engine._output.put(item(request, step))
-    rounds = []
-
-    def emit_round(items):
-        rounds.append([(i.handle.id, i.text_ids) for i in items])
-        if len(rounds) == 1:
-            engine._output.put(item("new", 0))
-        if len(rounds) == 3:
-            engine._output.put(None)  # closing
-
-    engine._emit_round = emit_round
-    engine._output_loop()
-    assert rounds == [
-        [("a", [0, 1]), ("b", [0, 1])],
-        [("new", [0])],
-        [("c", [0, 1]), ("d", [0, 1])],
-    ], rounds
-
-
 def test_events_taken_again_go_on_where_the_last_call_stopped():
     """A second `events()` call yields what the first left and returns once the last event was taken: before, it
     waited for events that never come (an event may hold all of a short reply)."""

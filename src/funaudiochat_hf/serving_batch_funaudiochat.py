@@ -39,8 +39,6 @@ _BATCH_SWITCH_VALUES = {"temperature": 1.0, "top_p": 0.5, "repetition_penalty": 
 REQUEST_SAMPLING_KEYS = ("temperature", "top_p", "repetition_penalty")
 # Row counts of the batch's decode step (besides the whole batch): a step runs the smallest that holds every busy row.
 _STEP_ROW_COUNTS = (1, 2, 4, 8, 16)
-# The prefill stream's priority (lower: higher; the vocoder's stream has the device's highest, the decode steps 0).
-PREFILL_STREAM_PRIORITY = 0
 
 
 def step_row_counts(batch_size: int) -> tuple[int, ...]:
@@ -92,9 +90,7 @@ class ServingBatch:
         # alone. `_admitted`: the point of the batch's stream after the last `admit` read the prefill workspace,
         # which the next prefill must not overwrite before.
         device = self.ws.device
-        self.prefill_stream = None
-        if device.type == "cuda":
-            self.prefill_stream = torch.cuda.Stream(device, priority=PREFILL_STREAM_PRIORITY)
+        self.prefill_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.prefill_stream is not None:  # the workspace and weights were written on this thread's stream
             self.prefill_stream.wait_stream(torch.cuda.current_stream(device))
         self._admitted: torch.cuda.Event | None = None

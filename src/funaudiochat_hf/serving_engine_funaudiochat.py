@@ -67,12 +67,6 @@ DEFAULT_STREAM_OPTIONS = {
 # thread blocks or the interval has passed, so at 5 ms every wait of a loaded engine's decode thread could take up to
 # 5 ms more: several times a step of ~10 ms.
 THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
-# The requests one vocoder round decodes at most (the ones whose outputs have waited longest). A steady chunk's flow
-# is GEMM-bound, so a round costs about its rows x windows and splitting it costs little, while a reply's first
-# chunk that arrives during a round waits for the whole round: at 16 steady streams of a 100-token hop, ~0.3 s.
-MAX_ROUND_REQUESTS = 4
-FIRST_AUDIO_HOLDS_STEPS = False  # EXPERIMENT
-FIRST_AUDIO_HOLD_MAX_SECONDS = 0.05
 
 
 class _StepOutput(NamedTuple):
@@ -236,7 +230,6 @@ class SpeechEngine:
         self._closed = False
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
-        self._first_audio_round = False
         self._output: queue.Queue = queue.Queue()
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
@@ -399,11 +392,6 @@ class SpeechEngine:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
         self._admit_prefilled()
-        if FIRST_AUDIO_HOLDS_STEPS:
-            with self._lock:
-                deadline = time.perf_counter() + FIRST_AUDIO_HOLD_MAX_SECONDS
-                while self._first_audio_round and not self._closed and time.perf_counter() < deadline:
-                    self._lock.wait(max(0.0, deadline - time.perf_counter()))
         active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
@@ -538,18 +526,7 @@ class SpeechEngine:
                 items += queued
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
-                first = FIRST_AUDIO_HOLDS_STEPS and self._vocoder is not None and all(
-                    self._vocoder.awaits_first_audio(item.handle.id) for item in round_items)
-                if first:
-                    with self._lock:
-                        self._first_audio_round = True
-                try:
-                    self._emit_round(round_items)
-                finally:
-                    if first:
-                        with self._lock:
-                            self._first_audio_round = False
-                            self._lock.notify_all()
+                self._emit_round(round_items)
             if closing and not items:
                 return
 
@@ -568,8 +545,8 @@ class SpeechEngine:
 
     def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
-        (`_merged`), of the requests still waiting for their first audio if any (else of all), at most
-        `MAX_ROUND_REQUESTS` of them (the first in the queue), and the other items in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
+        (`_merged`), of the requests still waiting for their first audio if any (else of all), and the other items
+        in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
         fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A reply's
         first chunk gets vocoder calls of its own, also when queued while a round ran: a round's chunks share one
         flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window), so it
@@ -582,7 +559,6 @@ class SpeechEngine:
         for item in items:
             request = item.handle.id
             take = request not in ended and (not waiting or request in waiting)
-            take = take and (request in taken or len(taken) < MAX_ROUND_REQUESTS)
             (taken.setdefault(request, []) if take else rest).append(item)
             if take and item.finish is not None:  # anything after a request's last item is left (and dropped)
                 ended.add(request)
