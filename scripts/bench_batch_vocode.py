@@ -29,11 +29,13 @@ import benchmark  # noqa: E402  (scripts/benchmark.py: its options)
 import benchmark_common  # noqa: E402  (puts the repo's src/ on sys.path)
 import benchmark_decoder  # noqa: E402  (the decoder builder)
 
+from funaudiochat_hf.serving_engine_funaudiochat import DEFAULT_STREAM_OPTIONS  # noqa: E402
 from funaudiochat_hf.streaming_batch_cosyvoice3 import decode_ready  # noqa: E402
 
 
 HOP = 15
-STREAM_OPTIONS = {"token_hop_len": HOP, "first_token_hop_len": 6}  # the serving engine's first hops
+# The serving engine's first hops, without its hop growth.
+STREAM_OPTIONS = {"token_hop_len": HOP, "first_token_hop_len": DEFAULT_STREAM_OPTIONS["first_token_hop_len"]}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -109,14 +109,13 @@ async def _one(client, url: str, body: dict, headers: dict, sampling_rate: int) 
                     if audio.get("data"):
                         count = len(base64.b64decode(audio["data"])) // 2
                         if count:
-                            now = time.perf_counter()
-                            result.ttfa = now - sent if result.ttfa is None else result.ttfa
-                            chunks.append((now, count / sampling_rate))
+                            chunks.append((time.perf_counter(), count / sampling_rate))
                         samples += count
     except Exception as error:  # a load test reports failures, it does not stop at the first
         return StreamResult(ok=False, error=f"{type(error).__name__}: {error}")
     result.wall = time.perf_counter() - sent
     result.audio_seconds = samples / sampling_rate
+    result.ttfa = chunks[0][0] - sent if chunks else None
     result.stall = playback_stall(chunks)
     result.ok = samples > 0
     if not result.ok:

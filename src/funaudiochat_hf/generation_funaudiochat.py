@@ -274,10 +274,10 @@ class FunAudioChatSpeechGenerationMixin:
 
         Audio is vocoded while decoding by the decoder's `streaming_decoder(speaker, token_hop_len,
         pre_lookahead_len, first_token_hop_len)`: the first chunk covers `first_token_hop_len` speech tokens and is
-        decoded once 6 + 3 (look-ahead) + 1 tokens have come, the prompt pass's 5 and one LLM step's (a first chunk of
-        `token_hop_len` = 15 tokens needs 4 steps; 6 is the longest after one step, 80 ms of audio out of it, the
-        rest held back for HiFT's look-ahead; None = the reference's chunking), later chunks `token_hop_len` tokens
-        each. Batch size 1 only.
+        decoded once that many + `pre_lookahead_len` + 1 tokens have come: with the default 6, the prompt pass's 5
+        and one LLM step's (6 is the longest first hop after one step, with 80 ms of audio, the rest held back for
+        HiFT's look-ahead; a first chunk of `token_hop_len` = 15 tokens needs 4 steps; None = the reference's
+        chunking), later chunks `token_hop_len` tokens each. Batch size 1 only.
         `tokenizer` (the processor's tokenizer) turns the text ids into `text`. `stream_options` go to
         `streaming_decoder` as well and take precedence (e.g. `{"flow_left_context_tokens": 50}`: a shorter flow
         look-back, cheaper chunks; `{"token_max_hop_len": 100}`: hops that grow after the first chunks, 6, 15, 30,
