@@ -607,21 +607,31 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
     assert [t for event in joined for t in event.text_ids] == expected
 
 
+def _output_loop_alone(streaming: set):
+    """A `SpeechEngine` with only what its output loop reads (no model, no threads); the requests in `streaming` have
+    had audio out, the others wait for their first."""
+    import queue as queues
+    from types import SimpleNamespace
+
+    engine = SpeechEngine.__new__(SpeechEngine)
+    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
+    engine._output = queues.Queue()
+    engine._lock = threading.Condition()
+    engine._closed = engine._first_audio_round = False
+    return engine
+
+
 def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
     """The output thread takes what the decode thread queued before every round, not once per batch of rounds, and a
     round takes every queued item of a request, merged in order: when vocoding falls behind (several steps' items
     queued), one round catches up with all of them (one round per step would stay behind for good). A reply's first
     item that arrives while a round runs is vocoded next, alone, before the steady items that came with it; a
     request's items after its last (a cancellation after its end) are not merged into it."""
-    import queue as queues
     from types import SimpleNamespace
 
     from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
 
-    engine = SpeechEngine.__new__(SpeechEngine)  # the output loop alone: no model, no threads
-    streaming = {"a", "b"}  # requests with audio already out
-    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
-    engine._output = queues.Queue()
+    engine = _output_loop_alone(streaming={"a", "b"})  # requests with audio already out
 
     def item(request_id, step, finish=None):
         return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], finish, None, float(step))
@@ -648,6 +658,80 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
         [("new", [0], [10], None, 0.0)],
         [("b", [4], [14], "cancelled", 4.0), ("a", [3], [13], None, 3.0)],
     ], rounds
+
+
+def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch):
+    """While the output thread vocodes a round whose requests all wait for their first audio, the decode thread
+    holds its next step (the chunk gets the GPU to itself, as in `generate_speech_stream`); a round with a streaming
+    request holds nothing. Before, first chunks were vocoded while steps were launched back to back beside them."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming={"a"})
+    held = []
+    engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._first_audio_round))
+
+    def item(request_id):
+        return _StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0)
+
+    engine._emit_round_holding_steps([item("new"), item("other")])
+    engine._emit_round_holding_steps([item("a")])
+    engine._emit_round_holding_steps([item("new"), item("a")])
+    assert held == [(["new", "other"], True), (["a"], False), (["new", "a"], False)]
+    assert not engine._first_audio_round  # cleared after the round
+
+    # The decode side: a held step goes as soon as the round ends ...
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    engine._first_audio_round = True
+
+    def end_round():
+        time.sleep(0.03)
+        with engine._lock:
+            engine._first_audio_round = False
+            engine._lock.notify_all()
+
+    ender = threading.Thread(target=end_round)
+    start = time.perf_counter()
+    ender.start()
+    engine._wait_for_first_audio_round()
+    waited = time.perf_counter() - start
+    ender.join()
+    assert 0.02 <= waited < 5.0, waited
+    # ... and at the latest after `FIRST_AUDIO_HOLD_SECONDS`, however long the round takes.
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 0.05)
+    engine._first_audio_round = True
+    start = time.perf_counter()
+    engine._wait_for_first_audio_round()
+    waited = time.perf_counter() - start
+    assert 0.05 <= waited < 5.0, waited
+    engine._first_audio_round = False  # no round of first chunks: no wait at all
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    start = time.perf_counter()
+    engine._wait_for_first_audio_round()
+    assert time.perf_counter() - start < 5.0
+
+
+def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
+    """`_output_loop` sends every round through the hold: a new reply's round holds the steps, a steady one does not."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming={"a"})
+    rounds = []
+
+    def emit_round(items):
+        rounds.append(([i.handle.id for i in items], engine._first_audio_round))
+        if len(rounds) == 2:
+            engine._output.put(None)  # closing
+
+    engine._emit_round = emit_round
+    for request_id in ("a", "new"):
+        engine._output.put(_StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0))
+    engine._output_loop()
+    assert rounds == [(["new"], True), (["a"], False)], rounds
 
 
 def test_events_taken_again_go_on_where_the_last_call_stopped():

@@ -67,6 +67,11 @@ DEFAULT_STREAM_OPTIONS = {
 # thread blocks or the interval has passed, so at 5 ms every wait of a loaded engine's decode thread could take up to
 # 5 ms more: several times a step of ~10 ms.
 THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
+# The longest the decode thread holds its next step while the output thread vocodes a round of first chunks only. The
+# chunk then has the GPU to itself, as in `generate_speech_stream`, instead of sharing it with the steps launched
+# back to back (under load its vocoding took about half as long, the aggregate the same: docs/performance.md). The
+# bound keeps a slow round from stalling every other stream's tokens for long.
+FIRST_AUDIO_HOLD_SECONDS = 0.05
 
 
 class _StepOutput(NamedTuple):
@@ -230,6 +235,7 @@ class SpeechEngine:
         self._closed = False
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
+        self._first_audio_round = False  # the output thread vocodes a round of first chunks (the steps wait)
         self._output: queue.Queue = queue.Queue()
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
@@ -392,12 +398,24 @@ class SpeechEngine:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
         self._admit_prefilled()
+        self._wait_for_first_audio_round()
         active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
             self._take_outputs(self._launched)
         self._launched = launched
         return True
+
+    def _wait_for_first_audio_round(self) -> None:
+        """Hold the next step while the output thread vocodes a round of first chunks, at most
+        `FIRST_AUDIO_HOLD_SECONDS` (the step already queued keeps the GPU busy meanwhile)."""
+        with self._lock:
+            deadline = time.perf_counter() + FIRST_AUDIO_HOLD_SECONDS
+            while self._first_audio_round and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
 
     def _prefill_loop(self) -> None:
         self._run_thread(self._prefill_next, "prefill thread")
@@ -526,9 +544,25 @@ class SpeechEngine:
                 items += queued
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
-                self._emit_round(round_items)
+                self._emit_round_holding_steps(round_items)
             if closing and not items:
                 return
+
+    def _emit_round_holding_steps(self, items: list[_StepOutput]) -> None:
+        """`_emit_round`, the decode thread holding its next step meanwhile if every request of the round still waits
+        for its first audio (`_wait_for_first_audio_round`)."""
+        first = self._vocoder is not None and all(self._vocoder.awaits_first_audio(item.handle.id) for item in items)
+        if not first:
+            self._emit_round(items)
+            return
+        with self._lock:
+            self._first_audio_round = True
+        try:
+            self._emit_round(items)
+        finally:
+            with self._lock:
+                self._first_audio_round = False
+                self._lock.notify_all()
 
     def _queued_items(self) -> tuple[list[_StepOutput], bool]:
         """What the decode thread has queued since the last look (without waiting), and whether that ends with the
