@@ -32,8 +32,8 @@ class CosyVoice3StreamingDecoder:
     `first_token_hop_len` (default None = `token_hop_len`, the reference's chunking): a shorter first chunk, e.g. 6
     tokens (`generate_speech_stream`'s), so the first audio needs 6 + 3 (+ 1) tokens instead of 15 + 3 (+ 1): two
     LLM steps of 5 tokens less time to first audio. Later chunks keep `token_hop_len`. Only the chunk boundaries
-    move; every chunk is still computed as described here (so the audio differs from the reference's stream where the boundaries differ, as it does between
-    any two hop sizes).
+    move; every chunk is still computed as described here (so the audio differs from the reference's stream where the
+    boundaries differ, as it does between any two hop sizes).
 
     Hop growth (`token_max_hop_len`, `stream_scale_factor`: the CosyVoice2/3 streaming driver's names and rule):
     chunk 0 covers `first_token_hop_len` tokens, chunk 1 `token_hop_len`, and each later chunk
