@@ -236,6 +236,29 @@ def test_runner_recordings_share_one_memory_pool():
 
 
 @pytest.mark.gpu
+def test_a_replay_on_another_stream_waits_for_the_running_one():
+    """Two engines' vocoder threads (or an engine and a direct streaming call) replay one decoder's graphs from their
+    own CUDA streams. A replay queued on stream 2 while stream 1's is still running on the GPU must not overwrite the
+    static input stream 1's graph is about to read (nor the pool memory both use)."""
+
+    def slow_double(x):
+        torch.cuda._sleep(20_000_000)  # spins ~10 ms on the GPU before reading x
+        return x * 2
+
+    runner = CUDAGraphRunner(slow_double)
+    a, b = torch.ones(1024, device="cuda"), torch.full((1024,), 3.0, device="cuda")
+    runner(a)  # recorded; `a` is the static input's last source: not copied again below
+    torch.cuda.synchronize()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        from_first = runner(a)
+    with torch.cuda.stream(second):
+        from_second = runner(b)  # its input copy would run during the first replay's spin
+    torch.cuda.synchronize()
+    assert torch.equal(from_first, a * 2) and torch.equal(from_second, b * 2)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_streaming_matches_eager_streaming():
     """Issue 3: on CUDA the streaming decoder replays the flow solver and the HiFT filter as CUDA graphs (default),
     with the audio of the eager calls on the same fixed window shape; later streams reuse the recordings."""

@@ -8,8 +8,10 @@ it works with the eager model (and with an estimator compiled without CUDA graph
 
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
 semantics; an input broadcast along a dimension (stride 0, as `expand` makes it) keeps one copy of that dimension
-(part of the signature: a dense input of the same shape is another recording); a lock serialises replays of one
-runner (the static buffers are shared). An input passed again as the very same tensor, unmodified since (same version
+(part of the signature: a dense input of the same shape is another recording). A runner's replays are serialised,
+on the host by a lock and on the GPU by an event: a replay queued on another CUDA stream (another engine's vocoder
+thread, a direct streaming call beside the engine) waits for the last one, whose static buffers and pool memory it
+would otherwise overwrite while that one runs. An input passed again as the very same tensor, unmodified since (same version
 counter; a raw kernel that writes it without a PyTorch in-place op is not seen), is not copied again: a streamed
 chunk's constant inputs (time conditioning, speaker condition, key mask) then cost no launches before the replay,
 while the GPU waits for it.
@@ -99,6 +101,10 @@ class CUDAGraphRunner:
         # free blocks serve only allocations on the stream they were made on: every recording is captured on the
         # device's one capture stream, `cuda_graph_capture`.)
         self._pool = None
+        # The end of the last replay's output copy, and the stream it was queued on: a call from another stream waits
+        # for it (on one stream the order is already the queue's).
+        self._done: Optional[torch.cuda.Event] = None
+        self._done_stream: Optional[torch.cuda.Stream] = None
 
     def __len__(self) -> int:
         return len(self._recordings)
@@ -117,9 +123,17 @@ class CUDAGraphRunner:
                     self._recordings.popitem(last=False)
             else:
                 self._recordings.move_to_end(key)
+            stream = torch.cuda.current_stream(tensors[0].device)
+            if self._done is not None and self._done_stream != stream:
+                stream.wait_event(self._done)
             recording.load_inputs(tensors)
             recording.graph.replay()
-            return recording.output.clone()
+            output = recording.output.clone()
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            self._done.record(stream)
+            self._done_stream = stream
+            return output
 
     def _record(self, tensors: tuple[torch.Tensor, ...]) -> _Recording:
         device = tensors[0].device
