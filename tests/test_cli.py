@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from funaudiochat_hf.cli import main
+from funaudiochat_hf.cli import _generating_note, main
 from funaudiochat_hf.tiny_model import TINY_MODEL_VERSION, build_tiny_model, synthetic_question
 
 soundfile = pytest.importorskip("soundfile")  # librosa's audio backend (absent on bare GPU hosts)
@@ -225,3 +225,12 @@ def test_a_hub_model_without_a_decoder_is_refused_before_its_weights_download(qu
     err = capsys.readouterr().err
     expected = "has no speech decoder inside" if fetched == "NO_DECODER" else "could not be fetched from the Hub"
     assert expected in err
+
+
+def test_the_note_before_a_gpu_reply_says_the_first_one_builds_kernels():
+    """A new process's first reply on a GPU builds (or loads) the decode kernels and records CUDA graphs: seconds of
+    silence after "generating the reply" unless the line says why; on a CPU there is nothing to say."""
+    assert _generating_note("cpu") == "generating the reply on cpu ..."
+    for device in ("cuda", "cuda:1"):
+        note = _generating_note(device)
+        assert note.startswith(f"generating the reply on {device} ...") and "kernels" in note and "first reply" in note

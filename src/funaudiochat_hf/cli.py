@@ -306,6 +306,15 @@ def _write_wav(path: Path, audio: np.ndarray, sampling_rate: int) -> None:
     soundfile.write(str(path), audio, sampling_rate, subtype=_output_subtype(path))
 
 
+def _generating_note(device) -> str:
+    """The line said before the reply: on a GPU a new process's first reply also builds the decode kernels (from the
+    on-disk cache once warm) and records its CUDA graphs, which takes seconds the later replies do not pay."""
+    note = f"generating the reply on {device} ..."
+    if str(device).startswith("cuda"):
+        note += " (a new process's first reply on a GPU also loads or builds the decode kernels and records CUDA graphs)"
+    return note
+
+
 def _run_offline(pipe, args, kwargs) -> None:
     started = time.perf_counter()
     reply = pipe(args.input, **kwargs)
@@ -374,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(pipe.speakers) if pipe.speakers else "(this decoder stores no named voices)")
             return 0
         _check_voice(pipe.speakers, args.voice)
-        _note(f"generating the reply on {pipe.device} ...")
+        _note(_generating_note(pipe.device))
         if args.stream:
             _run_streaming(pipe, args, kwargs)
         else:
