@@ -219,3 +219,24 @@ def test_cuda_graph_gqa_step_matches_eager_on_gpu(inputs):
         assert torch.equal(graphed.sequences, eager.sequences)
         assert torch.equal(graphed.speech_ids, eager.speech_ids)
     assert model.config.text_config._attn_implementation == "sdpa"
+
+
+def test_prompt_attention_reads_the_prompts_own_columns_and_refuses_a_longer_query():
+    """`prompt_attention` over a static cache's columns: the same output as the module's attention over all of them
+    (the dropped columns masked for every query), computed from the first `n` only; fewer columns than queries (not a
+    prompt pass from column 0) is an error, not a silent wrong answer."""
+    from funaudiochat_hf.attention_prompt_funaudiochat import prompt_attention
+
+    torch.manual_seed(0)
+    n, columns, heads, kv_heads, dim = 7, 32, 4, 2, 16
+    config = SimpleNamespace(_attn_implementation="sdpa")
+    module = SimpleNamespace(config=config, is_causal=True, training=False, num_key_value_groups=heads // kv_heads)
+    query = torch.randn(1, heads, n, dim)
+    key, value = torch.randn(1, kv_heads, columns, dim), torch.randn(1, kv_heads, columns, dim)
+    mask = torch.zeros(1, 1, n, columns, dtype=torch.bool)
+    mask[..., :n] = torch.ones(n, n, dtype=torch.bool).tril()  # a prompt written at columns 0 .. n-1
+    full, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    narrowed, _ = prompt_attention(module, query, key, value, mask, scaling=dim**-0.5)
+    torch.testing.assert_close(narrowed, full, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="prompt pass from cache column 0"):
+        prompt_attention(module, query, key[:, :, : n - 1], value[:, :, : n - 1], mask[..., : n - 1])

@@ -849,6 +849,54 @@ def test_decode_attention_is_passed_down_not_set_on_the_config(model, inputs, mo
     assert all(implementations == tuple(original) for _, implementations in seen)
 
 
+@pytest.mark.parametrize("prompt_pass", ["eager", "bucketed"])
+def test_the_prompt_pass_attends_over_its_own_cache_columns_only(model, inputs, monkeypatch, prompt_pass):
+    """Over a static cache the prompt pass hands its attention the columns the prompt wrote, not the whole cache: SDPA
+    with a mask computes every column it is given, and a cache sized for a long reply (the speech engine's prefill
+    workspace: 2048 LLM columns, five times that for the CRQ) made the CRQ's prompt attention several times the work
+    it needs. The CUDA backends' bucketed pass (`plan.prefill_graph`, here without the recording) builds its masks
+    that narrow too. The reply is unchanged (the other columns were masked out for every query)."""
+    import dataclasses
+
+    from transformers.modeling_utils import AttentionInterface
+
+    from funaudiochat_hf import generation_step_funaudiochat as step
+    from funaudiochat_hf.generation_plan_funaudiochat import PROMPT_BUCKET
+    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
+
+    masks = []
+    if prompt_pass == "bucketed":
+        plan = SpeechGenerator.plan
+        replace = dataclasses.replace
+        monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: replace(plan(*a, **k), prefill_graph=True))
+        prepared = step.prompt_masks
+        monkeypatch.setattr(step, "prompt_masks", lambda *a: masks.append(prepared(*a)) or masks[-1])
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    stacks = (model.language_model.model, model.audio_invert_tower.crq_transformer)  # the two with caches
+    cached = {id(layer.self_attn) for stack in stacks for layer in stack.layers}
+    calls = []  # (query positions, key columns) of their attention calls over more than one query
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        if id(module) in cached and query.shape[-2] > 1:
+            calls.append((query.shape[-2], key.shape[-2]))
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    assert model.language_model.config._attn_implementation == "sdpa"
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy)
+    with model.speech_generator(max_length=1024) as generator:  # a cache far longer than the prompt
+        out = generator.generate(**inputs, **GOLDEN_KWARGS, cache_implementation="static")
+    length, k = inputs["input_ids"].shape[1], model.config.audio_config.group_size
+    if prompt_pass == "bucketed":  # left-padded to a multiple of PROMPT_BUCKET positions
+        length = -(-length // PROMPT_BUCKET) * PROMPT_BUCKET
+        llm, crq = masks[0]
+        assert llm["full_attention"].shape[-2:] == (length, length)
+        assert crq["full_attention"].shape[-2:] == (k * length - (k - 1),) * 2
+    assert sorted(set(calls)) == [(length, length), (k * length - (k - 1), k * length - (k - 1))], sorted(set(calls))
+    golden, _, _ = _golden("1.0")
+    assert torch.equal(out.sequences, golden["sequences"]) and torch.equal(out.speech_ids, golden["speech_ids"])
+
+
 def test_speech_generator_owns_and_frees_its_state(model, inputs):
     """The generator holds the caches and weight copies (reported by `memory_bytes`) and frees them on `close()` /
     leaving a `with` block: nothing of it is left in module state (the weight copies die with it)."""

@@ -8,7 +8,9 @@ the three parts compiled separately.
 
 import torch
 from torch.nn import functional as F
+from transformers import StaticCache
 
+from .attention_prompt_funaudiochat import register_prompt_attention
 from .compat import cache_kwargs
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, decoder_stack_forward
 from .fused_crq_funaudiochat import PaddedLinear
@@ -69,6 +71,13 @@ def _stack_forward(
     )
 
 
+def _prompt_attention(cache) -> str | None:
+    """The attention function of a prompt pass over `cache`: `prompt_attention` (the prompt's own columns only) for a
+    static cache, whose other columns SDPA would compute masked; None (the model's own) for a dynamic one, which holds
+    those columns only."""
+    return register_prompt_attention() if isinstance(cache, StaticCache) else None
+
+
 def _matching(
     linear, x: torch.Tensor, kernels: bool, norm=None, padded: PaddedLinear | None = None, kernel_config=None
 ) -> torch.Tensor:
@@ -124,8 +133,8 @@ def _run_crq(
     fold_norm = kernels and use_decode_kernels(sub_inputs[:, -1])
     # With the kernels, decode sub-steps of 2 to 16 rows take the several-row kernel, counting in the workspace.
     counters = ws.split_k_counters if plan.crq_linear else None
-    # The prefill's one pass (`halves`, or none) keeps the model's attention; decode sub-steps take the plan's.
-    attention = cfg.attention_implementation if positions.shape[1] == 1 else None
+    # Decode sub-steps take the plan's attention; the prefill's one pass the model's, over its own columns.
+    attention = cfg.attention_implementation if positions.shape[1] == 1 else _prompt_attention(ws.crq_cache)
     hidden = _stack_forward(
         crq, inputs_embeds, ws.crq_mask if mask is None else mask, positions, ws.crq_cache, fused, halves,
         not fold_norm, counters, attention, config, position_embeddings,
@@ -424,7 +433,10 @@ def prefill_forward(
     language_model = model.language_model
     positions = (torch.arange(length, device=ws.device)[None, :] - padding[:, None]).clamp(min=0)
     llm_mask = ws.llm_mask if masks is None else masks[0]
-    hidden = _stack_forward(language_model.model, inputs_embeds, llm_mask, positions, ws.llm_cache, halves=halves)
+    hidden = _stack_forward(
+        language_model.model, inputs_embeds, llm_mask, positions, ws.llm_cache, halves=halves,
+        attention_implementation=_prompt_attention(ws.llm_cache),
+    )  # fmt: skip
     hidden = hidden.to(ws.device)
     ws.llm_position.copy_(length - padding)
     ws.text_logits_step.copy_(language_model.lm_head(hidden[:, -1]).float())
@@ -451,10 +463,13 @@ def _prompt_mask(key_mask: torch.Tensor, queries: int) -> dict:
 def prompt_masks(ws: DecodeWorkspace, cfg: StepConfig, length: int) -> tuple[dict, dict | None]:
     """The LLM's and the CRQ's attention masks of the prompt pass of `length` positions (from the workspace's padding
     masks, set by the run): prepared here, without the host synchronisation with which the models check whether a
-    mask can be skipped, so that the pass can be recorded as a CUDA graph. Both stacks use full attention only."""
-    llm = _prompt_mask(ws.llm_mask, length)
-    crq = None if cfg.disable_speech else _prompt_mask(ws.crq_mask, length * cfg.group_size - (cfg.group_size - 1))
-    return llm, crq
+    mask can be skipped, so that the pass can be recorded as a CUDA graph. Both stacks use full attention only. Each
+    covers the prompt's own cache columns, those its attention reads (`attention_prompt_funaudiochat`)."""
+    llm = _prompt_mask(ws.llm_mask[:, :length], length)
+    if cfg.disable_speech:
+        return llm, None
+    sub_positions = length * cfg.group_size - (cfg.group_size - 1)
+    return llm, _prompt_mask(ws.crq_mask[:, :sub_positions], sub_positions)
 
 
 def bucketed_prefill_forward(model, ws: DecodeWorkspace, cfg: StepConfig, length: int) -> None:
