@@ -8,13 +8,13 @@ it works with the eager model (and with an estimator compiled without CUDA graph
 
 Inputs are copied into the graph's static buffers and the output is cloned out, so callers keep ordinary tensor
 semantics; an input broadcast along a dimension (stride 0, as `expand` makes it) keeps one copy of that dimension
-(part of the signature: a dense input of the same shape is another recording). A runner's replays are serialised,
-on the host by a lock and on the GPU by an event: a replay queued on another CUDA stream (another engine's vocoder
+(part of the signature: a dense input of the same shape is another recording). A runner's replays are serialised, on
+the host by a lock and on the GPU by an event: a replay queued on another CUDA stream (another engine's vocoder
 thread, a direct streaming call beside the engine) waits for the last one, whose static buffers and pool memory it
-would otherwise overwrite while that one runs. An input passed again as the very same tensor, unmodified since (same version
-counter; a raw kernel that writes it without a PyTorch in-place op is not seen), is not copied again: a streamed
-chunk's constant inputs (time conditioning, speaker condition, key mask) then cost no launches before the replay,
-while the GPU waits for it.
+would otherwise overwrite while that one runs. An input passed again as the very same tensor, unmodified since (same
+version counter; a raw kernel that writes it without a PyTorch in-place op is not seen), is not copied again: a
+streamed chunk's constant inputs (time conditioning, speaker condition, key mask) then cost no launches before the
+replay, while the GPU waits for it.
 """
 
 import threading
