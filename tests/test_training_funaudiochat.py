@@ -309,6 +309,27 @@ def _finetune(output_dir, *extra) -> Path:
     return _finetune_script().main(argv)
 
 
+def test_finetune_destroys_the_process_group_after_a_successful_run_only(monkeypatch):
+    """The command line destroys the process group once `main` returned: left to the interpreter's exit, gloo's worker
+    threads could abort a rank that had finished and saved ("terminate called without an active exception", seen in
+    the two-process FSDP test). A failed run leaves it (its rank must not wait in a collective for the others)."""
+    script = _finetune_script()
+    destroyed = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda *args: destroyed.append(True))
+    monkeypatch.setattr(script, "main", lambda argv: None)
+    script.run([])
+    assert destroyed == [True]
+
+    def failing(argv):
+        raise ValueError("no such dataset")
+
+    monkeypatch.setattr(script, "main", failing)
+    with pytest.raises(SystemExit, match="error: no such dataset"):
+        script.run([])
+    assert destroyed == [True]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("finetune_full")
