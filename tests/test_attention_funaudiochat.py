@@ -221,10 +221,12 @@ def test_cuda_graph_gqa_step_matches_eager_on_gpu(inputs):
     assert model.config.text_config._attn_implementation == "sdpa"
 
 
-def test_prompt_attention_reads_the_prompts_own_columns_and_refuses_a_longer_query():
+def test_prompt_attention_reads_the_prompts_own_columns_only():
     """`prompt_attention` over a static cache's columns: the same output as the module's attention over all of them
-    (the dropped columns masked for every query), computed from the first `n` only; fewer columns than queries (not a
-    prompt pass from column 0) is an error, not a silent wrong answer."""
+    (the dropped columns masked for every query), computed from the first `n` only; a sliding-window layer's keys are
+    passed on as they are (its cache may place positions otherwise)."""
+    from transformers.modeling_utils import AttentionInterface
+
     from funaudiochat_hf.attention_prompt_funaudiochat import prompt_attention
 
     torch.manual_seed(0)
@@ -235,8 +237,18 @@ def test_prompt_attention_reads_the_prompts_own_columns_and_refuses_a_longer_que
     key, value = torch.randn(1, kv_heads, columns, dim), torch.randn(1, kv_heads, columns, dim)
     mask = torch.zeros(1, 1, n, columns, dtype=torch.bool)
     mask[..., :n] = torch.ones(n, n, dtype=torch.bool).tril()  # a prompt written at columns 0 .. n-1
+    seen = []
+
+    def attention(module, query, key, value, mask, **kwargs):
+        seen.append(key.shape[-2])
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
     full, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
-    narrowed, _ = prompt_attention(module, query, key, value, mask, scaling=dim**-0.5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(AttentionInterface._global_mapping, "sdpa", attention)
+        narrowed, _ = prompt_attention(module, query, key, value, mask, scaling=dim**-0.5)
+        module.sliding_window = 16
+        windowed, _ = prompt_attention(module, query, key, value, mask, scaling=dim**-0.5)
+    assert seen == [n, columns]
     torch.testing.assert_close(narrowed, full, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="prompt pass from cache column 0"):
-        prompt_attention(module, query, key[:, :, : n - 1], value[:, :, : n - 1], mask[..., : n - 1])
+    torch.testing.assert_close(windowed, full, atol=0, rtol=0)

@@ -30,18 +30,15 @@ def prompt_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The module's attention (`config._attn_implementation`) over the first `n` key columns, `n` = the query
-    positions (`query`: `(batch, heads, n, head_dim)`; `key`, `value`: `(batch, kv_heads, kv_len >= n, head_dim)`;
+    positions (`query`: `(batch, heads, n, head_dim)`; `key`, `value`: `(batch, kv_heads, kv_len, head_dim)`;
     `attention_mask`: None or `(batch, 1 or heads, n, kv_len)`). Only for a pass whose queries are cache columns
-    `0 .. n-1` (a prompt pass from an empty cache)."""
+    `0 .. n-1` (a prompt pass from an empty cache). A sliding-window layer (whose cache may place positions
+    otherwise) and keys no longer than the queries are passed on as they are."""
     width = query.shape[-2]
-    if key.shape[-2] < width:
-        raise ValueError(
-            f"prompt_attention: {width} query positions but only {key.shape[-2]} key columns; it serves a prompt pass "
-            "from cache column 0 only."
-        )
-    key, value = key[:, :, :width], value[:, :, :width]
-    if attention_mask is not None:
-        attention_mask = attention_mask[..., :width]
+    if key.shape[-2] > width and not getattr(module, "sliding_window", None):
+        key, value = key[:, :, :width], value[:, :, :width]
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :width]
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
     return attention(module, query, key, value, attention_mask, **kwargs)
 
