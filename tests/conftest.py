@@ -90,6 +90,17 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def force_recorded_prompt_pass(monkeypatch) -> None:
+    """Every plan with the CUDA backends' recorded prompt pass (`plan.prefill_graph`: prompts left-padded to a bucket,
+    fixed buffers, prepared masks), run here without the recording."""
+    import dataclasses
+
+    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
+
+    plan = SpeechGenerator.plan
+    monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), prefill_graph=True))
+
+
 def record_streaming_shapes(monkeypatch, decoder) -> set:
     """Spy on the streaming decoders' graphed calls of `decoder` as a batched round makes them: the set returned
     collects ("flow", tokens shape) of every flow call and ("hift", mel shape, source shape) of every non-final HiFT

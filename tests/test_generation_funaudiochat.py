@@ -17,7 +17,7 @@ from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput
 from funaudiochat_hf.generation_vocoding_funaudiochat import speech_segments
 from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3Token2Wav, CosyVoice3Token2WavOutput
 
-from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, HostReads
+from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, HostReads, force_recorded_prompt_pass
 
 
 GOLDEN_KWARGS = dict(max_new_tokens=16, do_sample=False, repetition_penalty=1.0, eos_token_id=322, pad_token_id=320)
@@ -856,19 +856,14 @@ def test_the_prompt_pass_attends_over_its_own_cache_columns_only(model, inputs, 
     workspace: 2048 LLM columns, five times that for the CRQ) made the CRQ's prompt attention several times the work
     it needs. The CUDA backends' bucketed pass (`plan.prefill_graph`, here without the recording) builds its masks
     that narrow too. The reply is unchanged (the other columns were masked out for every query)."""
-    import dataclasses
-
     from transformers.modeling_utils import AttentionInterface
 
     from funaudiochat_hf import generation_step_funaudiochat as step
     from funaudiochat_hf.generation_plan_funaudiochat import PROMPT_BUCKET
-    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
 
     masks = []
     if prompt_pass == "bucketed":
-        plan = SpeechGenerator.plan
-        replace = dataclasses.replace
-        monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: replace(plan(*a, **k), prefill_graph=True))
+        force_recorded_prompt_pass(monkeypatch)
         prepared = step.prompt_masks
         monkeypatch.setattr(step, "prompt_masks", lambda *a: masks.append(prepared(*a)) or masks[-1])
 
@@ -924,14 +919,10 @@ def test_bucket_padded_prompt_pass_matches_reference(model, inputs, rep, monkeyp
     """The recorded prompt pass of the CUDA backends (`plan.prefill_graph`): the prompt left-padded to a multiple of
     `PROMPT_BUCKET` columns and run over fixed buffers with prepared masks. Run here without the recording (CPU): the
     tokens are the reference's, the logits within float rounding, the output sequences without the padding."""
-    import dataclasses
-
     from funaudiochat_hf import generation_loop_funaudiochat as loop
     from funaudiochat_hf.generation_plan_funaudiochat import PROMPT_BUCKET
-    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
 
-    plan = SpeechGenerator.plan
-    monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), prefill_graph=True))
+    force_recorded_prompt_pass(monkeypatch)
     lengths = []
     bucketed = loop.bucketed_prefill_forward
     monkeypatch.setattr(loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length))
@@ -951,13 +942,9 @@ def test_bucket_padded_prompt_pass_matches_reference(model, inputs, rep, monkeyp
 def test_prompt_pass_runs_unpadded_when_the_padded_prompt_does_not_fit(model, inputs, monkeypatch):
     """A generator that holds the prompt and reply but not the bucket padding: the prompt pass runs as it is (no
     padding, no recording), with the reference's tokens."""
-    import dataclasses
-
     from funaudiochat_hf import generation_loop_funaudiochat as loop
-    from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
 
-    plan = SpeechGenerator.plan
-    monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), prefill_graph=True))
+    force_recorded_prompt_pass(monkeypatch)
     calls = []
     monkeypatch.setattr(loop, "bucketed_prefill_forward", lambda *a, **k: calls.append(k))
     golden = _golden("1.0")[0]

@@ -13,7 +13,7 @@ from funaudiochat_hf.serving_batch_funaudiochat import step_row_counts
 from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
 from funaudiochat_hf.serving_requests_funaudiochat import QueueFull, SpeechRequest
 
-from conftest import COSYVOICE3_TINY, record_streaming_shapes
+from conftest import COSYVOICE3_TINY, force_recorded_prompt_pass, record_streaming_shapes
 from test_modeling_cosyvoice3 import _close_wav
 
 
@@ -57,14 +57,9 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
     if mode == "bucketed":
         # The CUDA backends' recorded prompt pass (`plan.prefill_graph`, here without the recording): short prompts
         # are prefilled left-padded to a bucket; the slot takes only their own cache columns.
-        import dataclasses
-
         from funaudiochat_hf import generation_loop_funaudiochat as loop
-        from funaudiochat_hf.generation_state_funaudiochat import SpeechGenerator
 
-        plan = SpeechGenerator.plan
-        replace = dataclasses.replace
-        monkeypatch.setattr(SpeechGenerator, "plan", lambda *a, **k: replace(plan(*a, **k), prefill_graph=True))
+        force_recorded_prompt_pass(monkeypatch)
         lengths, bucketed = [], loop.bucketed_prefill_forward
         monkeypatch.setattr(
             loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length)
