@@ -385,6 +385,40 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert handle.first_audio == handle.timeline["first_audio"] > 0
 
 
+def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(model, prompts, monkeypatch):
+    """While no request streams audio yet (one request on an idle engine), the decode thread reads each step's
+    outputs and waits for the output thread to vocode them before it queues the next step: the first chunk is then
+    vocoded with no step beside it, as in `generate_speech_stream` (on a GPU a step queued ahead shared the GPU with
+    it and slowed it). Once audio streams, steps are queued ahead of the reads again. Before, every step was queued
+    before the previous one's outputs were read."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    log = []  # "step" (queued), "read" (outputs taken), "audio" (a vocoder call returned audio)
+    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
+
+    def recorded_audio(self, items):
+        results = audio(self, items)
+        if any(not isinstance(out, Exception) and len(out) for out in results):
+            log.append("audio")
+        return results
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded_audio)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
+    step, read = engine.batch.step, engine.batch.read_results
+    monkeypatch.setattr(engine.batch, "step", lambda generators: (log.append("step"), step(generators))[1])
+    monkeypatch.setattr(engine.batch, "read_results", lambda copy: (log.append("read"), read(copy))[1])
+    try:
+        served = _drain(engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12, seed=0)))
+    finally:
+        engine.close()
+    assert served[-1].finished and "audio" in log, log
+    first_audio = log.index("audio")
+    before, after = log[:first_audio], log[first_audio + 1 :]
+    assert before and before == ["step", "read"] * (len(before) // 2), log  # one step at a time, up to its audio
+    assert after[0] == "step", log  # the next step waited for the first chunk
+    pairs = list(zip(after, after[1:]))
+    assert ("step", "step") in pairs, log  # then queued ahead again
+
+
 def test_the_engine_streams_with_a_growing_hop_by_default(model):
     """Serving's decoder default: `generate_speech_stream`'s first chunks (6 tokens, then 15: the first audio is as
     early), then hops doubling to 100. A fixed hop of 15 recomputes the 200-token left context 14.5 times over and

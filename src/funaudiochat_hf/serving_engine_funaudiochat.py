@@ -70,7 +70,8 @@ THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 # The longest the decode thread holds its next step while the output thread vocodes a round of first chunks only. The
 # chunk then has the GPU to itself, as in `generate_speech_stream`, instead of sharing it with the steps launched
 # back to back (under load its vocoding took about half as long, the aggregate the same: docs/performance.md). The
-# bound keeps a slow round from stalling every other stream's tokens for long.
+# bound keeps a slow round from stalling every other stream's tokens for long. It also bounds the wait of a step for
+# the vocoding of the previous one's outputs while no request streams yet (`_wait_for_output_thread`).
 FIRST_AUDIO_HOLD_SECONDS = 0.05
 
 
@@ -237,6 +238,8 @@ class SpeechEngine:
         self._launched: _LaunchedStep | None = None  # decode thread only
         self._first_audio_round = False  # the output thread vocodes a round of first chunks (the steps wait)
         self._output: queue.Queue = queue.Queue()
+        # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`).
+        self._handed = self._emitted = 0
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
         if decoder is not None:
@@ -380,9 +383,10 @@ class SpeechEngine:
         decode step, then take the previous step's outputs. False: closing.
 
         The step is queued before the previous one's outputs are read: the GPU runs it while the host hands those
-        outputs on (and waits for the GIL, which the other threads hold at times), instead of idling between steps. A
-        request that finished in the previous step is stepped once more (its outputs are dropped, its slot is then
-        freed); a request joins at the first step queued after its admission."""
+        outputs on (and waits for the GIL, which the other threads hold at times), instead of idling between steps;
+        except while no busy row streams audio yet: then each step's outputs are read and vocoded before the next
+        step is queued. A request that finished in the previous step is stepped once more (its outputs are dropped,
+        its slot is then freed); a request joins at the first step queued after its admission."""
         with self._lock:
             while (not self._closed and not self._prefilled and self._launched is None
                    and all(slot is None for slot in self._slots)):  # fmt: skip
@@ -404,7 +408,25 @@ class SpeechEngine:
         if self._launched is not None:
             self._take_outputs(self._launched)
         self._launched = launched
+        if launched is not None and self._vocoder is not None and not any(slot.handle.first_audio for slot in active):
+            # No row streams audio yet (an idle server's request): no playback waits for the next step, so it waits
+            # until this one's outputs are vocoded. A first chunk then has the GPU to itself, as in
+            # `generate_speech_stream`; beside a queued step it took about twice as long (docs/serving.md).
+            self._take_outputs(launched)
+            self._launched = None
+            self._wait_for_output_thread()
         return True
+
+    def _wait_for_output_thread(self) -> None:
+        """Wait until the output thread has emitted everything handed to it so far, at most
+        `FIRST_AUDIO_HOLD_SECONDS`."""
+        with self._lock:
+            deadline, target = time.perf_counter() + FIRST_AUDIO_HOLD_SECONDS, self._handed
+            while self._emitted < target and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
 
     def _wait_for_first_audio_round(self) -> None:
         """Hold the next step while the output thread vocodes a round of first chunks, at most
@@ -517,7 +539,7 @@ class SpeechEngine:
         finish = "stop" if done else "length" if slot.tokens >= slot.max_new_tokens else None
         if finish is not None:  # the slot is free before the caller sees the last event
             self._leave(slot, None)
-        self._output.put(_StepOutput(slot.handle, [token], speech, finish, None, time.perf_counter()))
+        self._hand(_StepOutput(slot.handle, [token], speech, finish, None, time.perf_counter()))
 
     def _leave(self, slot: _Active, reason: str | None) -> None:
         self.batch.free(slot.row)
@@ -528,23 +550,35 @@ class SpeechEngine:
             self._finish(slot.handle, reason)
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
-        self._output.put(_StepOutput(handle, [], [], reason, error, time.perf_counter()))
+        self._hand(_StepOutput(handle, [], [], reason, error, time.perf_counter()))
+
+    def _hand(self, item: _StepOutput) -> None:
+        """Queue an item for the output thread (counted: `_wait_for_output_thread`)."""
+        with self._lock:
+            self._handed += 1
+            self._output.put(item)
 
     # ------------------------------------------------------------------ output thread
     def _output_loop(self) -> None:
-        items, closing = [], False
+        items, closing, taken = [], False, 0
         while True:
             # Everything queued so far: the audio of all requests' ready chunks is decoded together.
             if not items:
                 items.append(self._output.get())
                 closing = items[-1] is None  # the last item ever (put after the decode thread ended)
                 items = items[:-1] if closing else items
+                taken += len(items)
             if not closing:
                 queued, closing = self._queued_items()
                 items += queued
+                taken += len(queued)
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
                 self._emit_round_holding_steps(round_items)
+            if not items:  # everything taken so far is emitted (the queue is in the order items were handed)
+                with self._lock:
+                    self._emitted = taken
+                    self._lock.notify_all()
             if closing and not items:
                 return
 
