@@ -646,6 +646,8 @@ def _output_loop_alone(streaming: set):
     engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
     engine._output = queues.Queue()
     engine._lock = threading.Condition()
+    engine._emission = threading.Condition(engine._lock)
+    engine._handed = engine._emitted = 0
     engine._closed = engine._first_audio_round = False
     return engine
 

@@ -238,8 +238,10 @@ class SpeechEngine:
         self._launched: _LaunchedStep | None = None  # decode thread only
         self._first_audio_round = False  # the output thread vocodes a round of first chunks (the steps wait)
         self._output: queue.Queue = queue.Queue()
-        # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`).
+        # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`); a
+        # condition of its own on that lock, so that each round wakes only a decode thread waiting for it.
         self._handed = self._emitted = 0
+        self._emission = threading.Condition(self._lock)
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
         if decoder is not None:
@@ -336,6 +338,7 @@ class SpeechEngine:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+            self._emission.notify_all()
         self._decode_thread.join()
         self._prefill_thread.join()
         self._fail_pending(self._failure or "The speech engine was closed.")  # waiting, prefilled and running requests
@@ -426,7 +429,7 @@ class SpeechEngine:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     return
-                self._lock.wait(left)
+                self._emission.wait(left)
 
     def _wait_for_first_audio_round(self) -> None:
         """Hold the next step while the output thread vocodes a round of first chunks, at most
@@ -578,7 +581,7 @@ class SpeechEngine:
             if not items:  # everything taken so far is emitted (the queue is in the order items were handed)
                 with self._lock:
                     self._emitted = taken
-                    self._lock.notify_all()
+                    self._emission.notify_all()
             if closing and not items:
                 return
 
