@@ -74,11 +74,12 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
             {"seed": 3, "repetition_penalty": 1.0},
             {"seed": 4},
         ]
-    order = ["spoken", "text40", "text25", "text40"]
+    order = ["text40", "spoken", "text25", "text40"]
     # 3 slots and just enough cache columns for the spoken prompt and a reply: the batch has to shift its columns
-    # right (the first prompt is longer than the column) and left (no room left at the end) to take them all.
+    # right (the spoken prompt is longer than the column the first request reached) and left (no room left at the
+    # end) to take them all, with requests running each time.
     engine = SpeechEngine(
-        model, max_batch_size=3, max_prompt_tokens=340, max_new_tokens=max_new, cache_length=360,
+        model, max_batch_size=3, max_prompt_tokens=336, max_new_tokens=max_new, cache_length=352,
         generation_options=engine_options,
     )  # fmt: skip
     try:
@@ -98,7 +99,7 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
         engine.close()
     if mode == "bucketed":
         assert 64 in lengths, lengths  # the text prompts went through the padded pass
-    assert snapshot["rebases"] >= 2, snapshot  # a right shift (first request) and a left one (room at the end)
+    assert snapshot["rebases"] >= 2, snapshot  # a right shift (the spoken prompt) and a left one (room at the end)
     assert snapshot["step_rows"][2] > snapshot["step_rows"][3]  # some steps ran several rows
     for i, handle in enumerate(handles):
         new_tokens = 12 if i == 1 else max_new
@@ -291,6 +292,29 @@ def test_idle_slots_never_attend_to_nothing(model, prompts):
             assert all(torch.isfinite(layer.keys).all() for layer in cache.layers)
     finally:
         engine.close()
+
+
+def test_an_empty_batch_starts_over_at_the_prompts_length(model, prompts, monkeypatch):
+    """A request that joins an empty batch gets the columns `[0, prompt length)`, whatever column the last one left
+    (nothing copied, no rebase counted): the same request on an idle engine gets the same columns every time, so it
+    repeats its computation exactly (on a GPU the decode attention splits the columns by their position), and no step
+    attends over columns no row reads. Before, it joined at the column the batch had reached."""
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)
+    columns = []  # (row, the batch's column) at each admission
+    admit = engine.batch.admit
+    monkeypatch.setattr(
+        engine.batch, "admit", lambda row, run: (columns.append((row, engine.batch.column)), admit(row, run))[1]
+    )
+    try:
+        replies = [_drain(engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=8, seed=0))) for _ in range(3)]
+        snapshot = engine.snapshot()
+    finally:
+        engine.close()
+    length = prompts["text25"]["input_ids"].shape[1]
+    assert columns == [(0, length)] * 3, columns
+    assert snapshot["rebases"] == 0, snapshot
+    tokens = [[token for event in reply for token in event.text_ids] for reply in replies]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 8
 
 
 def test_the_shared_column_is_read_without_touching_the_device(model, prompts, monkeypatch):

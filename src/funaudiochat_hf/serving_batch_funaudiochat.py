@@ -10,7 +10,7 @@ seed); a GPU's kernels may round it differently (their summation order follows t
   `C - L`, and its rotary positions (per row, carried in its state) start at 0, exactly as a left-padded row. Rotary
   positions are per row and the keys are stored rotated, so a row's columns may move without changing its attention:
   `rebase` shifts every column by one offset (one copy of the caches and masks, no recomputation) when the engine
-  needs room on the left or the right.
+  needs room on the left or the right; in an empty batch it moves only the column.
 * Randomness. Each request draws its exponential noise from its own `torch.Generator` (seeded by the request, else
   from the global RNG), row by row before each step, in the order a single run draws it, whatever joins or leaves
   around it.
@@ -234,21 +234,24 @@ class ServingBatch:
 
     def rebase(self, offset: int, free_rows: list[int]) -> None:
         """Shift every cache column and mask column left by `offset` (right if negative); the shared column moves
-        with them. Free rows' masks stay open (their content is any finite stale state)."""
+        with them. Free rows' masks stay open (their content is any finite stale state). With every row free
+        nothing is copied: only the column moves."""
         if offset == 0:
             return
         ws, k = self.ws, self.k
         end = self.column
+        copy = len(free_rows) < self.batch_size
         for cache, masks, scale in ((ws.llm_cache, ws.llm_mask, 1), (ws.crq_cache, ws.crq_mask, k)):
             if cache is None:
                 continue
             shift, used = scale * offset, scale * end
-            for layer in cache.layers:
-                _shift_columns(layer.keys, shift, used, dim=2)
-                _shift_columns(layer.values, shift, used, dim=2)
-            # Columns opened on the left by a right shift precede every prompt; those vacated on the right by a left
-            # shift are the next ones written, readable by every row.
-            _shift_columns(masks, shift, used, dim=1, fill_left=False, fill_right=True)
+            if copy:
+                for layer in cache.layers:
+                    _shift_columns(layer.keys, shift, used, dim=2)
+                    _shift_columns(layer.values, shift, used, dim=2)
+                # Columns opened on the left by a right shift precede every prompt; those vacated on the right by a
+                # left shift are the next ones written, readable by every row.
+                _shift_columns(masks, shift, used, dim=1, fill_left=False, fill_right=True)
             for layer in cache.layers:
                 layer.cumulative_length.fill_(used - shift)
         self._column = end - offset

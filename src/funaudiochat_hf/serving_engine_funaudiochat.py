@@ -19,7 +19,8 @@ and handles are in `serving_requests_funaudiochat`.
   current `C` when `L <= C` and `C + max_new_tokens <= cache_length`; otherwise every column is shifted left (or
   right) by one offset `d` such that all rows keep their reserved room (a rebase: `ServingBatch.rebase`). When no
   offset fits, the request waits (in order: nothing overtakes it) until running rows finish. With
-  `cache_length >= max_prompt_tokens + 2 * max_new_tokens` (the default) every request fits at once.
+  `cache_length >= max_prompt_tokens + 2 * max_new_tokens` (the default) every request fits at once. A request that
+  joins an empty batch starts it over at `C = L` (only the column moves, nothing is copied).
 """
 
 from __future__ import annotations
@@ -487,12 +488,13 @@ class SpeechEngine:
                 return
             if offset:
                 self.batch.rebase(offset, free)
-                for slot in self._slots:
-                    if slot is not None:
-                        slot.start -= offset
-                        slot.reserved_end -= offset
-                with self._lock:
-                    self.metrics.rebases += 1
+                busy = [slot for slot in self._slots if slot is not None]
+                for slot in busy:
+                    slot.start -= offset
+                    slot.reserved_end -= offset
+                if busy:  # an empty batch's rebase copies nothing
+                    with self._lock:
+                        self.metrics.rebases += 1
             row = free[0]
             self.batch.admit(row, item.run)
             column, first = self.batch.column, item.first
@@ -507,11 +509,17 @@ class SpeechEngine:
 
     def _placement(self, length: int, max_new: int) -> int | None:
         """The column offset to shift the batch by before a request of `length` prompt tokens and `max_new` steps
-        joins (0: none; negative: to the right), or None when no offset leaves every row its reserved room."""
+        joins (0: none; negative: to the right), or None when no offset leaves every row its reserved room.
+
+        An empty batch starts over with the prompt at columns `[0, length)` (nothing is copied): the same request
+        then always gets the same columns, so an idle server repeats its computation, rounding included (a GPU's
+        decode attention splits the columns by their position), and no step runs over columns no row reads."""
         cache_length, column = self.batch.cache_length, self.batch.column
+        active = [slot for slot in self._slots if slot is not None]
+        if not active:
+            return column - length
         if length <= column and column + max_new <= cache_length:
             return 0
-        active = [slot for slot in self._slots if slot is not None]
         low = max([slot.reserved_end - cache_length for slot in active] + [column + max_new - cache_length])
         high = min([slot.start for slot in active] + [column - length])
         return high if low <= high else None  # the largest left shift: room for the longest time
