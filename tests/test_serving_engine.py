@@ -768,6 +768,41 @@ def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch)
     assert time.perf_counter() - start < 5.0
 
 
+def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(monkeypatch):
+    """`_wait_for_output_thread` (a lone request's step waiting for its outputs' vocoding) returns once the output
+    thread has emitted everything handed to it, at the latest after `FIRST_AUDIO_HOLD_SECONDS`, and at once when the
+    engine closes: a slow or stuck round never stalls the decode thread for long."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming=set())
+    engine._emit_round = lambda items: time.sleep(0.05)  # a round of vocoding
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    engine._hand(_StepOutput(SimpleNamespace(id="a"), [0], [10], None, None, 0.0))
+    output = threading.Thread(target=engine._output_loop)
+    start = time.perf_counter()
+    output.start()
+    engine._wait_for_output_thread()
+    waited = time.perf_counter() - start
+    assert engine._emitted == engine._handed == 1 and 0.04 <= waited < 5.0, waited
+    engine._output.put(None)  # closing: the output loop ends
+    output.join(TIMEOUT)
+    assert not output.is_alive()
+
+    engine._handed += 1  # an item the output thread never emits
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 0.05)
+    start = time.perf_counter()
+    engine._wait_for_output_thread()
+    assert 0.05 <= time.perf_counter() - start < 5.0
+    engine._closed = True
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    start = time.perf_counter()
+    engine._wait_for_output_thread()
+    assert time.perf_counter() - start < 5.0
+
+
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
     """`_output_loop` sends every round through the hold: a new reply's round holds the steps, a steady one does not."""
     from types import SimpleNamespace
