@@ -425,23 +425,14 @@ class SpeechEngine:
         """Wait until the output thread has emitted everything handed to it so far, at most
         `FIRST_AUDIO_HOLD_SECONDS`."""
         with self._lock:
-            deadline, target = time.perf_counter() + FIRST_AUDIO_HOLD_SECONDS, self._handed
-            while self._emitted < target and not self._closed:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return
-                self._emission.wait(left)
+            target = self._handed
+            self._emission.wait_for(lambda: self._emitted >= target or self._closed, FIRST_AUDIO_HOLD_SECONDS)
 
     def _wait_for_first_audio_round(self) -> None:
         """Hold the next step while the output thread vocodes a round of first chunks, at most
         `FIRST_AUDIO_HOLD_SECONDS` (the step already queued keeps the GPU busy meanwhile)."""
         with self._lock:
-            deadline = time.perf_counter() + FIRST_AUDIO_HOLD_SECONDS
-            while self._first_audio_round and not self._closed:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return
-                self._lock.wait(left)
+            self._lock.wait_for(lambda: not self._first_audio_round or self._closed, FIRST_AUDIO_HOLD_SECONDS)
 
     def _prefill_loop(self) -> None:
         self._run_thread(self._prefill_next, "prefill thread")
