@@ -672,7 +672,7 @@ def _output_loop_alone(streaming: set):
     engine._lock = threading.Condition()
     engine._emission = threading.Condition(engine._lock)
     engine._handed = engine._emitted = 0
-    engine._closed = engine._first_audio_round = False
+    engine._closed = engine._first_audio_round = engine._prefilling = False
     return engine
 
 
@@ -801,6 +801,111 @@ def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(m
     start = time.perf_counter()
     engine._wait_for_output_thread()
     assert time.perf_counter() - start < 5.0
+
+
+def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
+    """`_hold_for_prefill`: while a prefill runs, a step or round whose requests all have
+    `PREFILL_PRIORITY_AHEAD_SECONDS` of audio out ahead of their playback waits until the prefill ends (at the latest
+    after `PREFILL_HOLD_SECONDS`); one that holds a request with less audio ahead, or still waiting for its first
+    audio, does not wait, nor does any when no prefill runs."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+
+    engine = _output_loop_alone(streaming=set())
+    engine.sampling_rate = 100
+    monkeypatch.setattr(engine_module, "PREFILL_PRIORITY_AHEAD_SECONDS", 2.0)
+    monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 10.0)
+    now = time.perf_counter()
+
+    def request(first_audio_ago, audio_seconds):  # its first audio came `first_audio_ago` s ago
+        first_audio = None if first_audio_ago is None else 1.0
+        submitted = now - 1.0 - (first_audio_ago or 0.0)
+        return SimpleNamespace(submitted=submitted, first_audio=first_audio, audio_samples=int(100 * audio_seconds))
+
+    ahead = request(first_audio_ago=1.0, audio_seconds=4.0)  # 3 s ahead
+    behind = request(first_audio_ago=3.0, audio_seconds=4.0)  # 1 s ahead
+    new = request(first_audio_ago=None, audio_seconds=0.0)
+
+    def waited(handles):
+        start = time.perf_counter()
+        engine._hold_for_prefill(handles)
+        return time.perf_counter() - start
+
+    engine._prefilling = True
+    for handles in ([ahead, behind], [ahead, new], []):
+        assert waited(handles) < 5.0
+    ender = threading.Timer(0.05, engine._set_prefilling, (False,))
+    ender.start()
+    assert 0.04 <= waited([ahead]) < 5.0  # until the prefill ended
+    ender.join()
+    assert waited([ahead]) < 5.0  # no prefill: no wait
+    monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 0.05)
+    engine._prefilling = True
+    assert 0.05 <= waited([ahead]) < 5.0  # a prefill that does not end: the bound
+
+
+def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prompts, monkeypatch):
+    """While a joining request is prefilled and every running request has enough audio out ahead of its playback, no
+    decode step is queued and no vocoder round runs (on a GPU, beside them a prefill took about twice as long); then
+    both requests get their single runs' tokens."""
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
+
+    monkeypatch.setattr(engine_module, "PREFILL_PRIORITY_AHEAD_SECONDS", -1e9)  # any stream counts as ahead
+    monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", TIMEOUT)
+    prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
+
+    def held_prefill(self, request, resolved):
+        if request.inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
+            entered.set()
+            assert release.wait(TIMEOUT)
+        return prefill(self, request, resolved)
+
+    counts = {"step": 0, "round": 0}
+    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
+
+    def counted_audio(self, items):
+        counts["round"] += 1
+        return audio(self, items)
+
+    monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", counted_audio)
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=100,
+                          generation_options={"do_sample": False})  # fmt: skip
+    step = engine.batch.step
+
+    def slow_counted_step(generators):  # steps of 20 ms: the running request outlasts the prefill
+        counts["step"] += 1
+        time.sleep(0.02)
+        return step(generators)
+
+    monkeypatch.setattr(engine.batch, "step", slow_counted_step)
+    try:
+        running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=100))
+        events, before = running.events(timeout=TIMEOUT), []
+        while not any(len(event.audio) for event in before):  # it streams
+            before.append(next(events))
+        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
+        assert entered.wait(TIMEOUT)
+        time.sleep(0.2)  # a step or round begun before the prefill ends
+        held = dict(counts)
+        time.sleep(0.3)
+        during, unfinished = dict(counts), not running.finished.is_set()
+        release.set()
+        joined = _drain(joining)
+        rest = list(events)
+    finally:
+        release.set()
+        engine.close()
+    assert unfinished and during == held, (held, during)  # nothing ran while the prefill did
+    assert counts["step"] > held["step"] and counts["round"] > held["round"]  # and it all went on after it
+    expected, _ = _single_run(model, prompts["text40"], 100, do_sample=False)
+    assert len(expected) > 30  # it outlasted the prefill's hold
+    assert [t for event in before + rest for t in event.text_ids] == expected
+    expected, _ = _single_run(model, prompts["text25"], 6, do_sample=False)
+    assert [t for event in joined for t in event.text_ids] == expected
 
 
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():

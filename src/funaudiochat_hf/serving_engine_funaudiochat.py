@@ -74,6 +74,13 @@ THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 # bound keeps a slow round from stalling every other stream's tokens for long. It also bounds the wait of a step for
 # the vocoding of the previous one's outputs while no request streams yet (`_wait_for_output_thread`).
 FIRST_AUDIO_HOLD_SECONDS = 0.05
+# While a request is prefilled, the decode steps and the vocoder rounds of requests that all have at least this much
+# audio out ahead of their playback (counted from their first audio, played in real time) wait for it: the prefill
+# then has the GPU to itself, and a new request's first audio comes sooner (beside the steps and rounds of a load a
+# prefill took about twice as long), at the cost of audio the listeners do not need yet. The hold ends with the
+# prefill, at the latest after `PREFILL_HOLD_SECONDS` (a prefill alone takes ~50-150 ms on a GPU).
+PREFILL_PRIORITY_AHEAD_SECONDS = 2.0
+PREFILL_HOLD_SECONDS = 0.3
 
 
 class _StepOutput(NamedTuple):
@@ -238,6 +245,7 @@ class SpeechEngine:
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
         self._first_audio_round = False  # the output thread vocodes a round of first chunks (the steps wait)
+        self._prefilling = False  # the prefill thread runs a prefill (steps and rounds far enough ahead wait)
         self._output: queue.Queue = queue.Queue()
         # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`); a
         # condition of its own on that lock, so that each round wakes only a decode thread waiting for it.
@@ -405,6 +413,7 @@ class SpeechEngine:
         for slot in self._slots:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
+        self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
         self._admit_prefilled()
         self._wait_for_first_audio_round()
         active = [slot for slot in self._slots if slot is not None]
@@ -451,17 +460,42 @@ class SpeechEngine:
             return True
         try:
             handle._mark("admitted")
+            self._set_prefilling(True)
             run, first = self.batch.prefill(handle.request, handle.options)
             handle._mark("prefilled")
         except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
             logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
             self._finish(handle, "error", f"{type(error).__name__}: {error}")
             return True
+        finally:
+            self._set_prefilling(False)
         max_new = handle.request.max_new_tokens or self.max_new_tokens
         with self._lock:
             self._prefilled.append(_Prefilled(handle, run, first, max_new))
             self._lock.notify_all()
         return True
+
+    def _set_prefilling(self, running: bool) -> None:
+        with self._lock:
+            self._prefilling = running
+            if not running:
+                self._lock.notify_all()  # steps and rounds held for the prefill go on
+
+    def _hold_for_prefill(self, handles: list[RequestHandle]) -> None:
+        """While a request is prefilled, wait for it if every one of `handles` (the requests of the next step or
+        vocoder round) has `PREFILL_PRIORITY_AHEAD_SECONDS` of audio out ahead of its playback; at most
+        `PREFILL_HOLD_SECONDS`. A request still waiting for its first audio is never held."""
+        with self._lock:
+            if not self._prefilling or not handles:
+                return
+            now = time.perf_counter()
+            for handle in handles:
+                if handle.first_audio is None:
+                    return
+                played = now - handle.submitted - handle.first_audio
+                if handle.audio_samples / self.sampling_rate - played < PREFILL_PRIORITY_AHEAD_SECONDS:
+                    return
+            self._lock.wait_for(lambda: not self._prefilling or self._closed, PREFILL_HOLD_SECONDS)
 
     def _admit_prefilled(self) -> None:
         """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
@@ -576,6 +610,7 @@ class SpeechEngine:
                 taken += len(queued)
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
+                self._hold_for_prefill([item.handle for item in round_items])
                 self._emit_round_holding_steps(round_items)
             if not items:  # everything taken so far is emitted (the queue is in the order items were handed)
                 with self._lock:
