@@ -294,6 +294,38 @@ def test_idle_slots_never_attend_to_nothing(model, prompts):
         engine.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_idle_rows_positions_stay_inside_the_cache(model, prompts, device):
+    """An idle row below a busy one is stepped with it, and so was the never-used last row of a 4-row step, for as
+    long as the engine ran: its rotary positions grew past the cache's, and on a GPU (the fast step looks the rotary
+    tables up by position) that was a device-side assert that stopped the engine (open load, 32 conversations at 4 a
+    second, an H100: the fifth run on one engine). Eight rounds of three requests (rows 0-2; row 3 idle, stepped) are
+    twice as many steps as the cache has positions; every row's positions stay inside it and every request ends."""
+    if device == "cuda":
+        from transformers import AutoModel
+
+        from conftest import FUNAUDIOCHAT_TINY
+
+        model = AutoModel.from_pretrained(FUNAUDIOCHAT_TINY, dtype=torch.float32).cuda().eval()
+    cache_length, max_new = 64, 16
+    engine = SpeechEngine(model, max_batch_size=4, max_prompt_tokens=48, max_new_tokens=max_new,
+                          cache_length=cache_length, generation_options={"do_sample": False})  # fmt: skip
+    try:
+        highest = []
+        for _ in range(8):
+            handles = [engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=max_new)) for _ in range(3)]
+            replies = [_drain(handle) for handle in handles]
+            assert all(reply[-1].finish_reason == "length" for reply in replies), [r[-1].error for r in replies]
+            ws = engine.batch.ws
+            highest.append((int(ws.llm_position.max()), int(ws.crq_position.max())))
+        steps = engine.snapshot()["steps"]
+    finally:
+        engine.close()
+    assert steps >= 2 * cache_length, steps
+    k = engine.batch.k
+    assert all(llm < cache_length and crq < k * cache_length for llm, crq in highest), highest
+
+
 def test_an_empty_batch_starts_over_at_the_prompts_length(model, prompts, monkeypatch):
     """A request that joins an empty batch gets the columns `[0, prompt length)`, whatever column the last one left
     (nothing copied, no rebase counted): the same request on an idle engine gets the same columns every time, so it

@@ -17,8 +17,9 @@ seed); a GPU's kernels may round it differently (their summation order follows t
 * Sampling values (temperature, top-p, repetition penalty) are per-row tensors read by the step. Which processors run
   at all (sampling or greedy) is fixed per engine: a top-p of 1 or a penalty of 1 in a row of a batch that runs those
   processors changes nothing, so every value rides along exactly.
-* Leaving. A finished or cancelled row is marked done (the step then writes padding for it) and its mask row is
-  opened (every column readable, so the idle row never attends to nothing); its slot takes the next request.
+* Leaving. A finished or cancelled row is marked done (the step then writes padding for it), its mask row is opened
+  (every column readable, so the idle row never attends to nothing) and its rotary positions start over (an idle row
+  is stepped along with the busy rows above it); its slot takes the next request.
 """
 
 from __future__ import annotations
@@ -226,11 +227,23 @@ class ServingBatch:
             self._admitted.record()
 
     def free(self, row: int) -> None:
-        """Mark slot `row` idle: the step writes padding for it; its masks read every column (never none)."""
+        """Mark slot `row` idle: the step writes padding for it; its masks read every column (never none); its rotary
+        positions start over (`_restart_positions`)."""
         self.ws.done[row] = True
         self.ws.speaking[row] = False
         self.ws.llm_mask[row] = True
         self.ws.crq_mask[row] = True
+        self._restart_positions([row])
+
+    def _restart_positions(self, rows) -> None:
+        """Set the rotary positions of idle `rows` to 0. An idle row is stepped whenever a busy row above it is
+        (`step_rows`), for as long as the engine runs, and every step advances its positions; the fast CUDA step looks
+        its rotary tables up in tables of the cache's positions (`generation_stack_inputs_funaudiochat`), where a
+        position past them was a device-side assert that stopped the engine. Restarted when a row leaves and every
+        `max_length - 1` steps (`step`), an idle row's positions stay inside them."""
+        for row in rows:
+            self.ws.llm_position[row] = 0
+            self.ws.crq_position[row] = 0
 
     def rebase(self, offset: int, free_rows: list[int]) -> None:
         """Shift every cache column and mask column left by `offset` (right if negative); the shared column moves
@@ -280,6 +293,7 @@ class ServingBatch:
         # index only has to stay in range.
         if self.steps_since_reset >= ws.max_length - 1:
             ws.step.zero_()
+            self._restart_positions([row for row in range(self.batch_size) if row not in generators])
             self.steps_since_reset = 0
         run = self.row_runs[self.step_rows(generators)]
         run.step_fn(self.model, run.ws, run.cfg)
