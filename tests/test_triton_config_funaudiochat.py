@@ -63,6 +63,11 @@ def test_config_is_frozen_hashable_and_part_of_the_step_config():
     other = config.replace(attention_split_warps={1: 4, 16: 8})
     assert other.attention_split_warps == ((1, 4), (16, 8)) and other.attention_num_warps(16) == 8
     assert config.attention_num_warps(16) == 4 and config.attention_num_warps(1) == 8
+    assert config.attention_stages(16) == 3 and config.attention_stages(1) == config.attention_stages(4) == 2
+    assert config.replace(attention_pipeline_stages=4).attention_stages(1) == 4
+    from funaudiochat_hf.triton_attention_funaudiochat import AttentionLaunch
+
+    assert AttentionLaunch.of(config, 16).pipeline_stages == 3 and AttentionLaunch.of(config, 1).pipeline_stages == 2
     switches = SamplingSwitches(do_sample=False, uses_history=False, uses_top_p=False, uses_top_k=False)
     plan = DecodePlan(backend="cuda_graphs", static_cache=True)
     steps = [

@@ -382,7 +382,7 @@ class AttentionLaunch(NamedTuple):
 
     @classmethod
     def of(cls, config: DecodeKernelConfig, batch: int) -> "AttentionLaunch":
-        return cls(config.attention_programs(), config.attention_num_warps(batch), config.attention_pipeline_stages,
+        return cls(config.attention_programs(), config.attention_num_warps(batch), config.attention_stages(batch),
                    config.attention_max_merge_parts, int(config.programmatic_launch))  # fmt: skip
 
     @classmethod
