@@ -655,41 +655,60 @@ def test_the_next_step_is_queued_before_the_previous_steps_outputs_are_read(mode
     assert [t for e in events for t in e.text_ids] == expected_text
 
 
-def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, monkeypatch):
-    """A joining request is prefilled on the prefill thread: the running requests keep getting decode steps while its
-    prefill runs (on the decode thread, every row waited for every prefill), and it still gets its single run's
-    tokens."""
+def _hold_prefills_of(prompt, monkeypatch):
+    """`(entered, release)`: the prefill of a request of `prompt`'s length sets `entered` and waits for `release`."""
     from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
 
     prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
 
     def held_prefill(self, request, resolved):
-        if request.inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
+        if request.inputs["input_ids"].shape[1] == prompt["input_ids"].shape[1]:
             entered.set()
             assert release.wait(TIMEOUT)
         return prefill(self, request, resolved)
 
     monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
+    return entered, release
+
+
+def _join_during_held_prefill(engine, prompts, events, entered, release, observe):
+    """Submit the joining request ("text25", 6 steps), call `observe()` while its prefill is held (`_hold_prefills_of`),
+    then let it go: `(what observe returned, the joining request's events, the rest of the running one's events)`."""
+    joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
+    assert entered.wait(TIMEOUT)
+    observed = observe()
+    release.set()
+    return observed, _drain(joining), list(events)
+
+
+def _assert_single_runs(model, prompts, running, running_steps, joined):
+    """The running request's ("text40") and the joining one's ("text25", 6 steps) events hold their single runs'
+    greedy tokens."""
+    expected, _ = _single_run(model, prompts["text40"], running_steps, do_sample=False)
+    assert [t for event in running for t in event.text_ids] == expected
+    expected, _ = _single_run(model, prompts["text25"], 6, do_sample=False)
+    assert [t for event in joined for t in event.text_ids] == expected
+
+
+def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, monkeypatch):
+    """A joining request is prefilled on the prefill thread: the running requests keep getting decode steps while its
+    prefill runs (on the decode thread, every row waited for every prefill), and it still gets its single run's
+    tokens."""
+    entered, release = _hold_prefills_of(prompts["text25"], monkeypatch)
     engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,
                           generation_options={"do_sample": False})  # fmt: skip
     try:
         running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=24))
         events = running.events(timeout=TIMEOUT)
         before = [next(events) for _ in range(2)]
-        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
-        assert entered.wait(TIMEOUT)
-        during = [next(events) for _ in range(5)]  # steps while the joining request's prefill is held
-        release.set()
-        joined = _drain(joining)
-        rest = list(events)
+        # steps while the joining request's prefill is held
+        during, joined, rest = _join_during_held_prefill(engine, prompts, events, entered, release,
+                                                         lambda: [next(events) for _ in range(5)])  # fmt: skip
     finally:
         release.set()
         engine.close()
     assert len(during) == 5 and not any(event.finished for event in during)
-    expected, _ = _single_run(model, prompts["text40"], 24, do_sample=False)
-    assert [t for event in before + during + rest for t in event.text_ids] == expected
-    expected, _ = _single_run(model, prompts["text25"], 6, do_sample=False)
-    assert [t for event in joined for t in event.text_ids] == expected
+    _assert_single_runs(model, prompts, before + during + rest, 24, joined)
 
 
 def _output_loop_alone(streaming: set):
@@ -882,18 +901,10 @@ def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prom
     decode step is queued and no vocoder round runs (on a GPU, beside them a prefill took about twice as long); then
     both requests get their single runs' tokens."""
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
-    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
 
     monkeypatch.setattr(engine_module, "PREFILL_PRIORITY_AHEAD_SECONDS", -1e9)  # any stream counts as ahead
     monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", TIMEOUT)
-    prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
-
-    def held_prefill(self, request, resolved):
-        if request.inputs["input_ids"].shape[1] == prompts["text25"]["input_ids"].shape[1]:  # the joining request's
-            entered.set()
-            assert release.wait(TIMEOUT)
-        return prefill(self, request, resolved)
-
+    entered, release = _hold_prefills_of(prompts["text25"], monkeypatch)
     counts = {"step": 0, "round": 0}
     audio = serving_vocoder_funaudiochat.ServingVocoder.audio
 
@@ -901,7 +912,6 @@ def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prom
         counts["round"] += 1
         return audio(self, items)
 
-    monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
     monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", counted_audio)
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=100,
@@ -919,25 +929,23 @@ def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prom
         events, before = running.events(timeout=TIMEOUT), []
         while not any(len(event.audio) for event in before):  # it streams
             before.append(next(events))
-        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
-        assert entered.wait(TIMEOUT)
-        time.sleep(0.2)  # a step or round begun before the prefill ends
-        held = dict(counts)
-        time.sleep(0.3)
-        during, unfinished = dict(counts), not running.finished.is_set()
-        release.set()
-        joined = _drain(joining)
-        rest = list(events)
+
+        def observe():
+            time.sleep(0.2)  # a step or round begun before the prefill ends
+            held = dict(counts)
+            time.sleep(0.3)
+            return held, dict(counts), not running.finished.is_set()
+
+        (held, during, unfinished), joined, rest = _join_during_held_prefill(
+            engine, prompts, events, entered, release, observe
+        )
     finally:
         release.set()
         engine.close()
     assert unfinished and during == held, (held, during)  # nothing ran while the prefill did
     assert counts["step"] > held["step"] and counts["round"] > held["round"]  # and it all went on after it
-    expected, _ = _single_run(model, prompts["text40"], 100, do_sample=False)
-    assert len(expected) > 30  # it outlasted the prefill's hold
-    assert [t for event in before + rest for t in event.text_ids] == expected
-    expected, _ = _single_run(model, prompts["text25"], 6, do_sample=False)
-    assert [t for event in joined for t in event.text_ids] == expected
+    assert sum(len(event.text_ids) for event in before + rest) > 30  # it outlasted the prefill's hold
+    _assert_single_runs(model, prompts, before + rest, 100, joined)
 
 
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
