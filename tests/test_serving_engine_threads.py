@@ -1,0 +1,233 @@
+"""The speech engine's threads without a model: how the output thread forms its vocoder rounds, when the decode
+thread holds its next step (a round of first chunks, the lone request's vocoding, a prefill while every stream is
+ahead) and how a handle's events are taken. The engine is built with only what those methods read
+(`_output_loop_alone`)."""
+
+import threading
+import time
+
+import torch
+
+from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
+from funaudiochat_hf.serving_requests_funaudiochat import SpeechRequest
+
+from test_serving_engine import TIMEOUT, _take
+
+
+def _output_loop_alone(streaming: set):
+    """A `SpeechEngine` with only what its output loop reads (no model, no threads); the requests in `streaming` have
+    had audio out, the others wait for their first."""
+    import queue as queues
+    from types import SimpleNamespace
+
+    engine = SpeechEngine.__new__(SpeechEngine)
+    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
+    engine._output = queues.Queue()
+    engine._lock = threading.Condition()
+    engine._emission = threading.Condition(engine._lock)
+    engine._handed = engine._emitted = 0
+    engine._closed = engine._first_audio_round = engine._prefilling = False
+    return engine
+
+
+def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
+    """The output thread takes what the decode thread queued before every round, not once per batch of rounds, and a
+    round takes every queued item of a request, merged in order: when vocoding falls behind (several steps' items
+    queued), one round catches up with all of them (one round per step would stay behind for good). A reply's first
+    item that arrives while a round runs is vocoded next, alone, before the steady items that came with it; a
+    request's items after its last (a cancellation after its end) are not merged into it."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming={"a", "b"})  # requests with audio already out
+
+    def item(request_id, step, finish=None):
+        return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], finish, None, float(step))
+
+    for step in range(3):  # three steps' items of two streaming requests: one round
+        engine._output.put(item("a", step))
+        engine._output.put(item("b", step))
+    engine._output.put(item("b", 3, finish="stop"))
+    engine._output.put(item("b", 4, finish="cancelled"))
+    rounds = []
+
+    def emit_round(items):
+        rounds.append([(i.handle.id, i.text_ids, i.speech_ids, i.finish, i.queued) for i in items])
+        if len(rounds) == 1:  # a new reply's first item comes while the first round runs, with a's next one
+            engine._output.put(item("a", 3))
+            engine._output.put(item("new", 0))
+        if len(rounds) == 2:
+            engine._output.put(None)  # closing
+
+    engine._emit_round = emit_round
+    engine._output_loop()
+    assert rounds == [
+        [("a", [0, 1, 2], [10, 11, 12], None, 0.0), ("b", [0, 1, 2, 3], [10, 11, 12, 13], "stop", 0.0)],
+        [("new", [0], [10], None, 0.0)],
+        [("b", [4], [14], "cancelled", 4.0), ("a", [3], [13], None, 3.0)],
+    ], rounds
+
+
+def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch):
+    """While the output thread vocodes a round whose requests all wait for their first audio, the decode thread
+    holds its next step (the chunk gets the GPU to itself, as in `generate_speech_stream`); a round with a streaming
+    request holds nothing. Before, first chunks were vocoded while steps were launched back to back beside them."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming={"a"})
+    held = []
+    engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._first_audio_round))
+
+    def item(request_id):
+        return _StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0)
+
+    engine._emit_round_holding_steps([item("new"), item("other")])
+    engine._emit_round_holding_steps([item("a")])
+    engine._emit_round_holding_steps([item("new"), item("a")])
+    assert held == [(["new", "other"], True), (["a"], False), (["new", "a"], False)]
+    assert not engine._first_audio_round  # cleared after the round
+
+    # The decode side: a held step goes as soon as the round ends ...
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    engine._first_audio_round = True
+
+    def end_round():
+        time.sleep(0.03)
+        with engine._lock:
+            engine._first_audio_round = False
+            engine._lock.notify_all()
+
+    ender = threading.Thread(target=end_round)
+    start = time.perf_counter()
+    ender.start()
+    engine._wait_for_first_audio_round()
+    waited = time.perf_counter() - start
+    ender.join()
+    assert 0.02 <= waited < 5.0, waited
+    # ... and at the latest after `FIRST_AUDIO_HOLD_SECONDS`, however long the round takes.
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 0.05)
+    engine._first_audio_round = True
+    start = time.perf_counter()
+    engine._wait_for_first_audio_round()
+    waited = time.perf_counter() - start
+    assert 0.05 <= waited < 5.0, waited
+    engine._first_audio_round = False  # no round of first chunks: no wait at all
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    start = time.perf_counter()
+    engine._wait_for_first_audio_round()
+    assert time.perf_counter() - start < 5.0
+
+
+def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(monkeypatch):
+    """`_wait_for_output_thread` (a lone request's step waiting for its outputs' vocoding) returns once the output
+    thread has emitted everything handed to it, at the latest after `FIRST_AUDIO_HOLD_SECONDS`, and at once when the
+    engine closes: a slow or stuck round never stalls the decode thread for long."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming=set())
+    engine._emit_round = lambda items: time.sleep(0.05)  # a round of vocoding
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    engine._hand(_StepOutput(SimpleNamespace(id="a"), [0], [10], None, None, 0.0))
+    output = threading.Thread(target=engine._output_loop)
+    start = time.perf_counter()
+    output.start()
+    engine._wait_for_output_thread()
+    waited = time.perf_counter() - start
+    assert engine._emitted == engine._handed == 1 and 0.04 <= waited < 5.0, waited
+    engine._output.put(None)  # closing: the output loop ends
+    output.join(TIMEOUT)
+    assert not output.is_alive()
+
+    engine._handed += 1  # an item the output thread never emits
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 0.05)
+    start = time.perf_counter()
+    engine._wait_for_output_thread()
+    assert 0.05 <= time.perf_counter() - start < 5.0
+    engine._closed = True
+    monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
+    start = time.perf_counter()
+    engine._wait_for_output_thread()
+    assert time.perf_counter() - start < 5.0
+
+
+def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
+    """`_hold_for_prefill`: while a prefill runs, a step or round whose requests all have
+    `PREFILL_PRIORITY_AHEAD_SECONDS` of audio out ahead of their playback waits until the prefill ends (at the latest
+    after `PREFILL_HOLD_SECONDS`); one that holds a request with less audio ahead, or still waiting for its first
+    audio, does not wait, nor does any when no prefill runs."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+
+    engine = _output_loop_alone(streaming=set())
+    engine.sampling_rate = 100
+    monkeypatch.setattr(engine_module, "PREFILL_PRIORITY_AHEAD_SECONDS", 2.0)
+    monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 10.0)
+    now = time.perf_counter()
+
+    def request(first_audio_ago, audio_seconds):  # its first audio came `first_audio_ago` s ago
+        first_audio = None if first_audio_ago is None else 1.0
+        submitted = now - 1.0 - (first_audio_ago or 0.0)
+        return SimpleNamespace(submitted=submitted, first_audio=first_audio, audio_samples=int(100 * audio_seconds))
+
+    ahead = request(first_audio_ago=1.0, audio_seconds=4.0)  # 3 s ahead
+    behind = request(first_audio_ago=3.0, audio_seconds=4.0)  # 1 s ahead
+    new = request(first_audio_ago=None, audio_seconds=0.0)
+
+    def waited(handles):
+        start = time.perf_counter()
+        engine._hold_for_prefill(handles)
+        return time.perf_counter() - start
+
+    engine._prefilling = True
+    for handles in ([ahead, behind], [ahead, new], []):
+        assert waited(handles) < 5.0
+    ender = threading.Timer(0.05, engine._set_prefilling, (False,))
+    ender.start()
+    assert 0.04 <= waited([ahead]) < 5.0  # until the prefill ended
+    ender.join()
+    assert waited([ahead]) < 5.0  # no prefill: no wait
+    monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 0.05)
+    engine._prefilling = True
+    assert 0.05 <= waited([ahead]) < 5.0  # a prefill that does not end: the bound
+
+
+def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
+    """`_output_loop` sends every round through the hold: a new reply's round holds the steps, a steady one does not."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+
+    engine = _output_loop_alone(streaming={"a"})
+    rounds = []
+
+    def emit_round(items):
+        rounds.append(([i.handle.id for i in items], engine._first_audio_round))
+        if len(rounds) == 2:
+            engine._output.put(None)  # closing
+
+    engine._emit_round = emit_round
+    for request_id in ("a", "new"):
+        engine._output.put(_StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0))
+    engine._output_loop()
+    assert rounds == [(["new"], True), (["a"], False)], rounds
+
+
+def test_events_taken_again_go_on_where_the_last_call_stopped():
+    """A second `events()` call yields what the first left and returns once the last event was taken: before, it
+    waited for events that never come (an event may hold all of a short reply)."""
+    from funaudiochat_hf.serving_requests_funaudiochat import RequestHandle, SpeechEvent
+
+    handle = RequestHandle(SpeechRequest({"input_ids": torch.zeros(1, 3, dtype=torch.long)}), None)
+    handle._emit(SpeechEvent(text_ids=[1]))
+    handle._emit(SpeechEvent(text_ids=[2], finished=True, finish_reason="stop"))
+    assert [event.text_ids for event in _take(handle, 1)] == [[1]]
+    assert [event.text_ids for event in handle.events(timeout=0.5)] == [[2]]
+    assert list(handle.events(timeout=0.5)) == []
