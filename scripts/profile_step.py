@@ -9,12 +9,14 @@ call and sorting by host time as well. Use it to see where a step's milliseconds
 the numbers to report.
 
 `--chain-table PREFIX` profiles a call of `--steps` steps and one of a quarter of them, writes both kernel timelines
-(`PREFIX.long.csv`, `PREFIX.short.csv`) and prints what one decode step costs per kernel: the difference of the two
-calls divided by the difference of their steps, so the prefill cancels out (as in `benchmark.py`'s step times). A
-kernel's "chain" time is what it adds to the main stream's critical path: its end minus the end of the kernel before it
-on that stream (a programmatic dependent launch starts before that end and overlaps it). Kernels of other streams (the
-text head) are listed by their duration. Then, from the long call, the median chain time and duration of each kernel
-of a decoder layer (projection, attention split and merge, three projections) per stack: the LLM's and the CRQ's.
+(`PREFIX.long.csv`, `PREFIX.short.csv`) and prints what one decode step costs per stream and kernel: the difference of
+the two calls divided by the difference of their steps, so the prefill cancels out (as in `benchmark.py`'s step
+times). A kernel's "chain" time is what it adds to its stream's busy time: its end minus the later of its start and the
+end of the stream's kernels before it (a programmatic dependent launch starts before that end and overlaps it). Each
+stream is chained on itself, as a step's work moves between streams (the LLM's layers on one; the CRQ's sub-steps on
+another while the text head runs on the first), and the time a stream waits is its idle time, not a kernel's. Then,
+from the long call, the median chain time and duration of each kernel of a decoder layer (projection, attention split
+and merge, three projections) per stack: the LLM's and the CRQ's.
 `--summarize SHORT.csv LONG.csv SHORT_STEPS LONG_STEPS` prints the same tables from timelines written earlier, on any
 machine.
 """
@@ -25,7 +27,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -180,66 +181,79 @@ def read_timeline(path: str) -> list[Kernel]:
         ]  # fmt: skip
 
 
-def kernel_costs(kernels: list[Kernel]) -> dict[str, list[float]]:
-    """`{name: [calls, total duration, total chain time, calls on other streams]}` in µs (chain times as
-    `main_stream_chain` gives them; other streams' kernels get none)."""
-    chain_times = {id(kernel): chain for kernel, chain in main_stream_chain(kernels)}
-    costs: dict[str, list[float]] = {}
-    for kernel in kernels:
-        cost = costs.setdefault(kernel.name, [0, 0.0, 0.0, 0])
-        cost[0] += 1
-        cost[1] += kernel.duration
-        if id(kernel) in chain_times:
-            cost[2] += chain_times[id(kernel)]
+class Chained(NamedTuple):
+    """A kernel of a stream's chain: what it adds to its stream's busy time (`chain`: its end minus the later of its
+    start and the latest end of the stream's kernels before it, at least 0; a programmatic dependent launch that starts
+    before that end adds only its end past it) and the stream's idle time just before it (`idle`)."""
+
+    kernel: Kernel
+    chain: float
+    idle: float
+
+
+def stream_chains(kernels: list[Kernel]) -> dict[int | None, list[Chained]]:
+    """Each stream's kernels in start order with their chain and idle times (`Chained`). A decode step's critical
+    path crosses streams (the CRQ sub-steps run on a stream of their own while the text head runs on the LLM's), so
+    each stream is chained on itself, and the time it waits for another is its idle time, not a kernel's cost."""
+    chains: dict[int | None, list[Chained]] = {}
+    previous_end: dict[int | None, float] = {}
+    for kernel in sorted(kernels, key=lambda kernel: kernel.start):
+        end = kernel.start + kernel.duration
+        before = previous_end.get(kernel.stream)
+        if before is None:
+            chained = Chained(kernel, kernel.duration, 0.0)
         else:
-            cost[3] += 1
+            chained = Chained(kernel, max(0.0, end - max(before, kernel.start)), max(0.0, kernel.start - before))
+        chains.setdefault(kernel.stream, []).append(chained)
+        previous_end[kernel.stream] = end if before is None else max(before, end)
+    return chains
+
+
+def kernel_costs(kernels: list[Kernel]) -> dict[tuple, list[float]]:
+    """`{(stream, name): [calls, total duration, total chain time, total idle time before them]}` in µs
+    (`stream_chains`)."""
+    costs: dict[tuple, list[float]] = {}
+    for stream, chained in stream_chains(kernels).items():
+        for kernel, chain, idle in chained:
+            cost = costs.setdefault((stream, kernel.name), [0, 0.0, 0.0, 0.0])
+            cost[0] += 1
+            cost[1] += kernel.duration
+            cost[2] += chain
+            cost[3] += idle
     return costs
 
 
-def main_stream_chain(kernels: list[Kernel]) -> list[tuple[Kernel, float]]:
-    """The main stream's kernels in start order, each with its chain time. The main stream is the one with the most
-    kernels (every kernel when streams are unknown); a kernel's chain time is its end minus the latest end of the
-    main-stream kernels before it (at least 0)."""
-    streams = Counter(kernel.stream for kernel in kernels)
-    main = streams.most_common(1)[0][0] if kernels else None
-    chained, previous_end = [], None
-    for kernel in sorted(kernels, key=lambda kernel: kernel.start):
-        if kernel.stream != main:
-            continue
-        end = kernel.start + kernel.duration
-        chained.append((kernel, max(0.0, end - (kernel.start if previous_end is None else previous_end))))
-        previous_end = end if previous_end is None else max(previous_end, end)
-    return chained
-
-
 def chain_table(short: list[Kernel], long: list[Kernel], short_steps: int, long_steps: int, top: int = 30) -> str:
-    """A Markdown table of what one decode step costs per kernel name: the long call's calls, durations and chain times
-    minus the short call's, divided by the difference of their steps (the prefill cancels out), the `top` largest
-    chain times first, then the total."""
+    """A Markdown table of what one decode step costs per stream and kernel name: the long call's calls, durations
+    and chain times minus the short call's, divided by the difference of their steps (the prefill cancels out), the
+    `top` largest chain times first; above it, each stream's chain and idle time per step."""
     if long_steps <= short_steps:
         raise ValueError(f"the long call needs more steps than the short one, got {long_steps} and {short_steps}")
     steps = long_steps - short_steps
     short_costs, long_costs = kernel_costs(short), kernel_costs(long)
-    rows = []
-    for name, (calls, duration, chain, side_calls) in long_costs.items():
-        before = short_costs.get(name, [0, 0.0, 0.0, 0])
-        per_step = ((calls - before[0]) / steps, (duration - before[1]) / steps, (chain - before[2]) / steps)
-        side = side_calls == calls  # every call on another stream
-        if per_step[0] > 0:
-            rows.append((name, *per_step, side))
-    rows.sort(key=lambda row: (-row[3], -row[2]))
-    total_chain = sum(row[3] for row in rows)
+    rows, streams = [], {}
+    for (stream, name), cost in long_costs.items():
+        before = short_costs.get((stream, name), [0, 0.0, 0.0, 0.0])
+        calls, duration, chain, idle = ((now - then) / steps for now, then in zip(cost, before))
+        if calls > 0:
+            rows.append((stream, name, calls, duration, chain))
+            totals = streams.setdefault(stream, [0.0, 0.0])
+            totals[0] += chain
+            totals[1] += idle
+    rows.sort(key=lambda row: (-row[4], -row[3]))
+    summary = "; ".join(f"stream {stream}: {chain:.1f} µs of kernels' chain, {idle:.1f} µs idle"
+                        for stream, (chain, idle) in sorted(streams.items(), key=lambda item: -item[1][0]))  # fmt: skip
     lines = [
-        f"Per decode step ({long_steps} - {short_steps} steps): {total_chain:.1f} µs of main-stream chain",
+        f"Per decode step ({long_steps} - {short_steps} steps), by stream: {summary}",
         "",
-        "| kernel | calls / step | µs each (duration) | chain µs each | chain µs / step | share |",
-        "|---|---|---|---|---|---|",
+        "| stream | kernel | calls / step | µs each (duration) | chain µs each | chain µs / step | share |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, calls, duration, chain, side in rows[:top]:
-        share = chain / total_chain if total_chain > 0 else 0.0
-        chain_each = "(other stream)" if side else f"{chain / calls:.2f}"
-        cells = f"{calls:.1f} | {duration / calls:.2f} | {chain_each} | {chain:.1f} | {share:.1%}"
-        lines.append(f"| {name[:80]} | {cells} |")
+    for stream, name, calls, duration, chain in rows[:top]:
+        stream_chain = streams[stream][0]
+        share = chain / stream_chain if stream_chain > 0 else 0.0
+        cells = f"{calls:.1f} | {duration / calls:.2f} | {chain / calls:.2f} | {chain:.1f} | {share:.1%}"
+        lines.append(f"| {stream} | {name[:80]} | {cells} |")
     return "\n".join(lines)
 
 
@@ -247,30 +261,41 @@ PROJECTIONS = ("_decode_linear_kernel", "_decode_rows_kernel")
 LAYER = ("q/k/v", "attention split", "attention merge", "o_proj", "gate/up", "down_proj")
 
 
+def _layer_at(chained: list[Chained], i: int) -> list[Chained | None] | None:
+    """The decoder layer starting at `chained[i]` as its `LAYER` kernels (None for a merge done by the split kernel's
+    last programs), or None: a projection, the attention's split kernel, its merge kernel unless the split merged,
+    three projections."""
+    names = [item.kernel.name for item in chained[i : i + 6]]
+    if len(names) < 5 or names[0] not in PROJECTIONS or names[1] != "_split_kernel":
+        return None
+    if len(names) == 6 and names[2] == "_combine_kernel" and all(name in PROJECTIONS for name in names[3:]):
+        return list(chained[i : i + 6])
+    if all(name in PROJECTIONS for name in names[2:5]):
+        return [chained[i], chained[i + 1], None, *chained[i + 2 : i + 5]]
+    return None
+
+
 def layer_table(kernels: list[Kernel]) -> str:
-    """A Markdown table of one decoder layer of each stack, from a timeline of the Triton decode kernels: a layer is
-    the main stream's run of a projection kernel, the attention's split and merge kernels and three more projections
-    (`LAYER`); consecutive layers form a stack call, and stack calls of the same number of layers one stack (36: the
-    LLM, 28: the CRQ at full size). For each, the median chain time and duration of each of the layer's kernels."""
-    chained = main_stream_chain(kernels)
-    names = [kernel.name for kernel, _ in chained]
-    pattern_ok = [
-        i + 6 <= len(names) and names[i] in PROJECTIONS and names[i + 1] == "_split_kernel"
-        and names[i + 2] == "_combine_kernel" and all(names[i + k] in PROJECTIONS for k in (3, 4, 5))
-        for i in range(len(names))
-    ]  # fmt: skip
-    calls, current, i = [], [], 0
-    while i < len(names):
-        if pattern_ok[i]:
-            current.append(chained[i : i + 6])
-            i += 6
-            continue
+    """A Markdown table of one decoder layer of each stack, from a timeline of the Triton decode kernels: a layer is a
+    stream's run of a projection kernel, the attention's split kernel and merge kernel (absent where the split's last
+    programs merge) and three more projections (`LAYER`); consecutive layers form a stack call, and stack calls of the
+    same number of layers one stack (36: the LLM, 28: the CRQ at full size). For each, the median chain time and
+    duration of each of the layer's kernels on its stream ("-": the split merged)."""
+    calls = []
+    for chained in stream_chains(kernels).values():
+        current, i = [], 0
+        while i < len(chained):
+            layer = _layer_at(chained, i)
+            if layer is not None:
+                current.append(layer)
+                i += sum(item is not None for item in layer)
+                continue
+            if current:
+                calls.append(current)
+                current = []
+            i += 1
         if current:
             calls.append(current)
-            current = []
-        i += 1
-    if current:
-        calls.append(current)
     if not calls:
         return "No decoder layers of the Triton decode kernels in this timeline."
     stacks: dict[int, list] = {}
@@ -278,12 +303,17 @@ def layer_table(kernels: list[Kernel]) -> str:
         stacks.setdefault(len(call), []).extend(call)
     lines = ["| stack (layers per call) | calls | " + " | ".join(LAYER) + " | layer |", "|---" * (len(LAYER) + 3) + "|"]
     for layers, stack in sorted(stacks.items(), reverse=True):
-        chains = [statistics.median(layer[k][1] for layer in stack) for k in range(len(LAYER))]
-        durations = [statistics.median(layer[k][0].duration for layer in stack) for k in range(len(LAYER))]
-        total = statistics.median(sum(chain for _, chain in layer) for layer in stack)
-        cells = " | ".join(f"{c:.2f} ({d:.2f})" for c, d in zip(chains, durations))
-        lines.append(f"| {layers} | {len(stack) // layers} | {cells} | {total:.1f} |")
-    return "Median µs per decoder layer kernel, chain (duration):\n\n" + "\n".join(lines)
+        cells = []
+        for k in range(len(LAYER)):
+            present = [layer[k] for layer in stack if layer[k] is not None]
+            if not present:
+                cells.append("-")
+                continue
+            chain = statistics.median(item.chain for item in present)
+            cells.append(f"{chain:.2f} ({statistics.median(item.kernel.duration for item in present):.2f})")
+        total = statistics.median(sum(item.chain for item in layer if item is not None) for layer in stack)
+        lines.append(f"| {layers} | {len(stack) // layers} | {' | '.join(cells)} | {total:.1f} |")
+    return "Median µs per decoder layer kernel, chain on its stream (duration):\n\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":
