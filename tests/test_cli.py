@@ -60,12 +60,20 @@ def test_list_voices(cache_dir, monkeypatch, capsys):
     assert capsys.readouterr().out.split() == ["中文女", "中文男"]
 
 
+def _short_clip(folder) -> str:
+    """A 30 ms recording (48 kHz): shorter than the 40 ms speech frame the model hears."""
+    path = folder / "short.wav"
+    soundfile.write(path, np.full(1440, 0.1, dtype=np.float32), 48000)
+    return str(path)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["/no/such/question.wav"], "input file not found"),
         (["DIRECTORY"], "input is a directory, not an audio file"),
         (["NOT_AUDIO"], "input is not an audio file"),
+        (["SHORT"], "input is too short"),
         (["QUESTION", "--model", "/no/such/folder"], "--model folder not found: /no/such/folder"),
         (["QUESTION", "--model", "./missing-model"], "--model folder not found: ./missing-model"),
         (["QUESTION", "--decoder", "/no/such/decoder"], "--decoder folder not found: /no/such/decoder"),
@@ -82,7 +90,8 @@ def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, mo
     monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
     not_audio = tmp_path / "notes.wav"
     not_audio.write_text("not a recording")
-    paths = {"QUESTION": str(question), "DIRECTORY": str(tmp_path), "NOT_AUDIO": str(not_audio)}
+    paths = {"QUESTION": str(question), "DIRECTORY": str(tmp_path), "NOT_AUDIO": str(not_audio),
+             "SHORT": _short_clip(tmp_path)}  # fmt: skip
     assert main([paths.get(a, a) for a in argv]) == 1
     err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err_lines) == 1 and message in err_lines[0], err_lines
@@ -90,7 +99,7 @@ def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, mo
 
 @pytest.mark.parametrize(
     "argv",
-    [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"], ["QUESTION", "-o", "DIRECTORY"],
+    [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"], ["SHORT"], ["QUESTION", "-o", "DIRECTORY"],
      ["QUESTION", "-o", "reply.xyz"], ["QUESTION", "-o", "reply"], ["QUESTION", "-o", "/proc/reply.wav"],
      ["QUESTION", "--model", "NO_DECODER"]],
 )  # fmt: skip
@@ -105,7 +114,7 @@ def test_bad_voice_input_and_output_are_rejected_before_any_model_loads(cache_di
     from conftest import FUNAUDIOCHAT_TINY
 
     paths = {"QUESTION": str(question), "NOT_AUDIO": str(not_audio), "DIRECTORY": str(tmp_path),
-             "NO_DECODER": str(FUNAUDIOCHAT_TINY)}  # fmt: skip
+             "NO_DECODER": str(FUNAUDIOCHAT_TINY), "SHORT": _short_clip(tmp_path)}  # fmt: skip
     assert main([paths.get(a, a) for a in argv]) == 1
     assert capsys.readouterr().err.startswith("error:")
     assert not (tmp_path / "reply").exists()

@@ -98,8 +98,9 @@ def _looks_local(source: str) -> bool:
 
 
 def _check_input(path: str | None) -> None:
-    """The question exists, is a file and decodes as audio: checked before any model loads."""
+    """The question exists, is a file, decodes as audio and holds a speech frame: checked before any model loads."""
     from .audio_io import load_audio
+    from .limits_funaudiochat import MIN_AUDIO_SECONDS
 
     if path is None:
         raise ValueError("no input: pass the spoken question as an audio file (funaudiochat-s2s question.wav)")
@@ -109,9 +110,14 @@ def _check_input(path: str | None) -> None:
     if not expanded.is_file():
         raise ValueError(f"input file not found: {path}")
     try:
-        load_audio(str(expanded))
+        waveform = load_audio(str(expanded), target_sampling_rate=16000)
     except ValueError as error:
         raise ValueError(f"input is not an audio file: {path} ({error})") from None
+    if len(waveform) < MIN_AUDIO_SECONDS * 16000:
+        raise ValueError(
+            f"input is too short: {path} lasts {len(waveform) / 16000 * 1000:.0f} ms; the model hears speech in "
+            f"frames of {MIN_AUDIO_SECONDS * 1000:.0f} ms"
+        )
 
 
 def _output_subtype(path: Path) -> str:

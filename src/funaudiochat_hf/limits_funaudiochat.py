@@ -11,6 +11,8 @@ docs/limits.md describes them for users.
   extractor's window (the official checkpoint's Whisper extractor: 300 s; the tiny test model's: 30 s) and the model
   was sized for 1500 `<|AUDIO|>` positions (= 300 s at 5 Hz). A processor enforces the smaller of this and its own
   extractor's window (`FunAudioChatProcessor.max_audio_seconds`).
+* `MIN_AUDIO_SECONDS`: the shortest clip the model can hear: one speech frame (25 Hz). The processor refuses a
+  shorter one; the CLI says so before it loads a model.
 * `MIN_SAMPLING_RATE` / `MAX_SAMPLING_RATE`: the rates accepted for input audio. Below 8 kHz (telephone speech)
   there is no intelligible speech, and a header claiming 1 Hz would make a few kilobytes resample into hours of
   audio; above 384 kHz no audio interface records.
@@ -34,6 +36,7 @@ class InputTooLongError(ValueError):
 
 
 MAX_AUDIO_SECONDS = 300.0
+MIN_AUDIO_SECONDS = 1 / 25
 MIN_SAMPLING_RATE = 8000
 MAX_SAMPLING_RATE = 384000
 MAX_TEXT_CHARS = 16384
