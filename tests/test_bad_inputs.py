@@ -97,6 +97,22 @@ def test_non_finite_speaker_embedding_is_refused_on_every_surface(decoder, bad):
         decoder(TOKENS, speaker_embedding=torch.ones(decoder.config.spk_embed_dim, dtype=torch.long))
 
 
+def test_a_speaker_is_a_stored_name_or_an_x_vector(decoder):
+    """A numpy x-vector is the same voice as the tensor (it used to be taken for a list of names: "Unknown speaker(s)
+    [np.float32(0.0), ...]"); anything else that is not a name is refused by name."""
+    from funaudiochat_hf.generation_vocoding_funaudiochat import decoder_speaker_kwargs
+
+    embedding = decoder.speaker_embeddings[1].clone()
+    expected = decoder(TOKENS, speaker_embedding=embedding).waveform
+    assert torch.equal(decoder(TOKENS, **decoder_speaker_kwargs(embedding.numpy())).waveform, expected)
+    assert torch.equal(decoder(TOKENS, **decoder_speaker_kwargs(decoder.config.speaker_names[1])).waveform, expected)
+    for bad in (3, [0.5, 1.5], {"name": "x"}):
+        with pytest.raises(ValueError, match="must be a stored speaker's name or a list of names"):
+            decoder(TOKENS, **decoder_speaker_kwargs(bad))
+    with pytest.raises(ValueError, match="Unknown speaker"):
+        decoder(TOKENS, speaker="nobody")
+
+
 def test_non_finite_or_misshaped_mel_is_refused(decoder):
     mel = torch.zeros(1, decoder.config.mel_bins, 16)
     assert torch.isfinite(decoder.mel_to_wav(mel)).all()

@@ -201,7 +201,8 @@ class FunAudioChatSpeechGenerationMixin:
             speech_generator: the [`SpeechGenerator`] holding the decoding state (`model.speech_generator(...)`);
                 default: the model's own (`clear_speech_caches()` frees it).
             speech_decoder: a `CosyVoice3Token2Wav` (defaults to `self.token2wav`); may live on another device.
-            speaker: speaker name or `(192,)` embedding for the decoder.
+            speaker: a stored speaker's name (a list: one per row) or a `(192,)` x-vector (tensor or numpy
+                array) for the decoder.
             return_audio: None = vocode when a decoder is available; False = never; True = required.
             streamer: transformers-style streamer (`put`/`end`) receiving the prompt then each text token (batch 1).
             **kwargs: `GenerationConfig` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`,

@@ -1,6 +1,7 @@
 """Vocoding of `generate_speech`'s speech tokens: offline (30-s segments, one batched decoder call) and the helpers
 the streaming path shares."""
 
+import numpy as np
 import torch
 
 from .modeling_cosyvoice3 import CosyVoice3Token2Wav
@@ -13,10 +14,12 @@ def speech_segments(tokens: torch.Tensor) -> list[torch.Tensor]:
 
 
 def decoder_speaker_kwargs(speaker) -> dict:
+    """The decoder's keyword for a `speaker` argument: a stored voice's name (or a list of names), or an x-vector
+    (a tensor or a numpy array) as `speaker_embedding`."""
     if speaker is None:
         return {}
-    if isinstance(speaker, torch.Tensor):
-        return {"speaker_embedding": speaker}
+    if isinstance(speaker, (torch.Tensor, np.ndarray)):
+        return {"speaker_embedding": torch.as_tensor(speaker)}
     return {"speaker": speaker}
 
 

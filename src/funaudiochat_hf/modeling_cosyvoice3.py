@@ -168,7 +168,14 @@ class CosyVoice3Token2Wav(CosyVoice3PerformanceMixin, CosyVoice3OfflineGraphsMix
                 if not names:
                     raise ValueError("This model stores no speaker embeddings; pass `speaker_embedding` (192,).")
                 speaker = names[0]
-            requested = [speaker] if isinstance(speaker, str) else list(speaker)
+            requested = [speaker] if isinstance(speaker, str) else speaker
+            if not isinstance(requested, (list, tuple)) or not all(isinstance(name, str) for name in requested):
+                raise ValueError(
+                    f"`speaker` must be a stored speaker's name or a list of names (one per row), got "
+                    f"{type(speaker).__name__}; pass an x-vector as `speaker_embedding` "
+                    f"({self.config.spk_embed_dim},)."
+                )
+            requested = list(requested)
             unknown = [name for name in requested if name not in names]
             if unknown:
                 raise ValueError(f"Unknown speaker(s) {unknown}; stored speakers: {names}")
