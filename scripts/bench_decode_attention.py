@@ -17,9 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark  # noqa: E402  (scripts/benchmark.py: its kernel-config parser)
 
 
 HEAD_DIM = 128
@@ -51,14 +57,11 @@ def parse_case(text: str) -> Case:
 
 
 def parse_config(text: str) -> dict:
-    """A `--configs` entry: a JSON object of `DecodeKernelConfig` fields."""
+    """A `--configs` entry: a JSON object of `DecodeKernelConfig` fields, checked (`benchmark.parse_kernel_config`)."""
     try:
-        changes = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {error}") from None
-    if not isinstance(changes, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of DecodeKernelConfig fields")
-    return changes
+        return benchmark.parse_kernel_config(text) or {}
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def kernel_configs(base, changes: list[dict]) -> list:
-    """`base` with each entry's fields changed (an unknown field raises a ValueError naming the fields)."""
+    """`base` with each entry's fields changed."""
     return [base.replace(**entry) for entry in changes]
 
 
@@ -123,13 +126,9 @@ class Layers:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv)  # the configs' fields are checked here, before any GPU work
     from funaudiochat_hf.triton_config_funaudiochat import DecodeKernelConfig
 
-    try:
-        kernel_configs(DecodeKernelConfig(), args.configs)  # the fields, before any GPU work
-    except ValueError as error:
-        raise SystemExit(f"--configs: {error}") from None
     if not torch.cuda.is_available():
         raise SystemExit("This micro-benchmark needs a CUDA device.")
     configs = kernel_configs(DecodeKernelConfig.for_device("cuda"), args.configs)
