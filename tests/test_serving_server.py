@@ -119,9 +119,11 @@ def test_non_streamed_reply_has_audio_transcript_and_usage(server):
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert 1 <= reply.usage.completion_tokens <= MAX_NEW_TOKENS and reply.usage.prompt_tokens > 0
 
-    # The same seed gives the same reply; the earlier reply can be referred to by its audio id in a second turn.
-    again = server.client().chat.completions.create(model=server.name, seed=3, **_request())
+    # The same seed gives the same reply; the earlier reply can be referred to by its audio id in a second turn. A
+    # request may name the model as it likes: the reply names the served one.
+    again = server.client().chat.completions.create(model="funaudiochat", seed=3, **_request())
     assert again.choices[0].message.audio.data == audio.data
+    assert reply.model == again.model == server.name
     history = _messages() + [{"role": "assistant", "audio": {"id": audio.id}}] + _messages(0.5)
     second = server.client().chat.completions.create(
         model=server.name, **{**_request(), "messages": history, "audio": {"voice": "default", "format": "pcm16"}}
@@ -131,11 +133,12 @@ def test_non_streamed_reply_has_audio_transcript_and_usage(server):
 
 def test_streamed_reply_sends_pcm16_chunks_and_transcript_deltas(server):
     stream = server.client().chat.completions.create(
-        model=server.name, stream=True, stream_options={"include_usage": True},
+        model="funaudiochat", stream=True, stream_options={"include_usage": True},
         **{**_request(), "audio": {"voice": "default", "format": "pcm16"}},
     )  # fmt: skip
     pcm, transcript, finish, usage = b"", "", None, None
     for chunk in stream:
+        assert chunk.model == server.name
         if chunk.usage is not None:
             usage = chunk.usage
         if not chunk.choices:

@@ -276,7 +276,7 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
         audio_format=audio_format,
         want_audio=want_audio,
         include_usage=bool(stream_options.get("include_usage", False)),
-        model=str(body.get("model") or model_name),
+        model=model_name,  # the model that answers, whatever name the request used (as OpenAI's API)
     )
 
 
