@@ -155,6 +155,20 @@ def test_streamed_reply_sends_pcm16_chunks_and_transcript_deltas(server):
     assert np.abs(np.frombuffer(pcm, "<i2")).max() > 0
 
 
+def test_temperature_zero_takes_the_most_likely_speech_tokens(server):
+    """`temperature: 0` or `top_p: 0` (refused before) give the same reply whatever the seed; sampled replies differ
+    by seed."""
+    client = server.client()
+
+    def audio(**options):
+        reply = client.chat.completions.create(model=server.name, **_request(**options))
+        return reply.choices[0].message.audio.data
+
+    greedy = audio(seed=1, temperature=0)
+    assert greedy == audio(seed=2, temperature=0) == audio(seed=2, temperature=0, top_p=0.5) == audio(seed=3, top_p=0)
+    assert audio(seed=1) != audio(seed=2)
+
+
 def test_concurrent_requests_share_decode_steps(server):
     before = server.metrics()
     client = server.client()

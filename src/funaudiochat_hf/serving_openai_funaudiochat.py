@@ -46,6 +46,10 @@ DEFAULT_VOICE = "default"
 # Transcripts of earlier replies by audio id, so that a multi-turn request may refer to an assistant turn by
 # `{"audio": {"id": ...}}` as OpenAI's clients do.
 MAX_REMEMBERED_TRANSCRIPTS = 4096
+# `temperature: 0` or `top_p: 0` (OpenAI's "as deterministic as it gets") keeps only the most likely speech token: the
+# engine samples every row (sampling is fixed per engine), and a top-p below the most likely token's probability (at
+# least 1 / 6,565, the codebook's size) leaves that token alone.
+GREEDY_TOP_P = 1e-6
 
 
 class RequestError(ValueError):
@@ -244,10 +248,8 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1)
     seed = _number(body, "seed", -(2**63), 2**63 - 1, integer=True)
-    if temperature == 0:
-        raise RequestError("`temperature` must be > 0: this server samples the speech tokens.", param="temperature")
-    if top_p == 0:
-        raise RequestError("`top_p` must be > 0.", param="top_p")
+    if temperature == 0 or top_p == 0:  # the most likely speech token at every step, whatever the seed
+        temperature, top_p = None, GREEDY_TOP_P
 
     messages, clips = render_messages(body.get("messages"), transcripts)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
