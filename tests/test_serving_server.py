@@ -217,6 +217,11 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(server):
         ({"audio": {"voice": "no-such-voice", "format": "wav"}}, "audio.voice"),
         ({"audio": {"voice": "default", "format": "opus"}}, "audio.format"),
         ({"temperature": 5}, "temperature"),
+        ({"stop": ["\n"]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"max_completion_tokens": MAX_NEW_TOKENS + 1}, "max_completion_tokens"),
         ({"max_completion_tokens": None, "max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
@@ -343,6 +348,26 @@ def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
     body = {"model": "m", "messages": _messages(1.5), "modalities": ["text"]}
     parsed = parse_chat_request(body, processor, TranscriptMemory(), [], "m")
     assert parsed.speech.inputs["input_features"].shape[-1] == 150
+
+
+def test_parameters_that_ask_for_nothing_are_accepted(tiny_path):
+    """Clients send unsupported parameters with values that ask for nothing (null, false, 0, empty, a text response
+    format): the request is served as without them, where values that ask for something are refused."""
+    from transformers import AutoProcessor
+
+    from funaudiochat_hf.serving_openai_funaudiochat import RequestError, TranscriptMemory, parse_chat_request
+
+    processor = AutoProcessor.from_pretrained(tiny_path)
+    inert = {"stop": None, "tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0,
+             "frequency_penalty": 0.0, "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+             "user": "someone"}  # fmt: skip
+    body = {"model": "m", "messages": _messages(0.5), "modalities": ["text"]}
+    plain = parse_chat_request(body, processor, TranscriptMemory(), [], "m")
+    parsed = parse_chat_request({**body, **inert}, processor, TranscriptMemory(), [], "m")
+    assert parsed.speech.inputs["input_ids"].equal(plain.speech.inputs["input_ids"])
+    with pytest.raises(RequestError, match="`presence_penalty` is not supported") as refused:
+        parse_chat_request({**body, "presence_penalty": -0.5}, processor, TranscriptMemory(), [], "m")
+    assert refused.value.param == "presence_penalty" and refused.value.code == "unsupported_parameter"
 
 
 def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, capsys):

@@ -50,6 +50,19 @@ MAX_REMEMBERED_TRANSCRIPTS = 4096
 # engine samples every row (sampling is fixed per engine), and a top-p below the most likely token's probability (at
 # least 1 / 6,565, the codebook's size) leaves that token alone.
 GREEDY_TOP_P = 1e-6
+# Parameters of OpenAI's API that would change the reply in a way this server cannot honour: a value that asks for
+# something (not None, false, 0, empty, "none" or a text `response_format`, which some clients send) is refused by name
+# rather than silently ignored.
+UNSUPPORTED_PARAMETERS = (
+    "stop", "tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "logit_bias",
+    "frequency_penalty", "presence_penalty", "response_format", "prediction",
+)  # fmt: skip
+
+
+def _asks_for_something(value) -> bool:
+    if value is None or value is False or value in ("", "none", [], {}, {"type": "text"}):
+        return False
+    return not (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
 
 
 class RequestError(ValueError):
@@ -220,6 +233,10 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     n = body.get("n", 1)
     if n != 1:
         raise RequestError("Only `n` = 1 is supported.", param="n")
+    for name in UNSUPPORTED_PARAMETERS:
+        if _asks_for_something(body.get(name)):
+            raise RequestError(f"`{name}` is not supported by this server: leave it out.", param=name,
+                               code="unsupported_parameter")  # fmt: skip
     modalities = body.get("modalities") or ["text"]
     if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
         raise RequestError('`modalities` must be a list of "text" and "audio".', param="modalities")
