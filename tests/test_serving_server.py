@@ -131,6 +131,35 @@ def test_non_streamed_reply_has_audio_transcript_and_usage(server):
     assert len(base64.b64decode(second.choices[0].message.audio.data)) % 2 == 0
 
 
+def test_a_non_streamed_reply_comes_in_each_of_openais_audio_formats(server):
+    """wav, pcm16, mp3, flac and opus (only the first two before): the same seeded reply, the same sample count; flac
+    is lossless, so its samples are the wav's."""
+    soundfile = pytest.importorskip("soundfile")
+    client = server.client()
+
+    def reply(audio_format):
+        options = _request(audio={"voice": "default", "format": audio_format})
+        return base64.b64decode(client.chat.completions.create(model=server.name, seed=5, **options)
+                                .choices[0].message.audio.data)  # fmt: skip
+
+    with wave.open(io.BytesIO(reply("wav"))) as wav:
+        pcm = np.frombuffer(wav.readframes(wav.getnframes()), "<i2")
+    assert pcm.size > 0 and np.array_equal(np.frombuffer(reply("pcm16"), "<i2"), pcm)
+    from funaudiochat_hf.serving_openai_funaudiochat import output_audio_formats, reply_audio_bytes
+
+    # Those this libsndfile writes (soundfile's wheels: all three; flac any libsndfile).
+    encoded = [audio_format for audio_format in ("mp3", "flac", "opus") if audio_format in output_audio_formats()]
+    assert "flac" in encoded
+    for audio_format in encoded:
+        samples, rate = soundfile.read(io.BytesIO(reply(audio_format)), dtype="int16")
+        assert rate == 24000 and samples.shape == pcm.shape, audio_format
+    assert np.array_equal(soundfile.read(io.BytesIO(reply("flac")), dtype="int16")[0], pcm)
+    # An empty reply is a readable file too (one silent sample: these formats cannot hold no frames).
+    for audio_format in encoded:
+        empty = reply_audio_bytes(np.zeros(0, np.float32), 24000, audio_format)
+        assert soundfile.read(io.BytesIO(empty), dtype="int16")[0].tolist() == [0], audio_format
+
+
 def test_streamed_reply_sends_pcm16_chunks_and_transcript_deltas(server):
     stream = server.client().chat.completions.create(
         model="funaudiochat", stream=True, stream_options={"include_usage": True},
@@ -215,7 +244,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(server):
             "data": base64.b64encode(b"not audio at all" * 10).decode(), "format": "wav"}}]}]},
          "messages[0].content[0]"),
         ({"audio": {"voice": "no-such-voice", "format": "wav"}}, "audio.voice"),
-        ({"audio": {"voice": "default", "format": "opus"}}, "audio.format"),
+        ({"audio": {"voice": "default", "format": "aac"}}, "audio.format"),
         ({"temperature": 5}, "temperature"),
         ({"stop": ["\n"]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]}, "tools"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import time
 import uuid
@@ -41,7 +42,11 @@ from .serving_requests_funaudiochat import SpeechRequest
 # Base64 audio larger than this is refused before decoding (OpenAI's own upload limit).
 MAX_AUDIO_BYTES = 25 * 1024 * 1024
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a", "webm")
-OUTPUT_AUDIO_FORMATS = ("wav", "pcm16")
+# `audio.format`s of a non-streamed reply besides "wav" and "pcm16": OpenAI's, as (libsndfile format, subtype),
+# written by soundfile (librosa's audio backend) where its libsndfile has them (`output_audio_formats`). A stream
+# sends pcm16.
+ENCODED_AUDIO_FORMATS = {"mp3": ("MP3", "MPEG_LAYER_III"), "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS")}
+OUTPUT_AUDIO_FORMATS = ("wav", "pcm16", *ENCODED_AUDIO_FORMATS)
 DEFAULT_VOICE = "default"
 # Transcripts of earlier replies by audio id, so that a multi-turn request may refer to an assistant turn by
 # `{"audio": {"id": ...}}` as OpenAI's clients do.
@@ -88,7 +93,7 @@ class ChatRequest:
 
     speech: SpeechRequest
     stream: bool
-    audio_format: str  # "wav" | "pcm16" (a stream always sends pcm16)
+    audio_format: str  # one of `output_audio_formats()` (a stream always sends pcm16)
     want_audio: bool  # "audio" in `modalities`
     include_usage: bool  # stream_options.include_usage
     model: str
@@ -246,8 +251,8 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
         raise RequestError('`modalities` asks for audio: pass `audio: {"voice": ..., "format": "wav" | "pcm16"}`.',
                            param="audio")  # fmt: skip
     audio_format = audio.get("format", "wav")
-    if audio_format not in OUTPUT_AUDIO_FORMATS:
-        raise RequestError(f"`audio.format` must be one of {', '.join(OUTPUT_AUDIO_FORMATS)}, got {audio_format!r}.",
+    if audio_format not in output_audio_formats():
+        raise RequestError(f"`audio.format` must be one of {', '.join(output_audio_formats())}, got {audio_format!r}.",
                            param="audio.format")  # fmt: skip
     voice = audio.get("voice", DEFAULT_VOICE)
     if voice != DEFAULT_VOICE and voice not in voices:
@@ -315,6 +320,36 @@ def wav_bytes(audio: np.ndarray, sampling_rate: int) -> bytes:
     return buffer.getvalue()
 
 
+@functools.cache
+def output_audio_formats() -> tuple[str, ...]:
+    """The `audio.format`s this server writes: "wav", "pcm16" and those of `ENCODED_AUDIO_FORMATS` this process's
+    libsndfile can write."""
+    try:
+        import soundfile
+    except ImportError:
+        return OUTPUT_AUDIO_FORMATS[:2]
+    writable = [name for name, (container, subtype) in ENCODED_AUDIO_FORMATS.items()
+                if container in soundfile.available_formats() and subtype in soundfile.available_subtypes(container)]
+    return (*OUTPUT_AUDIO_FORMATS[:2], *writable)  # fmt: skip
+
+
+def reply_audio_bytes(audio: np.ndarray, sampling_rate: int, audio_format: str) -> bytes:
+    """A non-streamed reply's audio in `audio_format` (one of `output_audio_formats()`)."""
+    if audio_format == "wav":
+        return wav_bytes(audio, sampling_rate)
+    if audio_format == "pcm16":
+        return pcm16(audio)
+    import soundfile
+
+    container, subtype = ENCODED_AUDIO_FORMATS[audio_format]
+    # The 16-bit samples of the other formats (flac then holds exactly the wav's); a file of no frames cannot be read
+    # back in these formats, so an empty reply is one silent sample.
+    samples = np.frombuffer(pcm16(audio), "<i2") if len(audio) else np.zeros(1, dtype=np.int16)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, sampling_rate, format=container, subtype=subtype)
+    return buffer.getvalue()
+
+
 def spoken_question_body(question_wav: bytes, model: str, max_tokens: int, seed: int, voice: str = DEFAULT_VOICE) -> dict:
     """A chat-completions body asking one spoken question (a WAV file's bytes) for a text and 16-bit PCM audio reply:
     what the server's warm-up and the serving benchmark send (non-streamed; set `stream` for the other)."""
@@ -344,7 +379,7 @@ def completion_response(request: ChatRequest, completion_id: str, audio_id: str,
                         audio: np.ndarray, sampling_rate: int, finish_reason: str, usage_: dict) -> dict:  # fmt: skip
     message = {"role": "assistant", "content": None, "refusal": None}
     if request.want_audio:
-        data = wav_bytes(audio, sampling_rate) if request.audio_format == "wav" else pcm16(audio)
+        data = reply_audio_bytes(audio, sampling_rate, request.audio_format)
         message["audio"] = {
             "id": audio_id,
             "data": base64.b64encode(data).decode("ascii"),
