@@ -235,15 +235,14 @@ class ServingBatch:
         self.ws.crq_mask[row] = True
         self._restart_positions([row])
 
-    def _restart_positions(self, rows) -> None:
+    def _restart_positions(self, rows: list[int]) -> None:
         """Set the rotary positions of idle `rows` to 0. An idle row is stepped whenever a busy row above it is
         (`step_rows`), for as long as the engine runs, and every step advances its positions; the fast CUDA step looks
         its rotary tables up in tables of the cache's positions (`generation_stack_inputs_funaudiochat`), where a
         position past them was a device-side assert that stopped the engine. Restarted when a row leaves and every
         `max_length - 1` steps (`step`), an idle row's positions stay inside them."""
-        for row in rows:
-            self.ws.llm_position[row] = 0
-            self.ws.crq_position[row] = 0
+        self.ws.llm_position[rows] = 0
+        self.ws.crq_position[rows] = 0
 
     def rebase(self, offset: int, free_rows: list[int]) -> None:
         """Shift every cache column and mask column left by `offset` (right if negative); the shared column moves

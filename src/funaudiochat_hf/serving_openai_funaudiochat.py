@@ -42,11 +42,10 @@ from .serving_requests_funaudiochat import SpeechRequest
 # Base64 audio larger than this is refused before decoding (OpenAI's own upload limit).
 MAX_AUDIO_BYTES = 25 * 1024 * 1024
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a", "webm")
-# `audio.format`s of a non-streamed reply besides "wav" and "pcm16": OpenAI's, as (libsndfile format, subtype),
-# written by soundfile (librosa's audio backend) where its libsndfile has them (`output_audio_formats`). A stream
-# sends pcm16.
+# `audio.format`s of a reply written here, and OpenAI's others, as (libsndfile format, subtype), written by
+# soundfile (librosa's audio backend) where its libsndfile has them (`output_audio_formats`). A stream sends pcm16.
+PCM_AUDIO_FORMATS = ("wav", "pcm16")
 ENCODED_AUDIO_FORMATS = {"mp3": ("MP3", "MPEG_LAYER_III"), "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS")}
-OUTPUT_AUDIO_FORMATS = ("wav", "pcm16", *ENCODED_AUDIO_FORMATS)
 DEFAULT_VOICE = "default"
 # Transcripts of earlier replies by audio id, so that a multi-turn request may refer to an assistant turn by
 # `{"audio": {"id": ...}}` as OpenAI's clients do.
@@ -65,6 +64,7 @@ UNSUPPORTED_PARAMETERS = (
 
 
 def _asks_for_something(value) -> bool:
+    """Whether an `UNSUPPORTED_PARAMETERS` value asks for something (see there)."""
     if value is None or value is False or value in ("", "none", [], {}, {"type": "text"}):
         return False
     return not (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
@@ -248,7 +248,8 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     want_audio = "audio" in modalities
     audio = body.get("audio") or {}
     if want_audio and not isinstance(body.get("audio"), dict):
-        raise RequestError('`modalities` asks for audio: pass `audio: {"voice": ..., "format": "wav" | "pcm16"}`.',
+        formats = " | ".join(f'"{name}"' for name in output_audio_formats())
+        raise RequestError(f'`modalities` asks for audio: pass `audio: {{"voice": ..., "format": {formats}}}`.',
                            param="audio")  # fmt: skip
     audio_format = audio.get("format", "wav")
     if audio_format not in output_audio_formats():
@@ -327,10 +328,10 @@ def output_audio_formats() -> tuple[str, ...]:
     try:
         import soundfile
     except ImportError:
-        return OUTPUT_AUDIO_FORMATS[:2]
+        return PCM_AUDIO_FORMATS
     writable = [name for name, (container, subtype) in ENCODED_AUDIO_FORMATS.items()
                 if container in soundfile.available_formats() and subtype in soundfile.available_subtypes(container)]
-    return (*OUTPUT_AUDIO_FORMATS[:2], *writable)  # fmt: skip
+    return (*PCM_AUDIO_FORMATS, *writable)
 
 
 def reply_audio_bytes(audio: np.ndarray, sampling_rate: int, audio_format: str) -> bytes:
