@@ -3,6 +3,7 @@ single-run tokens, cancelling frees the slot, full queues and bad requests are r
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,8 +118,8 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     batches = []
     decode_ready = serving_vocoder_funaudiochat.decode_ready
-    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready",
-                        lambda streams: batches.append(len(streams)) or decode_ready(streams))  # fmt: skip
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready", lambda streams, **options: batches.append(
+        len(streams)) or decode_ready(streams, **options))  # fmt: skip
     voices = ["中文女", "中文男", torch.randn(192, generator=torch.Generator().manual_seed(0))]
     events = [[] for _ in voices]
     release = threading.Event()
@@ -157,18 +158,32 @@ def test_concurrent_requests_get_the_audio_each_would_get_alone(model, prompts, 
         _close_wav(torch.cat([torch.from_numpy(event.audio) for event in reply]), torch.cat(expected))
 
 
+def _spy_on_vocoder_rounds(monkeypatch, record) -> None:
+    """Make each `ServingVocoder.start` call finish its round at once and pass `record(vocoder, items, start_up,
+    results)` what it returned (before the engine takes it)."""
+    start = serving_vocoder_funaudiochat.ServingVocoder.start
+
+    def recorded(self, items, start_up=False):
+        results = start(self, items, start_up).result()
+        record(self, items, start_up, results)
+        return SimpleNamespace(done=lambda: True, result=lambda: results)
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "start", recorded)
+
+
 def test_a_replys_first_chunk_is_vocoded_apart_from_the_steady_chunks(model, prompts, monkeypatch):
     """A request that joins while another streams gets its first audio from a vocoder call of its own, delivered
     before the round's steady chunks are decoded: their shared flow call grows with its rows and windows."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
-    calls = []  # per vocoder call: [(request id, waiting for its first audio)]
-    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
+    calls = []  # per vocoder call: [(request id, in its start-up)]
+    start = serving_vocoder_funaudiochat.ServingVocoder.start
 
-    def recorded(self, items):
-        calls.append([(item.request_id, self.awaits_first_audio(item.request_id)) for item in items])
-        return audio(self, items)
+    def recorded(self, items, start_up=False):
+        calls.append([(item.request_id, self.in_start_up(item.request_id)) for item in items])
+        assert start_up == all(starting for _, starting in calls[-1])  # a start-up round is said to be one
+        return start(self, items, start_up)
 
-    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded)
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "start", recorded)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=40)
     try:
         streaming = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=40, seed=0))
@@ -179,26 +194,20 @@ def test_a_replys_first_chunk_is_vocoded_apart_from_the_steady_chunks(model, pro
         assert _drain(joining)[-1].finished and list(events)[-1].finished
     finally:
         engine.close()
-    mixed = [call for call in calls if len({waiting for _, waiting in call}) > 1]
+    mixed = [call for call in calls if len({starting for _, starting in call}) > 1]
     assert not mixed, mixed
     together = [call for call in calls if {streaming.id, joining.id} <= {rid for rid, _ in call}]
     assert together, calls  # the two streamed side by side after the joining one's first chunk
 
 
-def test_queued_first_chunks_are_vocoded_before_queued_steady_ones(model, prompts, monkeypatch):
-    """When vocoding falls behind the decode steps, the queued items of a request still waiting for its first audio
-    are vocoded before those of requests already streaming (each request's items in order)."""
+def test_queued_start_up_chunks_are_vocoded_before_queued_steady_ones(model, prompts, monkeypatch):
+    """When vocoding falls behind the decode steps, the queued items of a request in its start-up (its first
+    `START_UP_CHUNKS` chunks) are vocoded before those of requests past it (each request's items in order)."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     calls = []  # per vocoder call: [(request id, audio returned)]
-    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
-
-    def recorded(self, items):
-        results = audio(self, items)
-        calls.append([(item.request_id, not isinstance(out, Exception) and len(out) > 0)
-                      for item, out in zip(items, results)])  # fmt: skip
-        return results
-
-    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded)
+    _spy_on_vocoder_rounds(monkeypatch, lambda vocoder, items, start_up, results: calls.append(
+        [(item.request_id, not isinstance(out, Exception) and len(out) > 0) for item, out in zip(items, results)]
+    ))  # fmt: skip
     streamed, hold, held, release = [], threading.Event(), threading.Event(), threading.Event()
 
     def holding_sink(event):  # once `hold` is set, the streaming request's next event stops the output thread
@@ -211,8 +220,8 @@ def test_queued_first_chunks_are_vocoded_before_queued_steady_ones(model, prompt
     try:
         streaming = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=40, seed=0), sink=holding_sink)
         deadline = time.monotonic() + TIMEOUT
-        while not any(len(event.audio) for event in streamed):
-            assert time.monotonic() < deadline
+        while sum(len(event.audio) > 0 for event in streamed) < serving_vocoder_funaudiochat.START_UP_CHUNKS:
+            assert time.monotonic() < deadline  # until it is past its start-up
             time.sleep(0.01)
         hold.set()
         assert held.wait(TIMEOUT)
@@ -449,15 +458,12 @@ def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(
     before the previous one's outputs were read."""
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     log = []  # "step" (queued), "read" (outputs taken), "audio" (a vocoder call returned audio)
-    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
 
-    def recorded_audio(self, items):
-        results = audio(self, items)
+    def recorded_audio(vocoder, items, start_up, results):
         if any(not isinstance(out, Exception) and len(out) for out in results):
             log.append("audio")
-        return results
 
-    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", recorded_audio)
+    _spy_on_vocoder_rounds(monkeypatch, recorded_audio)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
     step, read = engine.batch.step, engine.batch.read_results
     monkeypatch.setattr(engine.batch, "step", lambda generators: (log.append("step"), step(generators))[1])
@@ -721,13 +727,7 @@ def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prom
     monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", TIMEOUT)
     entered, release = _hold_prefills_of(prompts["text25"], monkeypatch)
     counts = {"step": 0, "round": 0}
-    audio = serving_vocoder_funaudiochat.ServingVocoder.audio
-
-    def counted_audio(self, items):
-        counts["round"] += 1
-        return audio(self, items)
-
-    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "audio", counted_audio)
+    _spy_on_vocoder_rounds(monkeypatch, lambda *round_: counts.update(round=counts["round"] + 1))
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=100,
                           generation_options={"do_sample": False})  # fmt: skip

@@ -21,12 +21,13 @@ def _output_loop_alone(streaming: set):
     from types import SimpleNamespace
 
     engine = SpeechEngine.__new__(SpeechEngine)
-    engine._vocoder = SimpleNamespace(awaits_first_audio=lambda request_id: request_id not in streaming)
+    engine._vocoder = SimpleNamespace(in_start_up=lambda request_id: request_id not in streaming,
+                                     concurrent_start_up=False)
     engine._output = queues.Queue()
     engine._lock = threading.Condition()
     engine._emission = threading.Condition(engine._lock)
     engine._handed = engine._emitted = 0
-    engine._closed = engine._first_audio_round = engine._prefilling = False
+    engine._closed = engine._start_up_round = engine._prefilling = False
     return engine
 
 
@@ -69,7 +70,7 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
     ], rounds
 
 
-def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch):
+def test_decode_steps_wait_while_a_round_of_start_up_is_vocoded(monkeypatch):
     """While the output thread vocodes a round whose requests all wait for their first audio, the decode thread
     holds its next step (the chunk gets the GPU to itself, as in `generate_speech_stream`); a round with a streaming
     request holds nothing. Before, first chunks were vocoded while steps were launched back to back beside them."""
@@ -80,7 +81,7 @@ def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch)
 
     engine = _output_loop_alone(streaming={"a"})
     held = []
-    engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._first_audio_round))
+    engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._start_up_round))
 
     def item(request_id):
         return _StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0)
@@ -89,36 +90,36 @@ def test_decode_steps_wait_while_a_round_of_first_chunks_is_vocoded(monkeypatch)
     engine._emit_round_holding_steps([item("a")])
     engine._emit_round_holding_steps([item("new"), item("a")])
     assert held == [(["new", "other"], True), (["a"], False), (["new", "a"], False)]
-    assert not engine._first_audio_round  # cleared after the round
+    assert not engine._start_up_round  # cleared after the round
 
     # The decode side: a held step goes as soon as the round ends ...
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
-    engine._first_audio_round = True
+    engine._start_up_round = True
 
     def end_round():
         time.sleep(0.03)
         with engine._lock:
-            engine._first_audio_round = False
+            engine._start_up_round = False
             engine._lock.notify_all()
 
     ender = threading.Thread(target=end_round)
     start = time.perf_counter()
     ender.start()
-    engine._wait_for_first_audio_round()
+    engine._wait_for_start_up_round()
     waited = time.perf_counter() - start
     ender.join()
     assert 0.02 <= waited < 5.0, waited
     # ... and at the latest after `FIRST_AUDIO_HOLD_SECONDS`, however long the round takes.
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 0.05)
-    engine._first_audio_round = True
+    engine._start_up_round = True
     start = time.perf_counter()
-    engine._wait_for_first_audio_round()
+    engine._wait_for_start_up_round()
     waited = time.perf_counter() - start
     assert 0.05 <= waited < 5.0, waited
-    engine._first_audio_round = False  # no round of first chunks: no wait at all
+    engine._start_up_round = False  # no round of first chunks: no wait at all
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
     start = time.perf_counter()
-    engine._wait_for_first_audio_round()
+    engine._wait_for_start_up_round()
     assert time.perf_counter() - start < 5.0
 
 
@@ -209,7 +210,7 @@ def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
     rounds = []
 
     def emit_round(items):
-        rounds.append(([i.handle.id for i in items], engine._first_audio_round))
+        rounds.append(([i.handle.id for i in items], engine._start_up_round))
         if len(rounds) == 2:
             engine._output.put(None)  # closing
 
@@ -231,3 +232,54 @@ def test_events_taken_again_go_on_where_the_last_call_stopped():
     assert [event.text_ids for event in _take(handle, 1)] == [[1]]
     assert [event.text_ids for event in handle.events(timeout=0.5)] == [[2]]
     assert list(handle.events(timeout=0.5)) == []
+
+
+def test_start_up_that_come_during_a_steady_round_are_vocoded_beside_it():
+    """Where the vocoder runs first chunks beside steady rounds (`concurrent_start_up`, CUDA), a new reply's first
+    item that arrives while a steady round is on the GPU is vocoded and emitted before that round ends (with the
+    steps held, as for any round of first chunks); a streaming request's item that came with it waits for the next
+    round, after the running one: each request's events stay in order. Before, the first chunk waited for the whole
+    steady round."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf.serving_engine_funaudiochat import _Round, _StepOutput
+
+    engine = _output_loop_alone(streaming={"a"})
+    engine._vocoder.concurrent_start_up = True
+    log = []
+
+    def item(request_id, step):
+        return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], None, None, float(step))
+
+    def start_round(items):
+        names = [(i.handle.id, i.text_ids[0]) for i in items]
+        log.append(("start", names))
+        if names == [("a", 0)]:  # while this round runs, a's next item and a new reply's first come
+            engine._output.put(item("a", 1))
+            engine._output.put(item("new", 0))
+        polls = iter(range(2000))  # the round "ends" once the new reply was emitted (or after ~2 s of polls)
+
+        def done():
+            return ("emit", [("new", 0)], True) in log or names != [("a", 0)] or next(polls, None) is None
+
+        return _Round(items, SimpleNamespace(done=done), None, 0.0)
+
+    def finish_round(running):
+        log.append(("finish", [(i.handle.id, i.text_ids[0]) for i in running.items]))
+        if len([entry for entry in log if entry[0] == "finish"]) == 2:
+            engine._output.put(None)  # closing
+
+    engine._start_round = start_round
+    engine._finish_round = finish_round
+    engine._emit_round = lambda items: log.append(
+        ("emit", [(i.handle.id, i.text_ids[0]) for i in items], engine._start_up_round))
+    engine._output.put(item("a", 0))
+    engine._output_loop()
+    assert log == [
+        ("start", [("a", 0)]),
+        ("emit", [("new", 0)], True),  # beside the running round, the steps held
+        ("finish", [("a", 0)]),
+        ("start", [("a", 1)]),
+        ("finish", [("a", 1)]),
+    ], log
+    assert engine._emitted == 3 and not engine._start_up_round

@@ -21,9 +21,9 @@ def test_to_host_of_a_cpu_tensor_is_the_tensor():
 
 
 def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, inputs, monkeypatch):
-    """One `HostCopy` per decode step (the step's outputs, started when it is queued), one `to_host` per prefill and
-    per vocoder call that has audio: no pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left on the
-    engine's threads."""
+    """One `HostCopy` per decode step (the step's outputs, started when it is queued), one `to_host` per prefill, one
+    `HostCopy` per vocoder call that has audio: no pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left
+    on the engine's threads."""
     copies = {"batch": 0, "vocoder": 0, "steps": 0, "step_reads": 0}
 
     def counting(name):
@@ -33,21 +33,24 @@ def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, i
 
         return copy
 
-    class CountingHostCopy(HostCopy):
-        def __init__(self, tensor):
-            copies["step_reads"] += 1
-            super().__init__(tensor)
+    def counting_host_copy(name):
+        class CountingHostCopy(HostCopy):
+            def __init__(self, tensor):
+                copies[name] += 1
+                super().__init__(tensor)
+
+        return CountingHostCopy
 
     step = serving_batch_funaudiochat.ServingBatch.step
     monkeypatch.setattr(serving_batch_funaudiochat.ServingBatch, "step",
                         lambda self, generators: copies.update(steps=copies["steps"] + 1) or step(self, generators))
-    monkeypatch.setattr(serving_batch_funaudiochat, "HostCopy", CountingHostCopy)
+    monkeypatch.setattr(serving_batch_funaudiochat, "HostCopy", counting_host_copy("step_reads"))
     monkeypatch.setattr(serving_batch_funaudiochat, "to_host", counting("batch"))
-    monkeypatch.setattr(serving_vocoder_funaudiochat, "to_host", counting("vocoder"))
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "HostCopy", counting_host_copy("vocoder"))
     calls = []
-    audio = serving_vocoder_funaudiochat.ServingVocoder._audio
-    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "_audio",
-                        lambda self, items: calls.append(result := audio(self, items)) or result)  # fmt: skip
+    start = serving_vocoder_funaudiochat.ServingVocoder._start
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "_start",
+                        lambda self, *args: calls.append(result := start(self, *args)) or result)  # fmt: skip
     text_ids = inputs["input_ids"][0][inputs["input_ids"][0] != 346][-30:][None]
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=8)

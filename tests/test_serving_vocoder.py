@@ -55,8 +55,8 @@ def test_cuda_decoders_run_on_the_vocoders_own_stream(monkeypatch):
     seen = []
     batched = serving_vocoder_funaudiochat.decode_ready
     monkeypatch.setattr(
-        serving_vocoder_funaudiochat, "decode_ready", lambda streams: seen.append(torch.cuda.current_stream()) or
-        batched(streams)
+        serving_vocoder_funaudiochat, "decode_ready", lambda streams, **kwargs: seen.append(
+            torch.cuda.current_stream()) or batched(streams, **kwargs)
     )  # fmt: skip
     tokens = torch.randint(0, decoder.config.vocab_size, (3, 60), generator=torch.Generator().manual_seed(1))
     voices = ["中文女", "中文男", None]
@@ -99,11 +99,11 @@ def test_warm_up_decodes_every_batch_size_until_the_windows_are_full(monkeypatch
     calls = []  # (streams, flow window tokens of the call's chunk)
     batched = serving_vocoder_funaudiochat.decode_ready
 
-    def spy(streams):
+    def spy(streams, **kwargs):
         streams[0]._accept_pending()  # as decode_ready does first
         window = streams[0]._flow_window(finalize=False)[0].shape[0]
         calls.append((len(streams), window))
-        return batched(streams)
+        return batched(streams, **kwargs)
 
     monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready", spy)
     chunks = vocoder.warm_up(3)
@@ -134,3 +134,75 @@ def test_a_servers_warm_up_recordings_fit_the_graph_runners(monkeypatch):
     assert {shape[1][0] for shape in flow_shapes} == set(streaming_batch_cosyvoice3.GRAPH_BATCH_SIZES)
     assert 20 < len(flow_shapes) <= streaming_cosyvoice3._MAX_FLOW_GRAPHS
     assert 10 < len(hift_shapes) <= streaming_cosyvoice3._MAX_HIFT_GRAPHS
+
+
+@pytest.mark.gpu
+def test_start_up_chunks_run_beside_a_steady_round_on_their_own_stream_and_graphs():
+    """On CUDA with graphed decoders, a round of start-up chunks (`start(..., start_up=True)`) runs on a stream of
+    its own, above the steady chunks' (both above the engine's steps), replaying graph runners of its own: it can be
+    queued while a steady round is still on the GPU, decodes one chunk of each request (the rest wait for the next
+    round), and every stream's audio equals what its decoder alone gives."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    decoder.config.estimator_precision = "float32"
+    decoder.cuda()
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    assert vocoder.concurrent_start_up
+    assert vocoder.start_up_stream.priority < vocoder.cuda_stream.priority < torch.cuda.current_stream().priority
+    tokens = torch.randint(0, decoder.config.vocab_size, (3, 90), generator=torch.Generator().manual_seed(2))
+    voices = ["中文女", "中文男", None]
+    audio = [[] for _ in voices]
+    for start in range(0, 40, 10):  # requests 0 and 1 stream (their first chunk, then steady ones)
+        items = [VocodeItem(i, voices[i], tokens[i, start : start + 10].tolist(), False, True) for i in range(2)]
+        pending = vocoder.start(items, start_up=vocoder.in_start_up(0))
+        for i, samples in enumerate(pending.result()):
+            audio[i].append(torch.from_numpy(samples))
+    steady = vocoder.start([VocodeItem(i, voices[i], tokens[i, 40:90].tolist(), True, True) for i in range(2)])
+    # Request 2 joins while that round runs: its first 30 tokens complete two chunks, of which it decodes the first.
+    first = vocoder.start([VocodeItem(2, voices[2], tokens[2, :30].tolist(), False, True)], start_up=True)
+    audio[2].append(torch.from_numpy(first.result()[0]))
+    assert vocoder._streams[2].chunks_decoded == 1 and vocoder._streams[2].chunk_ready()
+    assert len(vocoder._start_up_graphs["flow"]) >= 1  # its own runners recorded the first chunks
+    for i, samples in enumerate(steady.result()):
+        audio[i].append(torch.from_numpy(samples))
+    last = vocoder.start([VocodeItem(2, voices[2], tokens[2, 30:90].tolist(), True, True)]).result()
+    audio[2].append(torch.from_numpy(last[0]))
+    assert not vocoder._streams  # every request finished
+    for i, voice in enumerate(voices):
+        alone = decoder.streaming_decoder(**({"speaker": voice} if voice else {}), **options)
+        expected = torch.cat([alone.push(tokens[i]).cpu(), alone.finalize().cpu()])
+        _close_wav(torch.cat(audio[i]), expected)
+
+
+def test_a_reply_that_ends_in_its_start_up_is_decoded_in_its_own_chunks():
+    """A start-up round decodes one chunk per request (`max_rounds=1`); a reply that ends in that round with more
+    chunks ready gets them decoded as chunks before its final one, as its decoder alone would (not merged into the
+    final chunk, whose flow window would then differ)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    tokens = torch.randint(0, decoder.config.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
+    pending = vocoder._start([VocodeItem(0, None, tokens.tolist(), True, True)], None, 1)  # two chunks ready
+    audio = torch.from_numpy(pending.result()[0])
+    alone = decoder.streaming_decoder(**options)
+    expected = torch.cat([alone.push(tokens), alone.finalize()])
+    assert alone.chunks_decoded == 2 and not vocoder._streams
+    assert audio.shape == expected.shape
+    _close_wav(audio, expected)  # merged into the final chunk, the audio differed by up to 1.0
+
+
+def test_a_replys_first_two_chunks_are_its_start_up():
+    """`in_start_up`: a request is in its start-up (its rounds go first, and on CUDA beside steady rounds) until
+    `START_UP_CHUNKS` (2) chunks of it are decoded; with only the first, a listener waited for the second behind the
+    steady rounds (docs/serving.md)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    assert serving_vocoder_funaudiochat.START_UP_CHUNKS == 2
+    tokens = torch.randint(0, decoder.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert vocoder.in_start_up(7)  # no decoder yet
+    starts = []
+    for first, last in ((0, 9), (9, 24), (24, 40)):  # 5 + 3 + 1 tokens complete chunk 0, 15 more chunk 1
+        assert len(vocoder.audio([VocodeItem(7, None, tokens[first:last], False, True)])[0]) > 0
+        starts.append(vocoder.in_start_up(7))
+    assert starts == [True, False, False]

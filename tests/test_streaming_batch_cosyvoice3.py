@@ -126,12 +126,36 @@ def test_decode_ready_without_ready_chunks_and_bad_arguments(model):
         decode_ready([decoder], batch_sizes=(0,))
     with pytest.raises(ValueError, match="twice"):
         decode_ready([decoder, decoder])
+    with pytest.raises(ValueError, match="max_rounds"):
+        decode_ready([decoder], max_rounds=0)
     with pytest.raises(ValueError, match="CosyVoice3StreamingDecoder"):
         decode_ready([decoder, object()])
     other = CosyVoice3Token2Wav._from_config(tiny_token2wav_config(40), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="another model"):
         decode_ready([decoder, other.streaming_decoder(speaker_embedding=torch.ones(other.config.spk_embed_dim))])
     assert GRAPH_BATCH_SIZES[0] == 1
+
+
+def test_max_rounds_leaves_the_later_chunks_ready(model):
+    """`max_rounds=1` decodes one chunk of each decoder (a server vocodes a reply's first chunk alone, beside other
+    work) and leaves the later ready chunks to the next call; the audio is the same as decoding them all at once."""
+    tokens = [_tokens(model, 60, seed) for seed in (4, 5)]
+    once, stepwise = [], []
+    for decoders in (once, stepwise):
+        for index, stream_tokens in enumerate(tokens):
+            decoder = model.streaming_decoder(speaker_embedding=_voice(index, model), token_hop_len=15,
+                                              first_token_hop_len=5)  # fmt: skip
+            decoder.add_tokens(stream_tokens[: 5 + 15 + 3 + 1 + 10 * index])  # two chunks ready
+            decoders.append(decoder)
+    whole = decode_ready(once)
+    first = decode_ready(stepwise, max_rounds=1)
+    assert [decoder.chunks_decoded for decoder in stepwise] == [1, 1]
+    assert all(decoder.chunk_ready() for decoder in stepwise)
+    rest = decode_ready(stepwise)
+    assert [decoder.chunks_decoded for decoder in stepwise] == [decoder.chunks_decoded for decoder in once] == [2, 2]
+    for index in range(2):
+        assert len(first[index]) > 0
+        _close_wav(torch.cat([first[index], rest[index]]), whole[index])
 
 
 def test_decode_ready_names_the_decoder_with_bad_deferred_tokens(model, monkeypatch):

@@ -46,7 +46,7 @@ from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_batch_funaudiochat import ServingBatch
 from .serving_host_copy_funaudiochat import HostCopy
 from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
-from .serving_vocoder_funaudiochat import ServingVocoder, VocodeItem
+from .serving_vocoder_funaudiochat import PendingAudio, ServingVocoder, VocodeItem
 
 
 logger = logging.get_logger(__name__)
@@ -68,11 +68,12 @@ DEFAULT_STREAM_OPTIONS = {
 # thread blocks or the interval has passed, so at 5 ms every wait of a loaded engine's decode thread could take up to
 # 5 ms more: several times a step of ~10 ms.
 THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
-# The longest the decode thread holds its next step while the output thread vocodes a round of first chunks only. The
-# chunk then has the GPU to itself, as in `generate_speech_stream`, instead of sharing it with the steps launched
-# back to back (under load its vocoding took about half as long, the aggregate the same: docs/performance.md). The
-# bound keeps a slow round from stalling every other stream's tokens for long. It also bounds the wait of a step for
-# the vocoding of the previous one's outputs while no request streams yet (`_wait_for_output_thread`).
+# The longest the decode thread holds its next step while the output thread vocodes a round of start-up chunks only
+# (a reply's first chunks, `ServingVocoder.in_start_up`). The chunk then has the GPU to itself, as in
+# `generate_speech_stream`, instead of sharing it with the steps launched back to back (under load its vocoding took
+# about half as long, the aggregate the same: docs/performance.md). The bound keeps a slow round from stalling every
+# other stream's tokens for long. It also bounds the wait of a step for the vocoding of the previous one's outputs
+# while no request streams yet (`_wait_for_output_thread`).
 FIRST_AUDIO_HOLD_SECONDS = 0.05
 # While a request is prefilled, the decode steps and the vocoder rounds of requests that all have at least this much
 # audio out ahead of their playback (counted from their first audio, played in real time) wait for it: the prefill
@@ -81,6 +82,10 @@ FIRST_AUDIO_HOLD_SECONDS = 0.05
 # prefill, at the latest after `PREFILL_HOLD_SECONDS` (a prefill alone takes ~50-150 ms on a GPU).
 PREFILL_PRIORITY_AHEAD_SECONDS = 2.0
 PREFILL_HOLD_SECONDS = 0.3
+# While a round of steady chunks runs on the GPU, the output thread looks for new start-up chunks (and whether the
+# round is done) at least this often (seconds): they are vocoded beside the round instead of after it
+# (`ServingVocoder.concurrent_start_up`).
+START_UP_POLL_SECONDS = 1e-3
 
 
 class _StepOutput(NamedTuple):
@@ -93,6 +98,16 @@ class _StepOutput(NamedTuple):
     finish: str | None  # the finish reason of its last item
     error: str | None
     queued: float  # when it was handed over (`time.perf_counter()`)
+
+
+class _Round(NamedTuple):
+    """A vocoder round of the output thread: its items (one per request), its audio queued on the GPU (None without
+    a vocoder, or when queueing it failed: `failure`), and when it started."""
+
+    items: list[_StepOutput]
+    audio: PendingAudio | None
+    failure: Exception | None
+    started: float
 
 
 @dataclass
@@ -244,7 +259,7 @@ class SpeechEngine:
         self._closed = False
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
-        self._first_audio_round = False  # the output thread vocodes a round of first chunks (the steps wait)
+        self._start_up_round = False  # the output thread vocodes a round of start-up chunks (the steps wait)
         self._prefilling = False  # the prefill thread runs a prefill (steps and rounds far enough ahead wait)
         self._output: queue.Queue = queue.Queue()
         # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`); a
@@ -415,7 +430,7 @@ class SpeechEngine:
                 self._leave(slot, "cancelled")
         self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
         self._admit_prefilled()
-        self._wait_for_first_audio_round()
+        self._wait_for_start_up_round()
         active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
@@ -437,11 +452,11 @@ class SpeechEngine:
             target = self._handed
             self._emission.wait_for(lambda: self._emitted >= target or self._closed, FIRST_AUDIO_HOLD_SECONDS)
 
-    def _wait_for_first_audio_round(self) -> None:
-        """Hold the next step while the output thread vocodes a round of first chunks, at most
+    def _wait_for_start_up_round(self) -> None:
+        """Hold the next step while the output thread vocodes a round of start-up chunks, at most
         `FIRST_AUDIO_HOLD_SECONDS` (the step already queued keeps the GPU busy meanwhile)."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._first_audio_round or self._closed, FIRST_AUDIO_HOLD_SECONDS)
+            self._lock.wait_for(lambda: not self._start_up_round or self._closed, FIRST_AUDIO_HOLD_SECONDS)
 
     def _prefill_loop(self) -> None:
         self._run_thread(self._prefill_next, "prefill thread")
@@ -611,7 +626,14 @@ class SpeechEngine:
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
                 self._hold_for_prefill([item.handle for item in round_items])
-                self._emit_round_holding_steps(round_items)
+                concurrent = self._vocoder is not None and self._vocoder.concurrent_start_up
+                if concurrent and not self._in_start_up(round_items):
+                    running = self._start_round(round_items)
+                    items, closing, more = self._start_up_meanwhile(running, items, closing)
+                    taken += more
+                    self._finish_round(running)
+                else:
+                    self._emit_round_holding_steps(round_items)
             if not items:  # everything taken so far is emitted (the queue is in the order items were handed)
                 with self._lock:
                     self._emitted = taken
@@ -619,21 +641,52 @@ class SpeechEngine:
             if closing and not items:
                 return
 
+    def _in_start_up(self, items: list[_StepOutput]) -> bool:
+        """Whether every request of a round is in its start-up (`ServingVocoder.in_start_up`)."""
+        return self._vocoder is not None and all(self._vocoder.in_start_up(item.handle.id) for item in items)
+
     def _emit_round_holding_steps(self, items: list[_StepOutput]) -> None:
-        """`_emit_round`, the decode thread holding its next step meanwhile if every request of the round still waits
-        for its first audio (`_wait_for_first_audio_round`)."""
-        first = self._vocoder is not None and all(self._vocoder.awaits_first_audio(item.handle.id) for item in items)
-        if not first:
+        """`_emit_round`, the decode thread holding its next step meanwhile if every request of the round is in its
+        start-up (`_wait_for_start_up_round`)."""
+        if not self._in_start_up(items):
             self._emit_round(items)
             return
         with self._lock:
-            self._first_audio_round = True
+            self._start_up_round = True
         try:
             self._emit_round(items)
         finally:
             with self._lock:
-                self._first_audio_round = False
+                self._start_up_round = False
                 self._lock.notify_all()
+
+    def _start_up_meanwhile(
+        self, running: _Round, items: list[_StepOutput], closing: bool
+    ) -> tuple[list[_StepOutput], bool, int]:
+        """While `running` (a round of steady chunks) is on the GPU, take what the decode thread hands over and emit
+        the start-up chunks among it at once, beside the round (`ServingVocoder.concurrent_start_up`), instead of
+        after it: a steady round of many streams at their largest hop takes several times a first chunk. Returns
+        `(items left, in order; whether the last item ever was taken; items taken)`."""
+        taken = 0
+        while running.audio is not None and not running.audio.done():
+            if closing:
+                time.sleep(START_UP_POLL_SECONDS)
+            else:
+                try:
+                    item = self._output.get(timeout=START_UP_POLL_SECONDS)
+                except queue.Empty:
+                    continue
+                closing = item is None
+                queued = [] if closing else [item]
+                if not closing:
+                    more, closing = self._queued_items()
+                    queued += more
+                items += queued
+                taken += len(queued)
+            if any(self._vocoder.in_start_up(item.handle.id) for item in items):
+                start_up, items = self._next_round(items)  # the requests in their start-up
+                self._emit_round_holding_steps(start_up)
+        return items, closing, taken
 
     def _queued_items(self) -> tuple[list[_StepOutput], bool]:
         """What the decode thread has queued since the last look (without waiting), and whether that ends with the
@@ -650,39 +703,59 @@ class SpeechEngine:
 
     def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
-        (`_merged`), of the requests still waiting for their first audio if any (else of all), and the other items
-        in order. A round thus catches up with all the steps handed over since the last one, however far vocoding
-        fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A reply's
-        first chunk gets vocoder calls of its own, also when queued while a round ran: a round's chunks share one
-        flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window), so it
-        would otherwise wait for every steady chunk."""
-        waiting = set()
+        (`_merged`), of the requests in their start-up (`ServingVocoder.in_start_up`) if any (else of all), and the
+        other items in order. A round thus catches up with all the steps handed over since the last one, however far
+        vocoding fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A
+        reply's start-up chunks get vocoder calls of their own, also when queued while a round ran: a round's chunks
+        share one flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window),
+        so they would otherwise wait for every steady chunk."""
+        starting = set()
         if self._vocoder is not None:
-            waiting = {item.handle.id for item in items if self._vocoder.awaits_first_audio(item.handle.id)}
+            starting = {item.handle.id for item in items if self._vocoder.in_start_up(item.handle.id)}
         taken: dict[int, list[_StepOutput]] = {}  # request id -> its items of this round, in order
         ended, rest = set(), []
         for item in items:
             request = item.handle.id
-            take = request not in ended and (not waiting or request in waiting)
+            take = request not in ended and (not starting or request in starting)
             (taken.setdefault(request, []) if take else rest).append(item)
             if take and item.finish is not None:  # anything after a request's last item is left (and dropped)
                 ended.add(request)
         return [_merged(group) for group in taken.values()], rest
 
-    def _emit_round(self, items: list) -> None:
+    def _emit_round(self, items: list[_StepOutput]) -> None:
         """Emit the events of queued items of distinct requests, in order, their audio decoded together (one vocoder
         call); a vocoder error fails its request only."""
+        self._finish_round(self._start_round(items))
+
+    def _start_round(self, items: list[_StepOutput]) -> _Round:
+        """Queue the audio of items of distinct requests on the GPU (one vocoder call, `ServingVocoder.start`; a
+        round whose requests are all in their start-up is vocoded as such)."""
+        start_up = self._in_start_up(items)
         items = [item for item in items if not item.handle.finished.is_set()]  # e.g. a cancellation after the end
-        if not items:
-            return
         parts = [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
                             item.finish not in ("cancelled", "error"))
                  for item in items]  # fmt: skip
         started = time.perf_counter()
+        if self._vocoder is None or not items:
+            return _Round(items, None, None, started)
         try:
-            audio = self._vocoder.audio(parts) if self._vocoder is not None else [np.zeros(0, np.float32)] * len(items)
+            return _Round(items, self._vocoder.start(parts, start_up=start_up), None, started)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
-            audio = [failure] * len(items)
+            return _Round(items, None, failure, started)
+
+    def _finish_round(self, running: _Round) -> None:
+        """Emit the events of a round's items (`_start_round`), in order, once its audio is on the host; a vocoder
+        error fails its request only."""
+        items, started = running.items, running.started
+        if running.failure is not None:
+            audio = [running.failure] * len(items)
+        elif running.audio is None:
+            audio = [np.zeros(0, np.float32)] * len(items)
+        else:
+            try:
+                audio = running.audio.result()
+            except Exception as failure:
+                audio = [failure] * len(items)
         for item, samples in zip(items, audio):
             handle, text_ids, speech_ids, finish, error, _ = item
             try:

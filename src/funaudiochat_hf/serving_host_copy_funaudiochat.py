@@ -32,6 +32,10 @@ class HostCopy:
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(tensor.device))
 
+    def done(self) -> bool:
+        """Whether the copy has finished (`result` then returns at once); never waits."""
+        return self._copied is None or self._copied.query()
+
     def result(self) -> torch.Tensor:
         """The CPU tensor (pinned for a CUDA one), once the copy is done: the stream's progress polled
         (`Event.query`), sleeping `POLL_SECONDS` between polls."""

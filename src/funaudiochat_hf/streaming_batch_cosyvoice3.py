@@ -33,6 +33,8 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 def decode_ready(
     decoders: Sequence[CosyVoice3StreamingDecoder],
     batch_sizes: Union[tuple[int, ...], str, None] = "auto",
+    graph_runners: Optional[dict] = None,
+    max_rounds: Optional[int] = None,
 ) -> list[torch.Tensor]:
     """Decode every ready chunk of `decoders` (tokens added with `add_tokens`) and return each decoder's new audio
     (samples,) (possibly empty), in order: what `decoder.decode_ready()` returns for each, with one flow call (and
@@ -49,6 +51,11 @@ def decode_ready(
     "auto" (default): `GRAPH_BATCH_SIZES` when the decoders replay CUDA graphs or the model's flow is compiled (graphs
     and compiled code are specialised to shapes: this bounds the recordings), else None (one call per round with
     exactly the ready rows).
+
+    graph_runners: the {"flow", "hift"} runners the rounds replay, for decoders that replay CUDA graphs (default:
+        the model's own, which the decoders replay alone); runners of their own
+        (`streaming_cosyvoice3.new_graph_runners`) may replay at the same time as the model's, on another stream.
+    max_rounds: decode at most this many chunks of each decoder (None: every ready chunk); the rest stay ready.
 
     All decoders must stream from the same model with the same `cuda_graphs` setting (one flow call runs one model's
     weights and one precision setting); a mix raises a ValueError. A failed call leaves every decoder as it was before
@@ -76,12 +83,17 @@ def decode_ready(
                 "decodes streams of one setting"
             )
     sizes = _batch_sizes(batch_sizes, fixed_shapes=graphed or model.flow_is_compiled)
+    if max_rounds is not None and (not isinstance(max_rounds, int) or max_rounds < 1):
+        raise ValueError(f"max_rounds must be None or an int >= 1, got {max_rounds!r}")
+    runners = (graph_runners or decoders[0]._graphs) if graphed else None
     # The decoders' state before the call: the decoding replaces state tensors, never writes into them, so a shallow
     # copy restores it if the call fails (no chunk is then half-decoded, e.g. its mel taken but not vocoded).
     states = [dict(vars(decoder)) for decoder in decoders]
     pieces: list[list[torch.Tensor]] = [[] for _ in decoders]
+    rounds = 0
     try:
-        while True:
+        while max_rounds is None or rounds < max_rounds:
+            rounds += 1
             ready = [index for index, decoder in enumerate(decoders) if decoder.chunk_ready()]
             if not ready:
                 break
@@ -95,8 +107,9 @@ def decode_ready(
                 step = len(window_group) if sizes is None else sizes[-1]
                 for first in range(0, len(window_group), step):
                     group = window_group[first : first + step]
-                    for index, audio in zip(group, _decode_chunks([decoders[index] for index in group], sizes)):
-                        pieces[index].append(audio)
+                    audio = _decode_chunks([decoders[index] for index in group], sizes, runners)
+                    for index, samples in zip(group, audio):
+                        pieces[index].append(samples)
     except BaseException:
         for decoder, state in zip(decoders, states):
             vars(decoder).clear()
@@ -141,11 +154,11 @@ def _pad_rows(tensors: list[torch.Tensor], sizes: Optional[tuple[int, ...]]) -> 
     return [torch.cat([tensor, tensor[:1].expand(bucket - batch, *tensor.shape[1:])]) for tensor in tensors]
 
 
-def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes) -> list[torch.Tensor]:
+def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes, runners: Optional[dict]) -> list[torch.Tensor]:
     """Decode the next (non-final) chunk of every decoder (all ready, pending tokens accepted): one flow call, then
-    one HiFT filter call per group of equal window shapes. Returns each decoder's new audio (samples,)."""
-    first = decoders[0]
-    model = first.model
+    one HiFT filter call per group of equal window shapes (replayed by `runners`, eager if None). Returns each
+    decoder's new audio (samples,)."""
+    model = decoders[0].model
     windows = [decoder._flow_window(finalize=False) for decoder in decoders]
     padded = max(decoder.padded_window(window.shape[0]) for decoder, (window, _, _) in zip(decoders, windows))
     rows, real_frames = [], []
@@ -160,10 +173,10 @@ def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes) -> list[to
     conditioning = flow.decoder.cached_time_conditioning(
         inputs[0].shape[0], model.device, flow.input_embedding.weight.dtype
     )
-    if first._graphs is None:
+    if runners is None:
         mel = flow_window_to_mel(flow, *inputs, *conditioning)
     else:
-        mel = first._graphs["flow"](*inputs, *conditioning)
+        mel = runners["flow"](*inputs, *conditioning)
     for row, (decoder, (_, window_start, end)) in enumerate(zip(decoders, windows)):
         decoder._take_mel(mel[row : row + 1, :, : real_frames[row]], window_start, end, finalize=False)
 
@@ -180,10 +193,10 @@ def _decode_chunks(decoders: list[CosyVoice3StreamingDecoder], sizes) -> list[to
         mel_batch, source_batch = _pad_rows(
             [torch.cat([inputs[0] for _, inputs in group]), torch.cat([inputs[1] for _, inputs in group])], sizes
         )
-        if first._graphs is None:
+        if runners is None:
             wav = model.hift.decode(mel_batch, source_batch, finalize=False)
         else:
-            wav = first._graphs["hift"](mel_batch, source_batch)
+            wav = runners["hift"](mel_batch, source_batch)
         for position, (row, (_, _, window_start, audio_end)) in enumerate(group):
             audio[row] = decoders[row]._take_audio(wav[position : position + 1], window_start, audio_end)
     return audio

@@ -580,50 +580,57 @@ _GRAPH_RUNNERS_LOCK = threading.Lock()
 
 
 def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
-    """The model's {"flow": token window to mel (`flow_window_to_mel`), "hift": non-final filter} graph runners, created
-    on first use. The model owns them (`model.streaming_graph_runners`, shared by its streaming decoders: a reply's
-    decoder replays the graphs an earlier reply recorded); they are freed with the model, or by setting that
-    attribute to None."""
+    """The model's {"flow", "hift"} graph runners (`new_graph_runners`), created on first use. The model owns them
+    (`model.streaming_graph_runners`, shared by its streaming decoders: a reply's decoder replays the graphs an
+    earlier reply recorded); they are freed with the model, or by setting that attribute to None."""
     with _GRAPH_RUNNERS_LOCK:
         runners = getattr(model, "streaming_graph_runners", None)
         if runners is None:
-            config, flow, hift = model.config, model.flow, model.hift
-            estimator = flow.decoder.estimator
-
-            def settings(*modules: torch.nn.Module):
-                # What the recorded kernels depend on besides the input shapes: precision settings, and where the
-                # weights live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv
-                # layout (`use_channels_last_convolutions` re-allocates the filter's weights).
-                weights = [next(module.parameters()) for module in modules]
-                # The fused DiT q/k/v copies (`fuse_qkv_projections`) and the position convs' tap-major weights
-                # (`store_tap_major_weights`) are new tensors each time they are built.
-                blocks = estimator.transformer_blocks
-                fused = blocks[0].attn.qkv_weight if len(blocks) else None
-                tap_major = estimator.input_embed.conv_pos_embed.conv1_tap_major
-                return (
-                    config.estimator_autocast_dtype,
-                    None if tap_major is None else tap_major.data_ptr(),
-                    torch.backends.cuda.matmul.allow_tf32,
-                    torch.backends.cudnn.allow_tf32,
-                    tuple((weight.data_ptr(), weight.dtype) for weight in weights),
-                    None if fused is None else fused.data_ptr(),
-                    getattr(modules[-1], "channels_last_convolutions", None),
-                )
-
-            runners = {
-                "flow": CUDAGraphRunner(
-                    functools.partial(flow_window_to_mel, flow),
-                    functools.partial(settings, flow.input_embedding, flow.pre_lookahead_layer, estimator),
-                    max_graphs=_MAX_FLOW_GRAPHS,
-                ),
-                "hift": CUDAGraphRunner(
-                    functools.partial(hift.decode, finalize=False),
-                    functools.partial(settings, hift),
-                    max_graphs=_MAX_HIFT_GRAPHS,
-                ),
-            }
+            runners = new_graph_runners(model)
             model.streaming_graph_runners = runners
     return runners
 
 
-__all__ = ["CosyVoice3StreamingDecoder", "hop_schedule"]
+def new_graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
+    """New {"flow": token window to mel (`flow_window_to_mel`), "hift": non-final filter} graph runners of `model`'s
+    streamed chunks, with a memory pool of their own: their replays may run at the same time as those of the
+    model's own runners (on another CUDA stream), which `decode_ready(..., graph_runners=...)` then replays. The
+    caller owns them (and the memory their recordings hold)."""
+    config, flow, hift = model.config, model.flow, model.hift
+    estimator = flow.decoder.estimator
+
+    def settings(*modules: torch.nn.Module):
+        # What the recorded kernels depend on besides the input shapes: precision settings, and where the weights
+        # live (a `.to()` re-allocates them; a graph holds their old addresses), and HiFT's conv layout
+        # (`use_channels_last_convolutions` re-allocates the filter's weights).
+        weights = [next(module.parameters()) for module in modules]
+        # The fused DiT q/k/v copies (`fuse_qkv_projections`) and the position convs' tap-major weights
+        # (`store_tap_major_weights`) are new tensors each time they are built.
+        blocks = estimator.transformer_blocks
+        fused = blocks[0].attn.qkv_weight if len(blocks) else None
+        tap_major = estimator.input_embed.conv_pos_embed.conv1_tap_major
+        return (
+            config.estimator_autocast_dtype,
+            None if tap_major is None else tap_major.data_ptr(),
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            tuple((weight.data_ptr(), weight.dtype) for weight in weights),
+            None if fused is None else fused.data_ptr(),
+            getattr(modules[-1], "channels_last_convolutions", None),
+        )
+
+    return {
+        "flow": CUDAGraphRunner(
+            functools.partial(flow_window_to_mel, flow),
+            functools.partial(settings, flow.input_embedding, flow.pre_lookahead_layer, estimator),
+            max_graphs=_MAX_FLOW_GRAPHS,
+        ),
+        "hift": CUDAGraphRunner(
+            functools.partial(hift.decode, finalize=False),
+            functools.partial(settings, hift),
+            max_graphs=_MAX_HIFT_GRAPHS,
+        ),
+    }
+
+
+__all__ = ["CosyVoice3StreamingDecoder", "hop_schedule", "new_graph_runners"]
