@@ -6,6 +6,7 @@ ahead) and how a handle's events are taken. The engine is built with only what t
 import threading
 import time
 
+import pytest
 import torch
 
 from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
@@ -116,7 +117,7 @@ def test_decode_steps_wait_while_a_round_of_start_up_is_vocoded(monkeypatch):
     engine._wait_for_start_up_round()
     waited = time.perf_counter() - start
     assert 0.05 <= waited < 5.0, waited
-    engine._start_up_round = False  # no round of first chunks: no wait at all
+    engine._start_up_round = False  # no start-up round: no wait at all
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
     start = time.perf_counter()
     engine._wait_for_start_up_round()
@@ -234,12 +235,14 @@ def test_events_taken_again_go_on_where_the_last_call_stopped():
     assert list(handle.events(timeout=0.5)) == []
 
 
-def test_start_up_that_come_during_a_steady_round_are_vocoded_beside_it():
-    """Where the vocoder runs first chunks beside steady rounds (`concurrent_start_up`, CUDA), a new reply's first
+@pytest.mark.parametrize("close_during_round", [False, True], ids=["open", "closing-during-the-round"])
+def test_start_up_chunks_that_come_during_a_steady_round_are_vocoded_beside_it(close_during_round):
+    """Where the vocoder runs start-up chunks beside steady rounds (`concurrent_start_up`, CUDA), a new reply's first
     item that arrives while a steady round is on the GPU is vocoded and emitted before that round ends (with the
-    steps held, as for any round of first chunks); a streaming request's item that came with it waits for the next
-    round, after the running one: each request's events stay in order. Before, the first chunk waited for the whole
-    steady round."""
+    steps held, as for any start-up round); a streaming request's item that came with it waits for the next round,
+    after the running one: each request's events stay in order. Before, the first chunk waited for the whole steady
+    round. The engine closing meanwhile (the decode thread's last item comes with them) changes none of that, and the
+    loop ends once everything is emitted."""
     from types import SimpleNamespace
 
     from funaudiochat_hf.serving_engine_funaudiochat import _Round, _StepOutput
@@ -257,6 +260,8 @@ def test_start_up_that_come_during_a_steady_round_are_vocoded_beside_it():
         if names == [("a", 0)]:  # while this round runs, a's next item and a new reply's first come
             engine._output.put(item("a", 1))
             engine._output.put(item("new", 0))
+            if close_during_round:
+                engine._output.put(None)
         polls = iter(range(2000))  # the round "ends" once the new reply was emitted (or after ~2 s of polls)
 
         def done():
@@ -266,7 +271,7 @@ def test_start_up_that_come_during_a_steady_round_are_vocoded_beside_it():
 
     def finish_round(running):
         log.append(("finish", [(i.handle.id, i.text_ids[0]) for i in running.items]))
-        if len([entry for entry in log if entry[0] == "finish"]) == 2:
+        if len([entry for entry in log if entry[0] == "finish"]) == 2 and not close_during_round:
             engine._output.put(None)  # closing
 
     engine._start_round = start_round
