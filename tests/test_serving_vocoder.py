@@ -206,3 +206,26 @@ def test_a_replys_first_two_chunks_are_its_start_up():
         assert len(vocoder.audio([VocodeItem(7, None, tokens[first:last], False, True)])[0]) > 0
         starts.append(vocoder.in_start_up(7))
     assert starts == [True, False, False]
+
+
+def test_chunks_left_by_a_start_up_round_replay_the_runners_that_recorded_their_shapes(monkeypatch):
+    """A reply that ends in a start-up round with chunks left ready decodes each of them by the runners whose warm-up
+    recorded its shapes: the start-up lane's for a start-up chunk, the model's own (None) for a later one; a new
+    recording on the way to the reply's end would cost hundreds of milliseconds and memory that a load keeps."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    options = {"token_hop_len": 15, "first_token_hop_len": 5}
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    lane = {"flow": "start-up flow", "hift": "start-up hift"}  # never replayed on CPU (the decoders are not graphed)
+    calls = []  # (chunk index, the runners passed)
+    batched = serving_vocoder_funaudiochat.decode_ready
+
+    def spy(streams, graph_runners=None, max_rounds=None):
+        calls.append((streams[0].chunks_decoded, graph_runners, max_rounds))
+        return batched(streams, graph_runners=graph_runners, max_rounds=max_rounds)
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat, "decode_ready", spy)
+    tokens = torch.randint(0, decoder.config.vocab_size, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    audio = vocoder._start([VocodeItem(0, None, tokens, True, True)], lane, 1).result()[0]  # chunks 0, 1, 2 ready
+    assert calls == [(0, lane, 1), (1, lane, 1), (2, None, 1)], calls
+    alone = decoder.streaming_decoder(**options)
+    _close_wav(torch.from_numpy(audio), torch.cat([alone.push(torch.tensor(tokens)), alone.finalize()]))

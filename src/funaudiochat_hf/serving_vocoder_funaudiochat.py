@@ -230,8 +230,7 @@ class ServingVocoder:
         for position, stream in active:
             if results[position] is None and items[position].finished:
                 try:
-                    if stream.chunk_ready():  # left by `max_rounds`: decoded as the chunks they are, as alone
-                        pieces[position].append(stream.decode_ready())
+                    pieces[position] += self._left_chunks(stream, graph_runners)
                     pieces[position].append(stream.finalize())
                 except Exception as error:
                     results[position] = error
@@ -241,6 +240,16 @@ class ServingVocoder:
         lengths = [sum(piece.numel() for piece in pieces[position]) for position in open_positions]
         copy = HostCopy(torch.cat(flat) if flat else torch.zeros(0)) if open_positions else None
         return PendingAudio(self, items, results, open_positions, lengths, copy)
+
+    def _left_chunks(self, stream, start_up_graphs) -> list[torch.Tensor]:
+        """The audio of the chunks a start-up round left ready (`max_rounds`) in a reply that ends now: each decoded as
+        the chunk it is, as its decoder alone would (not merged into the final chunk), by the runners that recorded its
+        shapes in the warm-up: the start-up lane's for a start-up chunk, the model's for a later one."""
+        pieces = []
+        while stream.chunk_ready():
+            start_up = start_up_graphs is not None and stream.chunks_decoded < START_UP_CHUNKS
+            pieces += decode_ready([stream], graph_runners=start_up_graphs if start_up else None, max_rounds=1)
+        return pieces
 
     def _decode_ready(self, ready: list[tuple[int, object]], graph_runners=None,
                       max_rounds: int | None = None) -> dict[int, torch.Tensor | Exception]:  # fmt: skip
