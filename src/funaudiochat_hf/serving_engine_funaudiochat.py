@@ -613,14 +613,10 @@ class SpeechEngine:
     def _output_loop(self) -> None:
         items, closing, taken = [], False, 0
         while True:
-            # Everything queued so far: the audio of all requests' ready chunks is decoded together.
-            if not items:
-                items.append(self._output.get())
-                closing = items[-1] is None  # the last item ever (put after the decode thread ended)
-                items = items[:-1] if closing else items
-                taken += len(items)
+            # Everything queued so far (waiting for an item if there is none): the audio of all requests' ready
+            # chunks is decoded together.
             if not closing:
-                queued, closing = self._queued_items()
+                queued, closing = self._take_queued(wait=None if not items else 0)
                 items += queued
                 taken += len(queued)
             if items:  # a round of one (merged) item per request: its events in order
@@ -672,15 +668,7 @@ class SpeechEngine:
             if closing:
                 time.sleep(START_UP_POLL_SECONDS)
             else:
-                try:
-                    item = self._output.get(timeout=START_UP_POLL_SECONDS)
-                except queue.Empty:
-                    continue
-                closing = item is None
-                queued = [] if closing else [item]
-                if not closing:
-                    more, closing = self._queued_items()
-                    queued += more
+                queued, closing = self._take_queued(wait=START_UP_POLL_SECONDS)
                 items += queued
                 taken += len(queued)
             if any(self._vocoder.in_start_up(item.handle.id) for item in items):
@@ -688,18 +676,20 @@ class SpeechEngine:
                 self._emit_round_holding_steps(start_up)
         return items, closing, taken
 
-    def _queued_items(self) -> tuple[list[_StepOutput], bool]:
-        """What the decode thread has queued since the last look (without waiting), and whether that ends with the
-        last item ever. Taken before every round: a round may take long, and what comes meanwhile joins the next."""
-        items = []
+    def _take_queued(self, wait: float | None) -> tuple[list[_StepOutput], bool]:
+        """What the decode thread has queued since the last look, and whether that ends with the last item ever (put
+        after the decode thread ended). `wait`: seconds to wait for a first item (None: until one comes; 0: none).
+        Taken before every round: a round may take long, and what comes meanwhile joins the next."""
+        items, block = [], wait != 0
         while True:
             try:
-                item = self._output.get_nowait()
+                item = self._output.get(block, wait)
             except queue.Empty:
                 return items, False
             if item is None:
                 return items, True
             items.append(item)
+            block = False
 
     def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
