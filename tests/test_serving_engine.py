@@ -772,3 +772,45 @@ def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prom
     assert counts["step"] > held["step"] and counts["round"] > held["round"]  # and it all went on after it
     assert sum(len(event.text_ids) for event in before + rest) > 30  # it outlasted the prefill's hold
     _assert_single_runs(model, prompts, before + rest, 100, joined)
+
+
+def test_an_idle_engine_waits_for_the_vocoder_only_after_a_step_that_may_give_a_first_chunk(model, prompts, monkeypatch):
+    """While no request streams audio yet, the decode thread waits for the output thread only after a step whose
+    outputs may complete a request's first chunk (`ServingVocoder.first_chunk_tokens` speech ids): before that the
+    output thread has only host work (a new decoder, adding the ids) and the next step goes at once. Before, it waited
+    after every step (on an H100 ~3.5 ms of an idle server's time to first audio, after the first step alone)."""
+    _no_hold_bound(monkeypatch)
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    events, ids = [], [0]  # ("round", the request's speech ids with this round's) / ("end",) / ("step",)
+    start = serving_vocoder_funaudiochat.ServingVocoder.start
+
+    def slow_round(self, items, start_up=False):
+        ids[0] += sum(len(item.speech_ids) for item in items)
+        events.append(("round", ids[0]))
+        time.sleep(0.2)  # a step launched meanwhile did not wait for this round
+        pending = start(self, items, start_up)
+        events.append(("end",))
+        return pending
+
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "start", slow_round)
+    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
+    step = engine.batch.step
+    monkeypatch.setattr(engine.batch, "step", lambda generators: (events.append(("step",)), step(generators))[1])
+    needed = engine._vocoder.first_chunk_tokens
+    try:
+        handle = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=12, seed=0))
+        served = _drain(handle)
+    finally:
+        engine.close()
+    assert served[-1].finished and handle.first_audio is not None
+    rounds = []  # per round up to the first chunk's: (speech ids with it, whether a step was launched during it)
+    for index, event in enumerate(events):
+        if event[0] == "round":
+            end = events.index(("end",), index)
+            rounds.append((event[1], ("step",) in events[index:end]))
+            if event[1] >= needed:
+                break
+    assert rounds[-1][0] >= needed and not rounds[-1][1], events  # the first chunk's round: the next step waited
+    # An earlier round (the prefill's result, the first step's) let the next step go (items handed meanwhile join the
+    # next round).
+    assert any(stepped for _, stepped in rounds[:-1]), events

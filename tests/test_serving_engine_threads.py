@@ -15,15 +15,24 @@ from funaudiochat_hf.serving_requests_funaudiochat import SpeechRequest
 from test_serving_engine import TIMEOUT, _take
 
 
-def _output_loop_alone(streaming: set):
+def _handle(request_id):
+    """A request's handle as the output loop reads it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(id=request_id, request=SimpleNamespace(voice=None))
+
+
+def _output_loop_alone(streaming: set, silent: frozenset = frozenset()):
     """A `SpeechEngine` with only what its output loop reads (no model, no threads); the requests in `streaming` have
-    had audio out, the others wait for their first."""
+    had audio out, the others wait for their first; a round of only `silent` requests decodes no audio
+    (`ServingVocoder.may_decode`)."""
     import queue as queues
     from types import SimpleNamespace
 
     engine = SpeechEngine.__new__(SpeechEngine)
     engine._vocoder = SimpleNamespace(in_start_up=lambda request_id: request_id not in streaming,
-                                     concurrent_start_up=False)
+                                     may_decode=lambda parts: any(p.request_id not in silent for p in parts),
+                                     concurrent_start_up=False)  # fmt: skip
     engine._output = queues.Queue()
     engine._lock = threading.Condition()
     engine._emission = threading.Condition(engine._lock)
@@ -38,14 +47,12 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
     queued), one round catches up with all of them (one round per step would stay behind for good). A reply's first
     item that arrives while a round runs is vocoded next, alone, before the steady items that came with it; a
     request's items after its last (a cancellation after its end) are not merged into it."""
-    from types import SimpleNamespace
-
     from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
 
     engine = _output_loop_alone(streaming={"a", "b"})  # requests with audio already out
 
     def item(request_id, step, finish=None):
-        return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], finish, None, float(step))
+        return _StepOutput(_handle(request_id), [step], [10 + step], finish, None, float(step))
 
     for step in range(3):  # three steps' items of two streaming requests: one round
         engine._output.put(item("a", step))
@@ -74,23 +81,23 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
 def test_decode_steps_wait_while_a_round_of_start_up_is_vocoded(monkeypatch):
     """While the output thread vocodes a round whose requests all wait for their first audio, the decode thread
     holds its next step (the chunk gets the GPU to itself, as in `generate_speech_stream`); a round with a streaming
-    request holds nothing. Before, first chunks were vocoded while steps were launched back to back beside them."""
-    from types import SimpleNamespace
-
+    request holds nothing, nor does one that decodes no audio (a reply's first ids). Before, first chunks were vocoded
+    while steps were launched back to back beside them."""
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
     from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
 
-    engine = _output_loop_alone(streaming={"a"})
+    engine = _output_loop_alone(streaming={"a"}, silent=frozenset({"quiet"}))
     held = []
     engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._start_up_round))
 
     def item(request_id):
-        return _StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0)
+        return _StepOutput(_handle(request_id), [0], [10], None, None, 0.0)
 
     engine._emit_round_holding_steps([item("new"), item("other")])
     engine._emit_round_holding_steps([item("a")])
     engine._emit_round_holding_steps([item("new"), item("a")])
-    assert held == [(["new", "other"], True), (["a"], False), (["new", "a"], False)]
+    engine._emit_round_holding_steps([item("quiet")])  # a reply's first ids, too few for a chunk: nothing to hold for
+    assert held == [(["new", "other"], True), (["a"], False), (["new", "a"], False), (["quiet"], False)]
     assert not engine._start_up_round  # cleared after the round
 
     # The decode side: a held step goes as soon as the round ends ...
@@ -128,15 +135,13 @@ def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(m
     """`_wait_for_output_thread` (a lone request's step waiting for its outputs' vocoding) returns once the output
     thread has emitted everything handed to it, at the latest after `FIRST_AUDIO_HOLD_SECONDS`, and at once when the
     engine closes: a slow or stuck round never stalls the decode thread for long."""
-    from types import SimpleNamespace
-
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
     from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
 
     engine = _output_loop_alone(streaming=set())
     engine._emit_round = lambda items: time.sleep(0.05)  # a round of vocoding
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
-    engine._hand(_StepOutput(SimpleNamespace(id="a"), [0], [10], None, None, 0.0))
+    engine._hand(_StepOutput(_handle("a"), [0], [10], None, None, 0.0))
     output = threading.Thread(target=engine._output_loop)
     start = time.perf_counter()
     output.start()
@@ -203,8 +208,6 @@ def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
 
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
     """`_output_loop` sends every round through the hold: a new reply's round holds the steps, a steady one does not."""
-    from types import SimpleNamespace
-
     from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
 
     engine = _output_loop_alone(streaming={"a"})
@@ -217,7 +220,7 @@ def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
 
     engine._emit_round = emit_round
     for request_id in ("a", "new"):
-        engine._output.put(_StepOutput(SimpleNamespace(id=request_id), [0], [10], None, None, 0.0))
+        engine._output.put(_StepOutput(_handle(request_id), [0], [10], None, None, 0.0))
     engine._output_loop()
     assert rounds == [(["new"], True), (["a"], False)], rounds
 
@@ -252,7 +255,7 @@ def test_start_up_chunks_that_come_during_a_steady_round_are_vocoded_beside_it(c
     log = []
 
     def item(request_id, step):
-        return _StepOutput(SimpleNamespace(id=request_id), [step], [10 + step], None, None, float(step))
+        return _StepOutput(_handle(request_id), [step], [10 + step], None, None, float(step))
 
     def start_round(items):
         names = [(i.handle.id, i.text_ids[0]) for i in items]

@@ -229,3 +229,32 @@ def test_chunks_left_by_a_start_up_round_replay_the_runners_that_recorded_their_
     assert calls == [(0, lane, 1), (1, lane, 1), (2, None, 1)], calls
     alone = decoder.streaming_decoder(**options)
     _close_wav(torch.from_numpy(audio), torch.cat([alone.push(torch.tensor(tokens)), alone.finalize()]))
+
+
+@pytest.mark.parametrize("options", [{"token_hop_len": 15, "first_token_hop_len": 6}, {"token_hop_len": 4}])
+def test_may_decode_says_whether_a_round_can_decode_audio(options):
+    """`may_decode` (the engine holds its steps only for a round that can queue audio on the GPU) agrees with the
+    decoders: False for ids that complete no chunk, True for ids that complete one and for a request's last item;
+    `first_chunk_tokens` is the id count at which a new decoder's first chunk becomes ready (`chunk_ready`)."""
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    vocoder = ServingVocoder(decoder, options, speech_bos_id=decoder.config.vocab_size)
+    tokens = torch.randint(0, decoder.config.vocab_size, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    alone = decoder.streaming_decoder(**options)
+    ready_at = next(count for count in range(1, 60) if (alone.add_tokens(torch.tensor(tokens[count - 1 : count])),
+                                                         alone.chunk_ready())[1])  # fmt: skip
+    assert vocoder.first_chunk_tokens == ready_at == options.get("first_token_hop_len", 4) + 3 + 1
+    sent, decoded = 0, []
+
+    def chunks():
+        return vocoder._streams[1].chunks_decoded if 1 in vocoder._streams else 0
+
+    for size in (2, 3, 4, 5, 5, 6, 9, 1, 8):
+        item = VocodeItem(1, None, tokens[sent : sent + size], False, True)
+        says, before = vocoder.may_decode([item]), chunks()
+        vocoder.audio([item])
+        assert says == (chunks() > before), (sent, size)
+        decoded.append(says)
+        sent += size
+    assert True in decoded and False in decoded
+    assert vocoder.may_decode([VocodeItem(1, None, [], True, True)])  # the last item: its rest is decoded
+    assert not vocoder.may_decode([VocodeItem(1, None, tokens[:40], True, False)])  # cancelled: no audio wanted

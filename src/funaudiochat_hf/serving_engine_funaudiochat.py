@@ -154,6 +154,13 @@ def _merged(items: list[_StepOutput]) -> _StepOutput:
     return _StepOutput(last.handle, text_ids, speech_ids, last.finish, last.error, first.queued)
 
 
+def _vocode_items(items: list[_StepOutput]) -> list[VocodeItem]:
+    """The vocoder's view of a round's (merged) items: audio is wanted unless a request was cancelled or failed."""
+    return [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
+                       item.finish not in ("cancelled", "error"))
+            for item in items]  # fmt: skip
+
+
 class _Histogram:
     """A Prometheus histogram (cumulative buckets, sum, count)."""
 
@@ -411,8 +418,8 @@ class SpeechEngine:
 
         The step is queued before the previous one's outputs are read: the GPU runs it while the host hands those
         outputs on (and waits for the GIL, which the other threads hold at times), instead of idling between steps;
-        except while no busy row streams audio yet: then each step's outputs are read and vocoded before the next
-        step is queued. A request that finished in the previous step is stepped once more (its outputs are dropped,
+        except while no busy row streams audio yet: then each step's outputs are read before the next step is
+        queued, and vocoded first once they may complete a first chunk (`_may_complete_a_first_chunk`). A request that finished in the previous step is stepped once more (its outputs are dropped,
         its slot is then freed); a request joins at the first step queued after its admission."""
         with self._lock:
             while (not self._closed and not self._prefilled and self._launched is None
@@ -442,8 +449,17 @@ class SpeechEngine:
             # `generate_speech_stream`; beside a queued step it took about twice as long (docs/serving.md).
             self._take_outputs(launched)
             self._launched = None
-            self._wait_for_output_thread()
+            if self._may_complete_a_first_chunk(launched):
+                self._wait_for_output_thread()
         return True
+
+    def _may_complete_a_first_chunk(self, launched: _LaunchedStep) -> bool:
+        """Whether the outputs of a step just taken may give a request its first chunk: one of its requests has
+        `ServingVocoder.first_chunk_tokens` speech ids or more, or has left (its last item is vocoded whole). Before
+        that the output thread has no audio to vocode (it creates the request's decoder and adds the ids, host work),
+        and the next step need not wait for it."""
+        needed = self._vocoder.first_chunk_tokens
+        return any(self._slots[slot.row] is not slot or slot.groups * self.batch.k >= needed for slot in launched.slots)
 
     def _wait_for_output_thread(self) -> None:
         """Wait until the output thread has emitted everything handed to it so far, at most
@@ -643,8 +659,9 @@ class SpeechEngine:
 
     def _emit_round_holding_steps(self, items: list[_StepOutput]) -> None:
         """`_emit_round`, the decode thread holding its next step meanwhile if every request of the round is in its
-        start-up (`_wait_for_start_up_round`)."""
-        if not self._in_start_up(items):
+        start-up (`_wait_for_start_up_round`) and the round may decode audio (`ServingVocoder.may_decode`: a round
+        that only adds a reply's first ids holds nothing)."""
+        if not self._in_start_up(items) or not self._vocoder.may_decode(_vocode_items(items)):
             self._emit_round(items)
             return
         with self._lock:
@@ -722,9 +739,7 @@ class SpeechEngine:
         round whose requests are all in their start-up is vocoded as such)."""
         start_up = self._in_start_up(items)
         items = [item for item in items if not item.handle.finished.is_set()]  # e.g. a cancellation after the end
-        parts = [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
-                            item.finish not in ("cancelled", "error"))
-                 for item in items]  # fmt: skip
+        parts = _vocode_items(items)
         started = time.perf_counter()
         if self._vocoder is None or not items:
             return _Round(items, None, None, started)

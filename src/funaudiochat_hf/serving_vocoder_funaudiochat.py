@@ -87,6 +87,7 @@ class ServingVocoder:
         self.stream_options = stream_options
         self.speech_bos_id = speech_bos_id
         self._streams: dict[int, object] = {}  # request id -> its streaming decoder
+        self.first_chunk_tokens = self._first_chunk_tokens()
         self.cuda_stream = None  # every round's, or with `start_up_stream` the steady chunks'
         self.start_up_stream = None  # start-up chunks' (`concurrent_start_up`)
         self._start_up_graphs = None  # their graph runners (and the memory of their recordings)
@@ -100,6 +101,28 @@ class ServingVocoder:
                 self.start_up_stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
                 self.start_up_stream.wait_stream(creating)
                 self._start_up_graphs = new_graph_runners(decoder)
+
+    def _first_chunk_tokens(self) -> int:
+        """The fewest speech ids a request has when its first chunk can be decoded (a new decoder's
+        `tokens_to_next_chunk`). Ids that are not codec tokens are dropped, so a request may need more, never fewer."""
+        spk_dim = self.decoder.config.spk_embed_dim
+        return self.decoder.streaming_decoder(
+            speaker_embedding=torch.zeros(spk_dim), **self.stream_options
+        ).tokens_to_next_chunk()
+
+    def may_decode(self, items: list[VocodeItem]) -> bool:
+        """Whether a round of `items` (`start`) may decode audio: a request that wants audio ends, or its new ids
+        reach its next chunk (`first_chunk_tokens` for a request without a decoder yet). False: the round only adds
+        ids (host work, nothing queued on the GPU). Ids that are not codec tokens are dropped, so it may say True for
+        a round that decodes nothing, never False for one that decodes."""
+        for item in items:
+            if not item.produce_audio:
+                continue
+            stream = self._streams.get(item.request_id)
+            needed = self.first_chunk_tokens if stream is None else stream.tokens_to_next_chunk()
+            if item.finished or len(item.speech_ids) >= needed:
+                return True
+        return False
 
     def drop(self, request_id: int) -> None:
         self._streams.pop(request_id, None)

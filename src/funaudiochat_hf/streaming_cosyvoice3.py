@@ -226,7 +226,11 @@ class CosyVoice3StreamingDecoder:
 
     def chunk_ready(self) -> bool:
         """Whether the added tokens complete a chunk (a token beyond its look-ahead has arrived) before `finalize`."""
-        return not self.finished and self._num_tokens() > self.token_offset + self._next_hop() + self.lookahead
+        return not self.finished and self.tokens_to_next_chunk() == 0
+
+    def tokens_to_next_chunk(self) -> int:
+        """How many more tokens complete the next chunk (0: `chunk_ready`): its hop and look-ahead, and one beyond."""
+        return max(0, self.token_offset + self._next_hop() + self.lookahead + 1 - self._num_tokens())
 
     @torch.no_grad()
     def finalize(self) -> torch.Tensor:
