@@ -45,6 +45,7 @@ from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
 from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_batch_funaudiochat import ServingBatch
 from .serving_host_copy_funaudiochat import HostCopy
+from .serving_metrics_funaudiochat import EngineMetrics
 from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
 from .serving_vocoder_funaudiochat import PendingAudio, ServingVocoder, VocodeItem
 
@@ -159,35 +160,6 @@ def _vocode_items(items: list[_StepOutput]) -> list[VocodeItem]:
     return [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
                        item.finish not in ("cancelled", "error"))
             for item in items]  # fmt: skip
-
-
-class _Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count)."""
-
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-
-class EngineMetrics:
-    """Counters of a `SpeechEngine` (read by the server's `/metrics`); updated under the engine's lock."""
-
-    def __init__(self):
-        self.requests = {"stop": 0, "length": 0, "cancelled": 0, "error": 0, "rejected": 0}
-        self.steps = 0
-        self.rebases = 0
-        self.step_rows = _Histogram((1, 2, 4, 8, 16, 32, 64, 128))
-        self.time_to_first_audio = _Histogram((0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0))
-        self.audio_seconds = 0.0
 
 
 class SpeechEngine:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .generation_plan_funaudiochat import BACKENDS
 from .serving_engine_funaudiochat import SpeechEngine
+from .serving_metrics_funaudiochat import prometheus_text
 from .serving_openai_funaudiochat import (
     DEFAULT_VOICE,
     RequestError,
@@ -186,42 +187,6 @@ def _finish_reason(event) -> str:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def prometheus_text(snapshot: dict) -> str:
-    """The engine's metrics in Prometheus' text format."""
-    lines = []
-
-    def metric(name, kind, help_, samples):
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(samples)
-
-    def histogram(name, help_, data):
-        buckets, counts, total, count = data
-        samples = [f'{name}_bucket{{le="{bound:g}"}} {n}' for bound, n in zip(buckets, counts)]
-        samples += [f'{name}_bucket{{le="+Inf"}} {count}', f"{name}_sum {total:.6f}", f"{name}_count {count}"]
-        metric(name, "histogram", help_, samples)
-
-    requests = [f'funaudiochat_requests_total{{outcome="{k}"}} {v}' for k, v in snapshot["requests"].items()]
-    metric("funaudiochat_requests_total", "counter", "Requests by outcome (stop, length, cancelled, error, rejected).",
-           requests)  # fmt: skip
-    metric("funaudiochat_requests_running", "gauge", "Requests in a decode slot.", [
-        f"funaudiochat_requests_running {snapshot['running']}"])  # fmt: skip
-    metric("funaudiochat_requests_queued", "gauge", "Requests waiting for a slot.", [
-        f"funaudiochat_requests_queued {snapshot['queued']}"])  # fmt: skip
-    metric("funaudiochat_slots", "gauge", "Rows of the static decode batch.", [
-        f"funaudiochat_slots {snapshot['slots']}"])  # fmt: skip
-    metric("funaudiochat_decode_steps_total", "counter", "Decode steps run.", [
-        f"funaudiochat_decode_steps_total {snapshot['steps']}"])  # fmt: skip
-    metric("funaudiochat_cache_rebases_total", "counter", "Cache column shifts made to admit a request.", [
-        f"funaudiochat_cache_rebases_total {snapshot['rebases']}"])  # fmt: skip
-    histogram("funaudiochat_decode_step_rows", "Requests decoded per decode step.", snapshot["step_rows"])
-    histogram("funaudiochat_time_to_first_audio_seconds", "Submission to first audio chunk.",
-              snapshot["time_to_first_audio"])  # fmt: skip
-    metric("funaudiochat_generated_audio_seconds_total", "counter", "Seconds of audio generated.", [
-        f"funaudiochat_generated_audio_seconds_total {snapshot['audio_seconds']:.3f}"])  # fmt: skip
-    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------------------------
