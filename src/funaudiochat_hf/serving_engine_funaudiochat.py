@@ -391,8 +391,9 @@ class SpeechEngine:
         The step is queued before the previous one's outputs are read: the GPU runs it while the host hands those
         outputs on (and waits for the GIL, which the other threads hold at times), instead of idling between steps;
         except while no busy row streams audio yet: then each step's outputs are read before the next step is
-        queued, and vocoded first once they may complete a first chunk (`_may_complete_a_first_chunk`). A request that finished in the previous step is stepped once more (its outputs are dropped,
-        its slot is then freed); a request joins at the first step queued after its admission."""
+        queued, and vocoded first once they may complete a first chunk (`_may_complete_a_first_chunk`). A request
+        that finished in the previous step is stepped once more (its outputs are dropped, its slot is then freed); a
+        request joins at the first step queued after its admission."""
         with self._lock:
             while (not self._closed and not self._prefilled and self._launched is None
                    and all(slot is None for slot in self._slots)):  # fmt: skip

@@ -87,7 +87,11 @@ class ServingVocoder:
         self.stream_options = stream_options
         self.speech_bos_id = speech_bos_id
         self._streams: dict[int, object] = {}  # request id -> its streaming decoder
-        self.first_chunk_tokens = self._first_chunk_tokens()
+        # A decoder of these options (its chunking and graphs do not depend on the voice): the fewest speech ids a
+        # request has when its first chunk can be decoded (ids that are not codec tokens are dropped, so a request
+        # may need more, never fewer).
+        probe = decoder.streaming_decoder(speaker_embedding=torch.zeros(decoder.config.spk_embed_dim), **stream_options)
+        self.first_chunk_tokens = probe.tokens_to_next_chunk()
         self.cuda_stream = None  # every round's, or with `start_up_stream` the steady chunks'
         self.start_up_stream = None  # start-up chunks' (`concurrent_start_up`)
         self._start_up_graphs = None  # their graph runners (and the memory of their recordings)
@@ -97,18 +101,10 @@ class ServingVocoder:
             self.cuda_stream = torch.cuda.Stream(device, priority=STEADY_STREAM_PRIORITY)
             # The decoder's weights and tables were written on the creating thread's stream.
             self.cuda_stream.wait_stream(creating)
-            if self._new_stream(None).cuda_graphs:
+            if probe.cuda_graphs:
                 self.start_up_stream = torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
                 self.start_up_stream.wait_stream(creating)
                 self._start_up_graphs = new_graph_runners(decoder)
-
-    def _first_chunk_tokens(self) -> int:
-        """The fewest speech ids a request has when its first chunk can be decoded (a new decoder's
-        `tokens_to_next_chunk`). Ids that are not codec tokens are dropped, so a request may need more, never fewer."""
-        spk_dim = self.decoder.config.spk_embed_dim
-        return self.decoder.streaming_decoder(
-            speaker_embedding=torch.zeros(spk_dim), **self.stream_options
-        ).tokens_to_next_chunk()
 
     def may_decode(self, items: list[VocodeItem]) -> bool:
         """Whether a round of `items` (`start`) may decode audio: a request that wants audio ends, or its new ids
