@@ -925,7 +925,8 @@ def test_bucket_padded_prompt_pass_matches_reference(model, inputs, rep, monkeyp
     force_recorded_prompt_pass(monkeypatch)
     lengths = []
     bucketed = loop.bucketed_prefill_forward
-    monkeypatch.setattr(loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length))
+    spy = lambda *a, length, **k: lengths.append(length) or bucketed(*a, length=length, **k)  # noqa: E731
+    monkeypatch.setattr(loop, "bucketed_prefill_forward", spy)
     golden, text_logits, crq_logits = _golden(rep)
     out = model.generate_speech(
         **inputs, **dict(GOLDEN_KWARGS, repetition_penalty=float(rep)), output_logits=True,

@@ -18,7 +18,7 @@ OLD_GPU = DeviceFacts("cuda", triton=False)  # compute capability < 8.0, or no T
 CPU = DeviceFacts("cpu", triton=False)
 SPEECH = ModelFacts(speech=True)
 FAST_PARTS = ("fuse_crq_projections", "fold_crq_matching", "crq_linear", "llm_linear", "crq_head_linear",
-              "speech_sampler", "overlap_text_head", "bookkeeping_kernels")  # fmt: skip
+              "speech_sampler", "overlap_text_head", "bookkeeping_kernels", "prompt_kernels")  # fmt: skip
 
 
 def test_auto_is_eager_on_a_cpu_and_the_fast_backend_on_cuda():
@@ -129,3 +129,23 @@ def test_prompt_pass_is_recorded_on_the_cuda_graphs_backend_only():
     assert not plan_decode("auto", H200, SPEECH, overrides={"prefill_graph": False}).prefill_graph
     with pytest.raises(ValueError, match="prefill_graph"):
         plan_decode("compiled", H200, SPEECH, overrides={"prefill_graph": True})
+
+
+def test_prompt_kernels_run_where_the_triton_kernels_do_outside_the_compiled_backend():
+    """`prompt_kernels`: the prompt pass's element-wise work on Triton kernels, on the "cuda_graphs" backend of a Triton
+    GPU (also without speech: the LLM's prompt pass); "compiled" compiles the prompt's layers instead (Inductor fuses
+    them); not on an older GPU, a CPU, nor for stacks whose norms / activation the kernels do not compute (a reason)."""
+    assert plan_decode("auto", H200, SPEECH).prompt_kernels
+    assert plan_decode("auto", H200, ModelFacts(speech=False)).prompt_kernels
+    assert not plan_decode("compiled", H200, SPEECH).prompt_kernels
+    assert not plan_decode("auto", OLD_GPU, SPEECH).prompt_kernels
+    assert not plan_decode("auto", CPU, SPEECH).prompt_kernels
+    assert not plan_decode("compiled", CPU, SPEECH).prompt_kernels
+    other = plan_decode("auto", H200, ModelFacts(speech=True, prompt_kernels=False))
+    assert not other.prompt_kernels and other.llm_linear
+    assert any("prompt kernels off" in note for note in other.fallbacks)
+    assert not plan_decode("auto", H200, SPEECH, overrides={"prompt_kernels": False}).prompt_kernels
+    with pytest.raises(ValueError, match="prompt_kernels"):
+        plan_decode("compiled", H200, SPEECH, overrides={"prompt_kernels": True})
+    with pytest.raises(ValueError, match="prompt_kernels"):
+        plan_decode("cuda_graphs", OLD_GPU, SPEECH, overrides={"prompt_kernels": True})

@@ -62,9 +62,8 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
 
         force_recorded_prompt_pass(monkeypatch)
         lengths, bucketed = [], loop.bucketed_prefill_forward
-        monkeypatch.setattr(
-            loop, "bucketed_prefill_forward", lambda *a, length: lengths.append(length) or bucketed(*a, length=length)
-        )
+        spy = lambda *a, length, **k: lengths.append(length) or bucketed(*a, length=length, **k)  # noqa: E731
+        monkeypatch.setattr(loop, "bucketed_prefill_forward", spy)
     if mode in ("greedy", "bucketed"):
         engine_options, per_request = {"do_sample": False}, [{}, {}, {}, {}]
     else:  # each request its own seed and sampling values (a top-p and a penalty of 1 ride along exactly)

@@ -102,11 +102,26 @@ def _project_qkv(
             return qkv.split([p.weight.shape[0] for p in linears], dim=-1)
         qkv = decode_linear(hidden_states, projections.qkv_weight, projections.qkv_bias, norm, **counters)
         return qkv.split(projections.qkv_split, dim=-1)
-    hidden_states = norm(hidden_states)
-    if own_weights:
-        return attention.q_proj(hidden_states), attention.k_proj(hidden_states), attention.v_proj(hidden_states)
-    qkv = nn.functional.linear(hidden_states, projections.qkv_weight, projections.qkv_bias)
+    return qkv_of_normed(attention, projections, norm(hidden_states))
+
+
+def qkv_of_normed(
+    attention: nn.Module, projections, normed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v projections of the normed layer input `(batch, n, hidden)`: the attention's own, or the fused
+    copy of `projections` (its outputs split: views of one tensor)."""
+    if projections is None or projections.qkv_weight is None:
+        return attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
+    qkv = nn.functional.linear(normed, projections.qkv_weight, projections.qkv_bias)
     return qkv.split(projections.qkv_split, dim=-1)
+
+
+def gate_and_up(mlp: nn.Module, projections, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP's gate and up projections of the normed `(batch, n, hidden)`: its own, or the fused copy's halves."""
+    if projections is None or projections.gate_up_weight is None:
+        return mlp.gate_proj(normed), mlp.up_proj(normed)
+    gate_up = nn.functional.linear(normed, projections.gate_up_weight, projections.gate_up_bias)
+    return gate_up.split(projections.intermediate_size, dim=-1)
 
 
 def attention_output_and_mlp(
@@ -130,8 +145,7 @@ def attention_output_and_mlp(
     hidden_states = layer.post_attention_layernorm(hidden_states)
     if projections is None or projections.gate_up_weight is None:
         return residual + mlp(hidden_states)
-    gate_up = nn.functional.linear(hidden_states, projections.gate_up_weight, projections.gate_up_bias)
-    gate, up = gate_up.split(projections.intermediate_size, dim=-1)
+    gate, up = gate_and_up(mlp, projections, hidden_states)
     return residual + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
@@ -381,4 +395,4 @@ def decoder_stack_forward(
     return stack.norm(hidden_states) if final_norm else hidden_states
 
 
-__all__ = ["DecoderLayerHalves", "EAGER_HALVES", "decoder_stack_forward"]
+__all__ = ["DecoderLayerHalves", "EAGER_HALVES", "decoder_stack_forward", "gate_and_up", "qkv_of_normed"]

@@ -180,7 +180,7 @@ class SpeechRun:
             buffers.input_ids.copy_(self.input_ids)
             buffers.inputs_embeds.copy_(inputs_embeds)
             buffers.padding.copy_(self.padding)
-            prompt_pass = functools.partial(bucketed_prefill_forward, length=length)
+            prompt_pass = functools.partial(bucketed_prefill_forward, length=length, halves=self.prefill_halves)
             if cfg.plan.step_graph:
                 prompt_pass = CapturedStep(prompt_pass, ("prompt", length, cfg))
             prompt_pass(model, ws, cfg)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .fused_crq_funaudiochat import can_fold_crq_matching, can_fuse_crq_projections
+from .triton_prompt_funaudiochat import prompt_kernels_supported
 from .triton_support import triton_available
 from .triton_linear_funaudiochat import MAX_ROWS, decode_kernels_supported, kernel_readable
 from .triton_sampling_funaudiochat import sampler_kernel_supported
@@ -44,6 +45,7 @@ OPTIONAL_PARTS = (
     "triton_attention",
     "prefill_graph",
     "bookkeeping_kernels",
+    "prompt_kernels",
 )
 
 # torch.compile options of the compiled step parts (a `compile_config` updates them) and of the prefill's layer halves
@@ -89,6 +91,7 @@ class ModelFacts:
         text_head_kernel: the text head fits the Triton text head at this batch size.
         decode_attention: the stacks' attention implementations build `sdpa` / `eager` masks, which the package's
             one-query attention functions accept.
+        prompt_kernels: the stacks' layers can run the prompt pass's element-wise kernels (`prompt_kernels_supported`).
     """
 
     speech: bool
@@ -101,6 +104,7 @@ class ModelFacts:
     sampler_kernel: bool = True
     text_head_kernel: bool = True
     decode_attention: bool = True
+    prompt_kernels: bool = True
 
     @classmethod
     def of(cls, model, batch_size: int, disable_speech: bool, text_head_max_rows: int = 16) -> "ModelFacts":
@@ -109,6 +113,7 @@ class ModelFacts:
         llm = model.language_model
         configs = [llm.config] + ([tower.crq_transformer.config] if tower is not None else [])
         masks = all(config._attn_implementation in ("sdpa", "eager") for config in configs)
+        stacks = [llm.model] + ([tower.crq_transformer] if speech else [])
         common = dict(
             speech=speech,
             batch_size=batch_size,
@@ -116,6 +121,7 @@ class ModelFacts:
             # `text_head_max_rows`: the kernel config's rows up to which the overlapped head pays.
             text_head_kernel=batch_size <= text_head_max_rows and text_head_supported(llm.lm_head, batch_size),
             decode_attention=masks,
+            prompt_kernels=all(prompt_kernels_supported(stack) for stack in stacks),
         )
         if not speech:
             return cls(**common, crq_fusable=False, crq_foldable=False, crq_kernels=False, crq_head_kernels=False,
@@ -161,6 +167,9 @@ class DecodePlan:
             (`triton_llm_tail_funaudiochat`); after the text token the stop and speech-end tests, outputs, histories
             and the next LLM input (`triton_finish_funaudiochat`). With the folded CRQ matching, where nothing fuses
             them (not in the compiled step, which Inductor fuses).
+        prompt_kernels: the prompt pass's norms, q/k norms with the rotary embedding, residual adds and SiLU as four
+            Triton kernels per layer instead of ~45 small PyTorch ones (`triton_prompt_funaudiochat`); not in the
+            "compiled" backend, whose compiled layer halves Inductor fuses.
         fallbacks: why parts of the backend do not run here (empty when everything runs).
     """
 
@@ -180,6 +189,7 @@ class DecodePlan:
     pad_speech_head: bool = False
     overlap_text_head: bool = False
     bookkeeping_kernels: bool = False
+    prompt_kernels: bool = False
     fallbacks: tuple[str, ...] = ()
 
     def parts(self) -> dict:
@@ -268,6 +278,7 @@ def plan_decode(
         "speech_sampler": speech and kernels and model.sampler_kernel,
         "overlap_text_head": speech and kernels and model.text_head_kernel,
         "triton_attention": kernels and model.decode_attention,
+        "prompt_kernels": kernels and model.prompt_kernels,
     }
     if speech and not model.crq_fusable:
         notes.append("fused CRQ projections off: the CRQ's projections are not plain loaded nn.Linear layers")
@@ -275,6 +286,8 @@ def plan_decode(
         notes.append("folded CRQ matching off: the layers around the CRQ stack are not plain loaded linears")
     if kernels and not model.llm_kernels:
         notes.append("LLM Triton linears off: the LLM's layers are not readable by the kernels")
+    if kernels and not model.prompt_kernels:
+        notes.append("prompt kernels off: the stacks' norms or MLP activation are not Qwen3's RMSNorm / SiLU")
     if not model.decode_attention:
         notes.append("decode attention: the model's own (its attention implementation is not sdpa / eager)")
     wanted = {}
@@ -300,6 +313,12 @@ def plan_decode(
     prefill_graph = cuda and not compiled and overrides.get("prefill_graph", True)
     if overrides.get("prefill_graph") and not prefill_graph:
         raise ValueError("The plan part 'prefill_graph' needs the 'cuda_graphs' backend on a CUDA GPU.")
+    prompt_kernels = wanted["prompt_kernels"] and not compiled
+    if overrides.get("prompt_kernels") and not prompt_kernels:
+        raise ValueError(
+            "The plan part 'prompt_kernels' needs the Triton kernels and a backend other than 'compiled' (which "
+            "compiles the prompt's layers)."
+        )
     bookkeeping = kernels and wanted["fold_crq_matching"] and not compiled
     bookkeeping_kernels = bookkeeping and overrides.get("bookkeeping_kernels", True)
     if overrides.get("bookkeeping_kernels") and not bookkeeping:
@@ -325,6 +344,7 @@ def plan_decode(
         pad_speech_head=speech and not head_on_kernel and not wanted["fold_crq_matching"],
         overlap_text_head=wanted["overlap_text_head"],
         bookkeeping_kernels=bookkeeping_kernels,
+        prompt_kernels=prompt_kernels,
         fallbacks=tuple(notes),
     )
 

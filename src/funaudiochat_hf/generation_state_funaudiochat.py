@@ -42,6 +42,7 @@ from .triton_config_funaudiochat import DecodeKernelConfig
 from .generation_workspace_funaudiochat import DecodeWorkspace, StepConfig, storage_bytes
 from .step_graph_funaudiochat import CapturedStep
 from .triton_linear_funaudiochat import own_weight_kernels
+from .triton_prompt_funaudiochat import PROMPT_KERNEL_HALVES
 from .triton_text_head_funaudiochat import OverlappedTextHead
 
 
@@ -295,6 +296,8 @@ class SpeechGenerator:
                     *(_limited(torch.compile(half, **options)) for half in EAGER_HALVES)
                 )
             halves = self._prefill_halves[key]
+        elif plan.prompt_kernels:
+            halves = PROMPT_KERNEL_HALVES
         if plan.step_graph:
             # Keyed by everything the recorded work depends on besides the tensors (`StepGraphs.check`).
             key = (cfg,)  # `cfg` carries the plan and the kernel config

@@ -424,9 +424,10 @@ def prefill_forward(
     """The prompt's variable-length forward: the LLM over its `L` positions and the CRQ over the first
     `K * L - (K - 1)` sub-positions, each in one pass.
 
-    `halves` (`plan.compile_prefill`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`) runs both stacks
-    layer by layer through them; None runs the models' own forwards. `masks`: the LLM's and the CRQ's prepared
-    attention masks (`prompt_masks`), else the workspace's 2-D padding masks (the models build theirs).
+    `halves` (`plan.compile_prefill`: the compiled `EAGER_HALVES` of `decoder_stack_funaudiochat`;
+    `plan.prompt_kernels`: `PROMPT_KERNEL_HALVES` of `triton_prompt_funaudiochat`) runs both stacks layer by layer
+    through them; None runs the models' own forwards. `masks`: the LLM's and the CRQ's prepared attention masks
+    (`prompt_masks`), else the workspace's 2-D padding masks (the models build theirs).
     """
     length = input_ids.shape[1]
     k = cfg.group_size
@@ -472,13 +473,15 @@ def prompt_masks(ws: DecodeWorkspace, cfg: StepConfig, length: int) -> tuple[dic
     return llm, _prompt_mask(ws.crq_mask[:, :sub_positions], sub_positions)
 
 
-def bucketed_prefill_forward(model, ws: DecodeWorkspace, cfg: StepConfig, length: int) -> None:
+def bucketed_prefill_forward(
+    model, ws: DecodeWorkspace, cfg: StepConfig, length: int, halves: DecoderLayerHalves | None = None
+) -> None:
     """`prefill_forward` of a bucket-padded prompt held in the workspace's fixed buffers for `length`
-    (`ws.prompt_buffers`), with prepared masks: only fixed-address tensors, so it is recorded as a CUDA graph."""
+    (`ws.prompt_buffers`), with prepared masks: only fixed-address tensors, so it is recorded as a CUDA graph.
+    `halves`: as in `prefill_forward` (the plan's `prompt_kernels`)."""
     buffers = ws.prompt_buffers[length]
-    prefill_forward(
-        model, ws, cfg, buffers.input_ids, buffers.inputs_embeds, buffers.padding, masks=prompt_masks(ws, cfg, length)
-    )
+    masks = prompt_masks(ws, cfg, length)
+    prefill_forward(model, ws, cfg, buffers.input_ids, buffers.inputs_embeds, buffers.padding, halves, masks)
 
 
 
