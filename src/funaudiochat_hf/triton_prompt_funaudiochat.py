@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .decoder_stack_funaudiochat import EAGER_HALVES, DecoderLayerHalves, gate_and_up, qkv_of_normed
+from .triton_linear_funaudiochat import kernel_readable
 from .triton_support import kernels_run_on, triton
 
 
@@ -213,7 +214,7 @@ def prompt_kernels_supported(stack: nn.Module) -> bool:
     for layer in stack.layers[: stack.config.num_hidden_layers]:
         attention = layer.self_attn
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attention.q_norm, attention.k_norm)
-        if not all(hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None for norm in norms):
+        if not kernel_readable((), norms):
             return False
     return True
 
@@ -249,9 +250,11 @@ def attention_output_and_mlp(
 ) -> torch.Tensor:
     """`decoder_stack_funaudiochat.attention_output_and_mlp` with o_proj's residual add and the post-attention norm
     as one kernel and the SiLU product as one: `(batch, n, heads * head_dim)`, `(batch, n, hidden)` ->
-    `(batch, n, hidden)`. The prompt pass takes no decode counters or kernel config."""
+    `(batch, n, hidden)`. `split_k_counters`, `kernel_config`: for the eager half it falls back to."""
     if not prompt_kernels_take(attn_output):
-        return EAGER_HALVES.attention_output_and_mlp(layer, projections, attn_output, residual)
+        return EAGER_HALVES.attention_output_and_mlp(
+            layer, projections, attn_output, residual, split_k_counters, kernel_config
+        )
     hidden_states, normed = add_rms_norm_rows(
         layer.post_attention_layernorm, layer.self_attn.o_proj(attn_output), residual
     )
