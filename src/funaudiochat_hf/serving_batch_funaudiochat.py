@@ -25,6 +25,7 @@ seed); a GPU's kernels may round it differently (their summation order follows t
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -32,6 +33,8 @@ from .generation_config_funaudiochat import SpeechRequest as ResolvedRequest
 from .generation_loop_funaudiochat import SpeechRun
 from .serving_host_copy_funaudiochat import HostCopy, to_host
 from .serving_requests_funaudiochat import SpeechRequest
+from .triton_cache_copy_funaudiochat import CachePointers, copy_cache_columns
+from .triton_support import kernels_run_on
 
 
 # Values that switch every per-row sampling processor on in the batch's step (each row then reads its own values).
@@ -95,6 +98,10 @@ class ServingBatch:
         if self.prefill_stream is not None:  # the workspace and weights were written on this thread's stream
             self.prefill_stream.wait_stream(torch.cuda.current_stream(device))
         self._admitted: torch.cuda.Event | None = None
+        # `admit` copies a prompt's cache columns with one launch per cache where the kernel runs; the address tables
+        # of the caches it copies (the batch's, the prefill workspaces'), each kept while its cache lives.
+        self._copy_kernel = kernels_run_on(self.ws.next_ids)
+        self._cache_pointers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _start_batch(self) -> None:
         """The batch's run over a one-token dummy prompt per row: its step configuration and step function, and the
@@ -205,12 +212,8 @@ class ServingBatch:
         end = self.column
         start = end - length
         for batch_cache, own_cache, scale in ((ws.llm_cache, pre.llm_cache, 1), (ws.crq_cache, pre.crq_cache, k)):
-            if batch_cache is None:
-                continue
-            own = slice(scale * skip, scale * (skip + length))
-            for batch_layer, own_layer in zip(batch_cache.layers, own_cache.layers):
-                batch_layer.keys[row, :, scale * start : scale * end] = own_layer.keys[0, :, own]
-                batch_layer.values[row, :, scale * start : scale * end] = own_layer.values[0, :, own]
+            if batch_cache is not None:
+                self._copy_cache_columns(batch_cache, row, scale * start, own_cache, scale * skip, scale * length)
         ws.llm_mask[row] = True
         ws.llm_mask[row, :start] = False
         ws.crq_mask[row] = True
@@ -225,6 +228,30 @@ class ServingBatch:
         if self.prefill_stream is not None:  # the next prefill overwrites what was just read
             self._admitted = torch.cuda.Event()
             self._admitted.record()
+
+    def _copy_cache_columns(self, batch_cache, row: int, start: int, own_cache, own_start: int, length: int) -> None:
+        """Columns `[own_start, own_start + length)` of every layer of the prefill's cache (its row 0) to columns
+        `[start, start + length)` of the batch's row `row`: one launch where both caches are static on a Triton GPU,
+        else a copy per layer."""
+        if self._copy_kernel:
+            batch, own = self._pointers(batch_cache), self._pointers(own_cache)
+            if batch is not None and own is not None and batch.layout() == own.layout():
+                copy_cache_columns(batch, row, start, own, 0, own_start, length)
+                return
+        own, columns = slice(own_start, own_start + length), slice(start, start + length)
+        for batch_layer, own_layer in zip(batch_cache.layers, own_cache.layers):
+            batch_layer.keys[row, :, columns] = own_layer.keys[0, :, own]
+            batch_layer.values[row, :, columns] = own_layer.values[0, :, own]
+
+    def _pointers(self, cache) -> CachePointers | None:
+        """The address table of `cache` (made on first use, again if its tensors changed), or None: not copyable by
+        the kernel."""
+        pointers = self._cache_pointers.get(cache)
+        if pointers is None or not pointers.current(cache):
+            pointers = CachePointers.of(cache)
+            if pointers is not None:
+                self._cache_pointers[cache] = pointers
+        return pointers
 
     def free(self, row: int) -> None:
         """Mark slot `row` idle: the step writes padding for it; its masks read every column (never none); its rotary
