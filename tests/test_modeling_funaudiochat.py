@@ -147,6 +147,29 @@ def test_audio_features_match_reference(model, prompt_inputs):
     assert_close(out.last_hidden_state, golden["audio_features"])
 
 
+def test_default_feature_padding_gives_the_reference_outputs(model, prompt_inputs):
+    """The processor's default features (padded to the longest clip) give the logits and tokens of the reference's
+    (padded to the extractor's whole window): the encoder reads only valid frames."""
+    from transformers import AutoProcessor
+
+    from funaudiochat_hf import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
+
+    processor = AutoProcessor.from_pretrained(FUNAUDIOCHAT_TINY)
+    clip = load_file(FUNAUDIOCHAT_GOLDEN / "a_processor_outputs.safetensors")["waveform_16k"].numpy()
+    messages = [{"role": "system", "content": SPOKEN_S2M_PROMPT}, {"role": "user", "content": AUDIO_TEMPLATE}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    compact = processor(text=text, audio=[clip])
+    full = processor(text=text, audio=[clip], feature_padding="max_length")
+    assert compact["input_features"].shape[-1] < full["input_features"].shape[-1] == 3000
+    assert torch.equal(compact["input_ids"], prompt_inputs["input_ids"])
+    with torch.no_grad():
+        compact_out, full_out = model(**compact), model(**full)
+    assert_close(compact_out.logits, full_out.logits, atol=1e-5, rtol=1e-5)
+    assert_close(compact_out.speech_logits, full_out.speech_logits, atol=1e-5, rtol=1e-5)
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=320)
+    assert torch.equal(model.generate(**compact, **kwargs), model.generate(**full, **kwargs))
+
+
 def test_eager_attention_gives_the_sdpa_result(prompt_inputs):
     """The reference's own eager path scrambles heads; ours must not."""
     golden = load_file(FUNAUDIOCHAT_GOLDEN / "b_audio_features.safetensors")

@@ -51,6 +51,11 @@ def prompt(processor) -> str:
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+# The reference processor pads every clip's features to the extractor's whole window; the default pads to the
+# longest clip (same values on valid frames, see `test_compact_feature_padding_matches_on_valid_frames`).
+REFERENCE_PADDING = {"feature_padding": "max_length"}
+
+
 def assert_matches_golden(outputs, golden):
     assert list(outputs.keys()) == KEYS
     for key in KEYS:
@@ -87,7 +92,7 @@ def test_chat_template_render(processor, prompt):
 
 
 def test_fixture_a_exact(processor, golden, prompt):
-    outputs = processor(text=prompt, audio=[golden["waveform_16k"].numpy()], return_tensors="pt")
+    outputs = processor(text=prompt, audio=[golden["waveform_16k"].numpy()], return_tensors="pt", **REFERENCE_PADDING)
     assert_matches_golden(outputs, golden)
     # 2.45 s -> int(61.25) = 61 speech frames -> 13 placeholders, speech padded to 65
     assert outputs["speech_attention_mask"].sum().item() == 61
@@ -106,7 +111,7 @@ def test_audio_input_forms_are_exact(processor, golden, prompt, form):
         "single": waveform,
         "json_item": [json.dumps({"path": str(WAV_PATH), "token": "<|audio_pad|>" * 61, "text": ""})],
     }[form]
-    assert_matches_golden(processor(text=prompt, audio=audio), golden)
+    assert_matches_golden(processor(text=prompt, audio=audio, **REFERENCE_PADDING), golden)
 
 
 def test_48khz_input_is_resampled(processor, golden, prompt):
@@ -128,7 +133,7 @@ def test_48khz_input_is_resampled(processor, golden, prompt):
 def test_stereo_is_downmixed(processor, golden, prompt):
     mono = golden["waveform_16k"].numpy()
     reference = processor(text=prompt, audio=mono)
-    assert_matches_golden(processor(text=prompt, audio=np.stack([mono, mono])), golden)
+    assert_matches_golden(processor(text=prompt, audio=np.stack([mono, mono]), **REFERENCE_PADDING), golden)
     other = (0.5 * mono[::-1]).copy()
     mixed = processor(text=prompt, audio=np.stack([mono, other], axis=1))
     expected = processor(text=prompt, audio=(mono + other) / 2)
@@ -137,10 +142,13 @@ def test_stereo_is_downmixed(processor, golden, prompt):
 
 
 def test_compact_feature_padding_matches_on_valid_frames(processor, golden, prompt):
+    """The default pads features to the longest clip, not to the extractor's window as the reference does."""
     clips = [golden["waveform_16k"].numpy(), golden["waveform_16k"].numpy()[:5000], np.zeros(700, np.float32)]
     text = prompt.replace(AUDIO_TEMPLATE, AUDIO_TEMPLATE * 3)
-    full = processor(text=text, audio=clips)
-    compact = processor(text=text, audio=clips, feature_padding="longest")
+    full = processor(text=text, audio=clips, **REFERENCE_PADDING)
+    assert full["input_features"].shape == (3, 128, 3000)
+    compact = processor(text=text, audio=clips)
+    assert torch.equal(compact["input_features"], processor(text=text, audio=clips, feature_padding="longest")["input_features"])
     assert compact["input_features"].shape == (3, 128, 245)
     assert compact["feature_attention_mask"].sum(-1).tolist() == [245, 32, 5]  # ceil(samples / 160)
     assert torch.equal(compact["feature_attention_mask"], full["feature_attention_mask"][:, :245])
@@ -190,7 +198,10 @@ def test_batch_of_two_prompts_with_different_clip_lengths(processor, golden):
         for row, single in enumerate(singles):
             mask = batch["attention_mask"][row].bool()
             assert torch.equal(batch["input_ids"][row][mask], single["input_ids"][0])
-            assert torch.equal(batch["input_features"][row], single["input_features"][0])
+            frames = single["input_features"].shape[-1]  # features padded to the batch's longest clip
+            assert torch.equal(batch["input_features"][row][:, :frames], single["input_features"][0])
+            assert torch.equal(batch["feature_attention_mask"][row][:frames], single["feature_attention_mask"][0])
+            assert not batch["feature_attention_mask"][row][frames:].any()
             valid = single["speech_attention_mask"].shape[1]
             assert torch.equal(batch["speech_ids"][row, :valid], single["speech_ids"][0])
         nested = processor(text=texts, audio=[[long_clip], [short_clip]], padding_side=side)  # one list per prompt
@@ -212,10 +223,14 @@ def test_chat_template_with_audio_items_and_history(processor, golden):
     ]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
     assert text.count("<|AUDIO|>") == 2 and "It is sunny.<|im_end|>" in text and "Why?" in text
-    outputs = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    outputs = processor.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=True, **REFERENCE_PADDING
+    )
     assert outputs["speech_attention_mask"].sum(-1).tolist() == [61, 12]
     assert (outputs["input_ids"] == 346).sum().item() == 13 + 3
     assert_close_to_golden_features(outputs["input_features"][0], golden["input_features"][0])
+    compact = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert compact["input_features"].shape == (2, 128, 245)  # the default: the longest clip's frames
     ids_only = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
     assert torch.equal(ids_only, outputs["input_ids"])
 
@@ -287,7 +302,7 @@ def test_save_and_reload_round_trip(processor, golden, prompt, tmp_path, monkeyp
         assert isinstance(reloaded, FunAudioChatProcessor)
         assert reloaded.chat_template == processor.chat_template
         assert reloaded.speech_tokenizer.get_vocab() == processor.speech_tokenizer.get_vocab()
-        assert_matches_golden(reloaded(text=prompt, audio=golden["waveform_16k"].numpy()), golden)
+        assert_matches_golden(reloaded(text=prompt, audio=golden["waveform_16k"].numpy(), **REFERENCE_PADDING), golden)
 
 
 def test_custom_group_size_and_chat_template(tmp_path):

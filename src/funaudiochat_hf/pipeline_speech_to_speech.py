@@ -181,11 +181,7 @@ class SpeechToSpeechPipeline(Pipeline):
             texts.append(text)
             audios.extend(clips)
         padding_kwargs = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}
-        # "longest": features as long as the longest clip, not the extractor's whole window: the same embeddings
-        # (the encoder reads the valid frames only), far less feature work before the reply can start.
-        model_inputs = self.processor(
-            text=texts, audio=audios, return_tensors="pt", feature_padding="longest", **padding_kwargs
-        )
+        model_inputs = self.processor(text=texts, audio=audios, return_tensors="pt", **padding_kwargs)
         model_inputs = dict(model_inputs)
         features = model_inputs.get("input_features")
         if features is not None and self.model.dtype.is_floating_point:

@@ -235,14 +235,15 @@ class FunAudioChatProcessor(ProcessorMixin):
         )
         return {"speech_ids": encoded["input_ids"], "speech_attention_mask": encoded["attention_mask"]}
 
-    def extract_features(self, waveforms: list[np.ndarray], padding: str = "max_length") -> dict[str, torch.Tensor]:
+    def extract_features(self, waveforms: list[np.ndarray], padding: str = "longest") -> dict[str, torch.Tensor]:
         """16 kHz waveforms -> `input_features` `(clips, mel_bins, frames)` + `feature_attention_mask` `(clips, frames)`
 
         Args:
-            padding: `"max_length"` pads every clip to the extractor's `chunk_length` (the reference processor;
-                30000 frames per clip for a 300 s extractor). `"longest"` pads only to the longest clip and gives the
-                same values on every valid frame (up to float32 rounding) and the same mask there - the encoder only
-                reads valid frames, so the model output is unchanged while the extraction is much cheaper.
+            padding: `"longest"` (default) pads only to the longest clip; `"max_length"` pads every clip to the
+                extractor's `chunk_length`, as the reference processor does (30000 frames per clip for a 300 s
+                extractor: ~0.1 s of CPU time and 15 MB per clip). Both give the same values on every valid frame (up
+                to float32 rounding) and the same mask there; the encoder reads only valid frames, so the model's
+                outputs do not depend on the choice.
 
         Raises:
             ValueError: a waveform is longer than the extractor's window (see `max_audio_seconds`).
@@ -362,7 +363,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         return_tensors: str | None = "pt",
         padding: bool | str = True,
         padding_side: str | None = None,
-        feature_padding: str = "max_length",
+        feature_padding: str = "longest",
         **kwargs,
     ) -> BatchFeature:
         """Tokenize prompt(s) and prepare their audio clips.
@@ -379,8 +380,8 @@ class FunAudioChatProcessor(ProcessorMixin):
             return_tensors: `"pt"` (default), `"np"` or None.
             padding: text padding (default pads a batch to its longest prompt).
             padding_side: `"left"` for batched generation, `"right"` otherwise (default: the tokenizer's).
-            feature_padding: `"max_length"` (reference: features padded to the extractor's chunk length) or
-                `"longest"` (padded to the longest clip; identical on valid frames, much cheaper for long chunks).
+            feature_padding: `"longest"` (default: features padded to the longest clip) or `"max_length"` (the
+                reference processor's: padded to the extractor's chunk length); see [`extract_features`].
             **kwargs: forwarded to the text tokenizer (e.g. `add_special_tokens`, `return_token_type_ids`).
 
         Returns:
@@ -438,13 +439,14 @@ class FunAudioChatProcessor(ProcessorMixin):
         audio: Any = None,
         sampling_rate: int | None = None,
         return_tensors: str | None = "pt",
+        feature_padding: str = "longest",
         **kwargs,
     ):
         """Render conversation(s) with the chat template; optionally tokenize them together with their audio.
 
         User audio may be given as string content containing [`AUDIO_TEMPLATE`] (clips then come from `audio`, in
         order) or as list content with `{"type": "audio", "audio": <anything load_audio takes>}` items. Assistant
-        turns of a multi-turn history are plain text.
+        turns of a multi-turn history are plain text. `feature_padding`: as in `__call__` (when tokenizing).
 
         Returns the prompt string (list of strings for a batch of conversations) when `tokenize=False`; otherwise
         the processor outputs ([`BatchFeature`] if `return_dict`, else only `input_ids`).
@@ -501,7 +503,11 @@ class FunAudioChatProcessor(ProcessorMixin):
                 "in `audio` for the string-content placeholders."
             )
         outputs = self(
-            text=prompt, audio=clips or None, sampling_rate=sampling_rate, return_tensors=return_tensors
+            text=prompt,
+            audio=clips or None,
+            sampling_rate=sampling_rate,
+            return_tensors=return_tensors,
+            feature_padding=feature_padding,
         )
         return outputs if return_dict else outputs["input_ids"]
 

@@ -277,9 +277,7 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     messages, clips = render_messages(body.get("messages"), transcripts)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     try:
-        # "longest": features of the clip's own length, not the extractor's whole window (the same embeddings, far
-        # less feature work before the request can start)
-        inputs = dict(processor(text=[text], audio=clips or None, return_tensors="pt", feature_padding="longest"))
+        inputs = dict(processor(text=[text], audio=clips or None, return_tensors="pt"))
     except InputTooLongError as error:  # the processor's limits (its feature extractor's window, the prompt text)
         raise RequestError(str(error), param="messages", code="input_too_long") from None
     except ValueError as error:
