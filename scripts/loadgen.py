@@ -16,7 +16,9 @@ load: what the server sustains at that concurrency). Reported:
   (below 1: faster than real time);
 - playback stall: how long a player that starts at the first chunk and plays in real time would wait for audio
   over the whole reply (chunks that come later than their audio is due), p50 / p95, and how many streams stalled;
-- aggregate x real time: all the audio generated / the run's wall time;
+- aggregate x real time: all the audio generated / the run's wall time; for a closed load also the steady
+  aggregate: the audio that arrived while all C users were in flight (from the last user's first request to the
+  last conversation's) / that window, without the ramp-up and the tail of the run;
 - errors (HTTP errors, error events, streams without audio).
 
 Needs `httpx` (the `dev` extra).
@@ -33,7 +35,7 @@ import random
 import sys
 import time
 import wave
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -45,6 +47,7 @@ class StreamResult:
     wall: float = 0.0  # seconds, request sent -> last event
     audio_seconds: float = 0.0
     stall: float = 0.0  # seconds a real-time player would wait for audio after the first chunk
+    chunks: list[tuple[float, float]] = field(default_factory=list)  # (arrival perf_counter, seconds of audio)
 
 
 def playback_stall(chunks: list[tuple[float, float]]) -> float:
@@ -59,6 +62,12 @@ def playback_stall(chunks: list[tuple[float, float]]) -> float:
         stalled += max(0.0, arrival - due)
         played += seconds
     return stalled
+
+
+def audio_between(streams: list[list[tuple[float, float]]], start: float, end: float) -> float:
+    """Seconds of audio that arrived in `[start, end]`: `streams` holds each stream's (arrival time, seconds of audio)
+    chunks."""
+    return sum(seconds for chunks in streams for arrival, seconds in chunks if start <= arrival <= end)
 
 
 def _question_wav(path: str | None) -> bytes:
@@ -117,6 +126,7 @@ async def _one(client, url: str, body: dict, headers: dict, sampling_rate: int) 
     result.audio_seconds = samples / sampling_rate
     result.ttfa = chunks[0][0] - sent if chunks else None
     result.stall = playback_stall(chunks)
+    result.chunks = chunks
     result.ok = samples > 0
     if not result.ok:
         result.error = "no audio"
@@ -144,10 +154,14 @@ async def run(args) -> dict:
         started = time.perf_counter()
         results: list[StreamResult | None] = [None] * args.conversations
         numbers = iter(range(args.conversations))  # shared by the users: each conversation is sent once
+        first_sent, last_sent = [], 0.0  # each user's first request; the last conversation's
 
         async def user(delay: float) -> None:
+            nonlocal last_sent
             await asyncio.sleep(delay)
+            first_sent.append(time.perf_counter())
             for i in numbers if args.concurrency else [next(numbers)]:
+                last_sent = time.perf_counter()
                 results[i] = await _one(client, url, {**body, "seed": i}, headers, args.sampling_rate)
 
         delays = [0.0]
@@ -156,6 +170,10 @@ async def run(args) -> dict:
         await asyncio.gather(*(user(delay) for delay in delays))
         wall = time.perf_counter() - started
     good = [r for r in results if r.ok]
+    # A closed load runs C streams at all times between its last user's arrival and its last conversation's start
+    # (perf_counter seconds: the system's monotonic clock, comparable with other processes' on this host).
+    window = (max(first_sent), last_sent) if args.concurrency and last_sent > max(first_sent) else None
+    steady_audio = None if window is None else audio_between([r.chunks for r in good], *window)
     ttfa = [r.ttfa for r in good if r.ttfa is not None]
     rtf = [r.wall / r.audio_seconds for r in good if r.audio_seconds > 0]
     audio = sum(r.audio_seconds for r in good)
@@ -176,7 +194,12 @@ async def run(args) -> dict:
         "streams_stalled": sum(stall > 0 for stall in stalls),
         "audio_seconds": audio,
         "aggregate_x_real_time": audio / wall if wall > 0 else None,
-        "streams": [asdict(r) for r in results] if args.per_stream else None,
+        "steady_window": window,
+        "steady_audio_seconds": steady_audio,
+        "steady_aggregate_x_real_time": None if window is None else steady_audio / (window[1] - window[0]),
+        "streams": None if not args.per_stream else [  # chunk arrivals in seconds from the run's start
+            {**asdict(r), "chunks": [(arrival - started, seconds) for arrival, seconds in r.chunks]} for r in results
+        ],
     }
 
 
@@ -219,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         return "n/a" if value is None else f"{value:.3f}"
 
     users = f", {report['concurrency']} at a time" if report["concurrency"] else ""
+    steady = report["steady_aggregate_x_real_time"]
+    if steady is not None:
+        start, end = report["steady_window"]
+        steady = f"; steady {ratio(steady)}x with all {report['concurrency']} in flight ({end - start:.1f} s)"
     print(
         f"{report['conversations']} conversations at {report['rate_per_second']}/s{users} in "
         f"{report['wall_seconds']:.1f} s: "
@@ -227,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         f"playback stall p50 {ms(report['stall_p50_ms'])}, p95 {ms(report['stall_p95_ms'])} "
         f"({report['streams_stalled']} streams stalled); "
         f"aggregate {ratio(report['aggregate_x_real_time'])}x real time ({report['audio_seconds']:.1f} s of audio)"
+        f"{steady or ''}"
     )
     if report["error_examples"]:
         print("errors: " + " | ".join(report["error_examples"]), file=sys.stderr)

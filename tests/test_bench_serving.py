@@ -99,6 +99,7 @@ def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
     assert load["errors"] == 0 and load["requests_lost"] == 0 and load["requests_sent"] == 5
     assert load["requests_by_outcome"]["length"] == 5  # no stop id: every reply runs --max-tokens steps
     assert load["ttfa_p50_ms"] > 0 and load["rtf_p95"] > 0 and load["aggregate_x_real_time"] > 0
+    assert load["steady_window"] is None and report["targets"]["steady_aggregate_x_real_time"]["pass"] is None
     assert load["decode_steps"] >= 8 and 1 <= load["step_rows_mean"] <= 4
     assert list(load["ttfa_spans"]) == ["queue", "prefill", "decode", "vocoder_wait", "vocode"]
     assert all(0 <= span["p50_ms"] <= span["p95_ms"] for span in load["ttfa_spans"].values()), load["ttfa_spans"]
@@ -131,6 +132,10 @@ def test_a_closed_load_counts_the_seed_0_requests_among_its_streams(tiny_run):
     load = report["load"]
     assert load["concurrency"] == 1 and load["errors"] == 0 and load["requests_sent"] == 5
     assert load["requests_lost"] == 0 and 1 <= load["step_rows_mean"] <= 3
+    start, end = load["steady_window"]  # the one user's first and last conversation: two replies in between
+    assert end > start and load["steady_audio_seconds"] > 0
+    assert load["steady_aggregate_x_real_time"] == pytest.approx(load["steady_audio_seconds"] / (end - start))
+    assert report["targets"]["steady_aggregate_x_real_time"]["value"] == load["steady_aggregate_x_real_time"]
     assert report["correctness"]["correct_under_load"] is True
 
 

@@ -366,6 +366,35 @@ def test_load_generator_closed_load_keeps_its_concurrency(monkeypatch):
     assert loadgen.main(["--conversations", "2", "--concurrency", "3"]) == 2  # more users than conversations
 
 
+def test_load_generator_reports_a_closed_loads_steady_aggregate(monkeypatch):
+    """A closed load's steady aggregate counts the audio that arrived while all its users were in flight: from the
+    last user's first request to the last conversation's; an open load has none."""
+    import asyncio
+
+    loadgen = _loadgen()
+    assert loadgen.audio_between([[(0.5, 1.0), (1.5, 2.0)], [(1.0, 0.25), (3.0, 4.0)]], 1.0, 2.0) == 2.25
+    assert loadgen.audio_between([], 0.0, 1.0) == 0.0
+
+    async def fake_one(client, url, body, headers, sampling_rate):
+        await asyncio.sleep(0.05)
+        arrival = time.perf_counter()
+        return loadgen.StreamResult(ok=True, ttfa=0.01, wall=0.05, audio_seconds=1.0, chunks=[(arrival, 1.0)])
+
+    monkeypatch.setattr(loadgen, "_one", fake_one)
+    for extra in (["--concurrency", "3"], []):
+        args = loadgen._parser().parse_args(["--conversations", "7", "--rate", "1000", *extra])
+        report = asyncio.run(loadgen.run(args))
+        if not extra:
+            assert report["steady_window"] is None and report["steady_aggregate_x_real_time"] is None
+            continue
+        start, end = report["steady_window"]
+        # 3 sent at once, 3 more as they end (~50 ms), the last as one of those ends (~100 ms): the first three
+        # replies' audio arrives inside the window, the last one's after it
+        assert 0.08 < end - start < 0.5, (start, end)
+        assert 3.0 <= report["steady_audio_seconds"] <= 6.0
+        assert report["steady_aggregate_x_real_time"] == pytest.approx(report["steady_audio_seconds"] / (end - start))
+
+
 def test_request_features_cover_the_clip_not_the_whole_window(tiny_path):
     """The server's processor call pads the features to the clip (100 frames a second), not to the extractor's
     window: the same embeddings, much less feature work before a request starts."""
