@@ -172,7 +172,8 @@ async def run(args) -> dict:
     good = [r for r in results if r.ok]
     # A closed load runs C streams at all times between its last user's arrival and its last conversation's start
     # (perf_counter seconds: the system's monotonic clock, comparable with other processes' on this host).
-    window = (max(first_sent), last_sent) if args.concurrency and last_sent > max(first_sent) else None
+    closed = args.concurrency and args.conversations > args.concurrency  # else no user sends a second conversation
+    window = (max(first_sent), last_sent) if closed and last_sent > max(first_sent) else None
     steady_audio = None if window is None else audio_between([r.chunks for r in good], *window)
     ttfa = [r.ttfa for r in good if r.ttfa is not None]
     rtf = [r.wall / r.audio_seconds for r in good if r.audio_seconds > 0]

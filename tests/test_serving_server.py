@@ -381,10 +381,10 @@ def test_load_generator_reports_a_closed_loads_steady_aggregate(monkeypatch):
         return loadgen.StreamResult(ok=True, ttfa=0.01, wall=0.05, audio_seconds=1.0, chunks=[(arrival, 1.0)])
 
     monkeypatch.setattr(loadgen, "_one", fake_one)
-    for extra in (["--concurrency", "3"], []):
+    for extra in (["--concurrency", "3"], [], ["--concurrency", "7"]):  # closed, open, one conversation per user
         args = loadgen._parser().parse_args(["--conversations", "7", "--rate", "1000", *extra])
         report = asyncio.run(loadgen.run(args))
-        if not extra:
+        if extra != ["--concurrency", "3"]:
             assert report["steady_window"] is None and report["steady_aggregate_x_real_time"] is None
             continue
         start, end = report["steady_window"]
