@@ -243,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         return "n/a" if value is None else f"{value:.3f}"
 
     users = f", {report['concurrency']} at a time" if report["concurrency"] else ""
-    steady = report["steady_aggregate_x_real_time"]
-    if steady is not None:
+    steady = ""
+    if report["steady_window"] is not None:
         start, end = report["steady_window"]
-        steady = f"; steady {ratio(steady)}x with all {report['concurrency']} in flight ({end - start:.1f} s)"
+        steady = (f"; steady {ratio(report['steady_aggregate_x_real_time'])}x with all {report['concurrency']} in "
+                  f"flight ({end - start:.1f} s)")  # fmt: skip
     print(
         f"{report['conversations']} conversations at {report['rate_per_second']}/s{users} in "
         f"{report['wall_seconds']:.1f} s: "
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         f"playback stall p50 {ms(report['stall_p50_ms'])}, p95 {ms(report['stall_p95_ms'])} "
         f"({report['streams_stalled']} streams stalled); "
         f"aggregate {ratio(report['aggregate_x_real_time'])}x real time ({report['audio_seconds']:.1f} s of audio)"
-        f"{steady or ''}"
+        f"{steady}"
     )
     if report["error_examples"]:
         print("errors: " + " | ".join(report["error_examples"]), file=sys.stderr)
