@@ -127,8 +127,8 @@ try:
     replies = [[t for event in handle.events(timeout=120) for t in event.text_ids] for handle in handles]
 finally:
     engine.close()
-single = [model.generate_speech(input_ids=ids, max_new_tokens=6, do_sample=False, return_audio=False).sequences[0, ids.shape[1]:].tolist()
-          for ids in prompts]
+single = [model.generate_speech(input_ids=ids, max_new_tokens=6, do_sample=False, return_audio=False)
+          .sequences[0, ids.shape[1]:].tolist() for ids in prompts]
 print(json.dumps({"equal": replies == single, "launches": launches}))
 """
 

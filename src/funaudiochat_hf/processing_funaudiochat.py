@@ -71,6 +71,9 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # Keys under which a chat-message audio item may carry its payload.
 _AUDIO_ITEM_KEYS = ("audio", "path", "url", "audio_url")
+# Features padded to the longest clip of a call, not to the extractor's whole window ("max_length", the reference's):
+# the encoder reads only valid frames (see `FunAudioChatProcessor.extract_features`).
+FEATURE_PADDING = "longest"
 
 
 def _expand_local_path(path: str | os.PathLike) -> str | os.PathLike:
@@ -235,7 +238,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         )
         return {"speech_ids": encoded["input_ids"], "speech_attention_mask": encoded["attention_mask"]}
 
-    def extract_features(self, waveforms: list[np.ndarray], padding: str = "longest") -> dict[str, torch.Tensor]:
+    def extract_features(self, waveforms: list[np.ndarray], padding: str = FEATURE_PADDING) -> dict[str, torch.Tensor]:
         """16 kHz waveforms -> `input_features` `(clips, mel_bins, frames)` + `feature_attention_mask` `(clips, frames)`
 
         Args:
@@ -363,7 +366,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         return_tensors: str | None = "pt",
         padding: bool | str = True,
         padding_side: str | None = None,
-        feature_padding: str = "longest",
+        feature_padding: str = FEATURE_PADDING,
         **kwargs,
     ) -> BatchFeature:
         """Tokenize prompt(s) and prepare their audio clips.
@@ -439,7 +442,7 @@ class FunAudioChatProcessor(ProcessorMixin):
         audio: Any = None,
         sampling_rate: int | None = None,
         return_tensors: str | None = "pt",
-        feature_padding: str = "longest",
+        feature_padding: str = FEATURE_PADDING,
         **kwargs,
     ):
         """Render conversation(s) with the chat template; optionally tokenize them together with their audio.
