@@ -549,9 +549,11 @@ def server_stages(served: list[dict], handles: list) -> dict:
 
 
 # The engine's timeline of a request (`RequestHandle.timeline`) as the spans between its stages: waiting for a slot,
-# its prefill, the decode steps until its first chunk's tokens are out, the wait for the vocoder, its first chunk.
+# its prefill, the decode steps until its first chunk's tokens are out, the wait for the vocoder, its first chunk;
+# and all of them (submission to first audio: the client's time to first audio less it is spent outside the engine).
 TTFA_SPANS = {"queue": (None, "admitted"), "prefill": ("admitted", "prefilled"), "decode": ("prefilled", "ready"),
-              "vocoder_wait": ("ready", "vocoding"), "vocode": ("vocoding", "first_audio")}  # fmt: skip
+              "vocoder_wait": ("ready", "vocoding"), "vocode": ("vocoding", "first_audio"),
+              "in_engine": (None, "first_audio")}  # fmt: skip
 
 
 def ttfa_spans(handles: list) -> dict:

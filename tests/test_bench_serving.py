@@ -101,7 +101,7 @@ def test_tiny_run_reports_every_phase_without_errors(tiny_run, capsys):
     assert load["ttfa_p50_ms"] > 0 and load["rtf_p95"] > 0 and load["aggregate_x_real_time"] > 0
     assert load["steady_window"] is None and report["targets"]["steady_aggregate_x_real_time"]["pass"] is None
     assert load["decode_steps"] >= 8 and 1 <= load["step_rows_mean"] <= 4
-    assert list(load["ttfa_spans"]) == ["queue", "prefill", "decode", "vocoder_wait", "vocode"]
+    assert list(load["ttfa_spans"]) == ["queue", "prefill", "decode", "vocoder_wait", "vocode", "in_engine"]
     assert all(0 <= span["p50_ms"] <= span["p95_ms"] for span in load["ttfa_spans"].values()), load["ttfa_spans"]
     assert load["ttfa_spans"]["prefill"]["p50_ms"] > 0 and load["ttfa_spans"]["vocode"]["p50_ms"] > 0
     assert report["correctness"]["correct_under_load"] is True
@@ -177,7 +177,7 @@ def test_ttfa_spans_split_each_requests_timeline_into_its_stages(script):
     handles = [types.SimpleNamespace(timeline=timeline) for timeline in timelines]
     spans = script.ttfa_spans(handles)
     expected = {"queue": (10, 200), "prefill": (75, 80), "decode": (40, 50), "vocoder_wait": (15, 70),
-                "vocode": (15, 20)}  # fmt: skip
+                "vocode": (15, 20), "in_engine": (155, 420)}  # fmt: skip
     assert list(spans) == list(expected)
     for name, (p50, p95) in expected.items():
         assert (spans[name]["p50_ms"], spans[name]["p95_ms"]) == pytest.approx((p50, p95)), name
