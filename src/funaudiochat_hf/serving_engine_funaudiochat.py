@@ -2,8 +2,9 @@
 
 `SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
 request is prefilled alone (batch 1) on a prefill thread, on a CUDA stream of its own, while the decode steps go on;
-between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled or disconnected
-request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
+its prefill also runs its first decode steps, up to its first chunk's speech ids, whose outputs go to the output
+thread at once; between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled
+or disconnected request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
 (`_iteration`), so the GPU does not wait for the host between steps.
 Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
 chunks (a streaming CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step;
@@ -121,17 +122,19 @@ class _Active:
     start: int  # first cache column of its prompt
     reserved_end: int  # start + prompt + max_new_tokens: columns it may write up to (exclusive)
     max_new_tokens: int
-    tokens: int = 0  # text tokens emitted (the prefill's first one included)
+    tokens: int = 0  # text tokens emitted (the prefill's included)
     groups: int = 0  # speech groups emitted
 
 
 @dataclass
 class _Prefilled:
-    """A request prefilled by the prefill thread, waiting for the decode thread to place it in a slot."""
+    """A request prefilled by the prefill thread, waiting for the decode thread to place it in a slot (the outputs of
+    its first steps are already with the output thread)."""
 
     handle: RequestHandle
     run: SpeechRun
-    first: dict  # its first step's outputs (`ServingBatch.prefill`)
+    tokens: int  # text tokens of its prefill's steps
+    groups: int  # speech groups of its prefill's steps
     max_new_tokens: int
 
 
@@ -253,6 +256,12 @@ class SpeechEngine:
                 sizes = self._vocoder.warm_up_batch_sizes(max_batch_size)
                 logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
                 self._vocoder.warm_up(max_batch_size)
+        # A request's prefill also runs the decode steps (batch 1, in the prefill workspace, as `generate_speech`) up to
+        # its first chunk's speech ids: its first audio need not wait for its admission between two batch steps, nor
+        # for the batch's steps queued before and after it (under load ~3 steps of ~30 ms). At most one step more than
+        # those ids take: the speech may start a step after the prompt pass.
+        self._first_chunk_ids = 0 if self._vocoder is None else self._vocoder.first_chunk_tokens
+        self._prefill_steps = 1 if self._vocoder is None else -(-self._first_chunk_ids // self.batch.k) + 1
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         if sys.getswitchinterval() > THREAD_SWITCH_INTERVAL_SECONDS:  # process-wide; never raised back (harmless)
             logger.info(f"Speech engine: thread switch interval {1e3 * THREAD_SWITCH_INTERVAL_SECONDS:g} ms.")
@@ -409,9 +418,14 @@ class SpeechEngine:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
         self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
-        self._admit_prefilled()
-        self._wait_for_start_up_round()
+        placed = self._admit_prefilled()
         active = [slot for slot in self._slots if slot is not None]
+        if placed is not None and self._vocoder is not None and not any(slot.handle.first_audio for slot in active):
+            # No row streams audio yet (an idle server's request): a first chunk its prefill handed over is vocoded
+            # before the next step is queued, with the GPU to itself (as `generate_speech_stream` vocodes it).
+            if placed.groups * self.batch.k >= self._first_chunk_ids:
+                self._wait_for_output_thread()
+        self._wait_for_start_up_round()
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
             self._take_outputs(self._launched)
@@ -462,10 +476,12 @@ class SpeechEngine:
         if handle.cancelled:
             self._finish(handle, "cancelled")
             return True
+        max_new = handle.request.max_new_tokens or self.max_new_tokens
         try:
             handle._mark("admitted")
             self._set_prefilling(True)
-            run, first = self.batch.prefill(handle.request, handle.options)
+            steps = min(self._prefill_steps, max_new)
+            run, first = self.batch.prefill(handle.request, handle.options, steps, self._first_chunk_ids)
             handle._mark("prefilled")
         except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
             logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
@@ -473,10 +489,15 @@ class SpeechEngine:
             return True
         finally:
             self._set_prefilling(False)
-        max_new = handle.request.max_new_tokens or self.max_new_tokens
-        with self._lock:
-            self._prefilled.append(_Prefilled(handle, run, first, max_new))
-            self._lock.notify_all()
+        tokens = len(first["tokens"])
+        finish = "stop" if first["done"] else "length" if tokens >= max_new else None
+        # Its first outputs go to the output thread now, not at its admission between two decode steps.
+        self._hand(_StepOutput(handle, first["tokens"], first["speech"], finish, None, time.perf_counter()))
+        if finish is None:
+            groups = len(first["speech"]) // self.batch.k
+            with self._lock:
+                self._prefilled.append(_Prefilled(handle, run, tokens, groups, max_new))
+                self._lock.notify_all()
         return True
 
     def _set_prefilling(self, running: bool) -> None:
@@ -501,20 +522,25 @@ class SpeechEngine:
                     return
             self._lock.wait_for(lambda: not self._prefilling or self._closed, PREFILL_HOLD_SECONDS)
 
-    def _admit_prefilled(self) -> None:
-        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
+    def _admit_prefilled(self) -> _Active | None:
+        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it); its
+        slot, None if none was placed."""
         with self._lock:
             free = [row for row, slot in enumerate(self._slots) if slot is None]
             if not self._prefilled or not free:
-                return
+                return None
             item = self._prefilled[0]
         handle = item.handle
+        placed = None
         if handle.cancelled:
             self._finish(handle, "cancelled")
         else:
-            offset = self._placement(handle.prompt_tokens, item.max_new_tokens)
+            # Its columns (prompt and prefill steps) and room for the rest of its steps: as much as a request
+            # prefilled with one step reserves.
+            columns, room = self.batch.columns_of(item.run), item.max_new_tokens - item.tokens + 1
+            offset = self._placement(columns, room)
             if offset is None:  # no room yet: wait for running rows to finish
-                return
+                return None
             if offset:
                 self.batch.rebase(offset, free)
                 busy = [slot for slot in self._slots if slot is not None]
@@ -526,15 +552,16 @@ class SpeechEngine:
                         self.metrics.rebases += 1
             row = free[0]
             self.batch.admit(row, item.run)
-            column, first = self.batch.column, item.first
-            slot = _Active(handle, item.run, row, column - handle.prompt_tokens, column + item.max_new_tokens,
-                           item.max_new_tokens, groups=len(first["speech"]) // self.batch.k)  # fmt: skip
+            column = self.batch.column
+            slot = _Active(handle, item.run, row, column - columns, column + room, item.max_new_tokens, item.tokens,
+                           item.groups)  # fmt: skip
             with self._lock:
                 self._slots[row] = slot
-            self._advance(slot, first["token"], first["done"], first["speech"])
+            placed = slot
         with self._lock:  # the prefill workspace is free again (what `admit` read is queued before the next prefill)
             self._prefilled.popleft()
             self._lock.notify_all()
+        return placed
 
     def _placement(self, length: int, max_new: int) -> int | None:
         """The column offset to shift the batch by before a request of `length` prompt tokens and `max_new` steps
