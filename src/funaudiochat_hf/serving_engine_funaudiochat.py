@@ -4,8 +4,8 @@
 request is prefilled alone (batch 1) on a prefill thread, on a CUDA stream of its own, while the decode steps go on;
 its prefill also runs its first decode steps, up to its first chunk's speech ids, whose outputs go to the output
 thread at once; between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled
-or disconnected request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
-(`_iteration`), so the GPU does not wait for the host between steps.
+or disconnected request leaves and frees its slot at the next step. Each step is queued before the previous one's
+outputs are read (`_iteration`), so the GPU does not wait for the host between steps.
 Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
 chunks (a streaming CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step;
 the chunks ready across requests are decoded together, see `serving_vocoder_funaudiochat`).
