@@ -777,6 +777,35 @@ def test_a_requests_prefill_runs_its_steps_to_its_first_chunk_and_hands_them_ove
     _assert_single_runs(model, prompts, before + rest, 24, joined)
 
 
+def test_a_request_prefilled_while_the_engine_fails_gets_an_error_at_once(model, prompts, monkeypatch):
+    """The decode thread fails while a request is being prefilled (then in none of the engine's lists, so the failure
+    does not reach it): it gets an error event when its prefill ends, not only when the engine is closed."""
+    entered, release = _hold_prefills_of(prompts["text25"], monkeypatch)
+    engine = SpeechEngine(model, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,
+                          generation_options={"do_sample": False})  # fmt: skip
+    step, fail = engine.batch.step, threading.Event()
+
+    def failing_step(generators):
+        if fail.is_set():
+            raise RuntimeError("a broken step")
+        return step(generators)
+
+    monkeypatch.setattr(engine.batch, "step", failing_step)
+    try:
+        running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=24))
+        next(running.events(timeout=TIMEOUT))
+        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
+        assert entered.wait(TIMEOUT)
+        fail.set()
+        assert _drain(running)[-1].finish_reason == "error"
+        release.set()
+        last = list(joining.events(timeout=10))[-1]
+        assert last.finished and last.finish_reason == "error" and "a broken step" in last.error
+    finally:
+        release.set()
+        engine.close()
+
+
 @pytest.mark.parametrize("end", ["length", "stop"])
 def test_a_request_that_ends_within_its_prefill_never_takes_a_slot(model, prompts, end):
     """A reply that ends within its prefill's steps (its length limit, or its stop token) gets its single run's tokens

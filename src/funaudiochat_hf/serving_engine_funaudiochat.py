@@ -496,8 +496,13 @@ class SpeechEngine:
         if finish is None:
             groups = len(first["speech"]) // self.batch.k
             with self._lock:
-                self._prefilled.append(_Prefilled(handle, run, tokens, groups, max_new))
-                self._lock.notify_all()
+                # An engine that failed meanwhile failed its pending requests, but not this one, held by no list then.
+                failure = self._failure
+                if failure is None:
+                    self._prefilled.append(_Prefilled(handle, run, tokens, groups, max_new))
+                    self._lock.notify_all()
+            if failure is not None:
+                self._finish(handle, "error", failure)
         return True
 
     def _set_prefilling(self, running: bool) -> None:
