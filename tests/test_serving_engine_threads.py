@@ -47,12 +47,12 @@ def test_a_round_catches_up_and_a_first_chunk_queued_during_it_goes_first():
     queued), one round catches up with all of them (one round per step would stay behind for good). A reply's first
     item that arrives while a round runs is vocoded next, alone, before the steady items that came with it; a
     request's items after its last (a cancellation after its end) are not merged into it."""
-    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+    from funaudiochat_hf.serving_outputs_funaudiochat import StepOutput
 
     engine = _output_loop_alone(streaming={"a", "b"})  # requests with audio already out
 
     def item(request_id, step, finish=None):
-        return _StepOutput(_handle(request_id), [step], [10 + step], finish, None, float(step))
+        return StepOutput(_handle(request_id), [step], [10 + step], finish, None, float(step))
 
     for step in range(3):  # three steps' items of two streaming requests: one round
         engine._output.put(item("a", step))
@@ -84,14 +84,14 @@ def test_decode_steps_wait_while_a_round_of_start_up_is_vocoded(monkeypatch):
     request holds nothing, nor does one that decodes no audio (a reply's first ids). Before, first chunks were vocoded
     while steps were launched back to back beside them."""
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
-    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+    from funaudiochat_hf.serving_outputs_funaudiochat import StepOutput
 
     engine = _output_loop_alone(streaming={"a"}, silent=frozenset({"quiet"}))
     held = []
     engine._emit_round = lambda items: held.append(([i.handle.id for i in items], engine._start_up_round))
 
     def item(request_id):
-        return _StepOutput(_handle(request_id), [0], [10], None, None, 0.0)
+        return StepOutput(_handle(request_id), [0], [10], None, None, 0.0)
 
     engine._emit_round_holding_steps([item("new"), item("other")])
     engine._emit_round_holding_steps([item("a")])
@@ -136,12 +136,12 @@ def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(m
     thread has emitted everything handed to it, at the latest after `FIRST_AUDIO_HOLD_SECONDS`, and at once when the
     engine closes: a slow or stuck round never stalls the decode thread for long."""
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
-    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+    from funaudiochat_hf.serving_outputs_funaudiochat import StepOutput
 
     engine = _output_loop_alone(streaming=set())
     engine._emit_round = lambda items: time.sleep(0.05)  # a round of vocoding
     monkeypatch.setattr(engine_module, "FIRST_AUDIO_HOLD_SECONDS", 10.0)
-    engine._hand(_StepOutput(_handle("a"), [0], [10], None, None, 0.0))
+    engine._hand(StepOutput(_handle("a"), [0], [10], None, None, 0.0))
     output = threading.Thread(target=engine._output_loop)
     start = time.perf_counter()
     output.start()
@@ -208,7 +208,7 @@ def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
 
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
     """`_output_loop` sends every round through the hold: a new reply's round holds the steps, a steady one does not."""
-    from funaudiochat_hf.serving_engine_funaudiochat import _StepOutput
+    from funaudiochat_hf.serving_outputs_funaudiochat import StepOutput
 
     engine = _output_loop_alone(streaming={"a"})
     rounds = []
@@ -220,7 +220,7 @@ def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():
 
     engine._emit_round = emit_round
     for request_id in ("a", "new"):
-        engine._output.put(_StepOutput(_handle(request_id), [0], [10], None, None, 0.0))
+        engine._output.put(StepOutput(_handle(request_id), [0], [10], None, None, 0.0))
     engine._output_loop()
     assert rounds == [(["new"], True), (["a"], False)], rounds
 
@@ -248,14 +248,14 @@ def test_start_up_chunks_that_come_during_a_steady_round_are_vocoded_beside_it(c
     loop ends once everything is emitted."""
     from types import SimpleNamespace
 
-    from funaudiochat_hf.serving_engine_funaudiochat import _Round, _StepOutput
+    from funaudiochat_hf.serving_outputs_funaudiochat import StepOutput, VocoderRound
 
     engine = _output_loop_alone(streaming={"a"})
     engine._vocoder.concurrent_start_up = True
     log = []
 
     def item(request_id, step):
-        return _StepOutput(_handle(request_id), [step], [10 + step], None, None, float(step))
+        return StepOutput(_handle(request_id), [step], [10 + step], None, None, float(step))
 
     def start_round(items):
         names = [(i.handle.id, i.text_ids[0]) for i in items]
@@ -270,7 +270,7 @@ def test_start_up_chunks_that_come_during_a_steady_round_are_vocoded_beside_it(c
         def done():
             return ("emit", [("new", 0)], True) in log or names != [("a", 0)] or next(polls, None) is None
 
-        return _Round(items, SimpleNamespace(done=done), None, 0.0)
+        return VocoderRound(items, SimpleNamespace(done=done), None, 0.0)
 
     def finish_round(running):
         log.append(("finish", [(i.handle.id, i.text_ids[0]) for i in running.items]))

@@ -33,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +47,8 @@ from .serving_batch_funaudiochat import ServingBatch
 from .serving_host_copy_funaudiochat import HostCopy
 from .serving_metrics_funaudiochat import EngineMetrics
 from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
-from .serving_vocoder_funaudiochat import PendingAudio, ServingVocoder, VocodeItem
+from .serving_outputs_funaudiochat import StepOutput, VocoderRound, merged_outputs, vocode_items
+from .serving_vocoder_funaudiochat import ServingVocoder
 
 
 logger = logging.get_logger(__name__)
@@ -90,28 +90,6 @@ PREFILL_HOLD_SECONDS = 0.3
 START_UP_POLL_SECONDS = 1e-3
 
 
-class _StepOutput(NamedTuple):
-    """What the decode thread hands the output thread about one request: one step's results, or its end (the output
-    thread merges a request's queued ones, `_merged`)."""
-
-    handle: RequestHandle
-    text_ids: list[int]
-    speech_ids: list[int]
-    finish: str | None  # the finish reason of its last item
-    error: str | None
-    queued: float  # when it was handed over (`time.perf_counter()`)
-
-
-class _Round(NamedTuple):
-    """A vocoder round of the output thread: its items (one per request), its audio queued on the GPU (None without
-    a vocoder, or when queueing it failed: `failure`), and when it started."""
-
-    items: list[_StepOutput]
-    audio: PendingAudio | None
-    failure: Exception | None
-    started: float
-
-
 @dataclass
 class _Active:
     """Host-side bookkeeping of a request in a slot."""
@@ -145,24 +123,6 @@ class _LaunchedStep:
 
     slots: list[_Active]
     outputs: HostCopy
-
-
-def _merged(items: list[_StepOutput]) -> _StepOutput:
-    """One request's consecutive step outputs as one: their text and speech ids in order, the finish reason and
-    error of the last, handed over when the first was (the metrics' wait for the vocoder is its oldest output's)."""
-    if len(items) == 1:
-        return items[0]
-    first, last = items[0], items[-1]
-    text_ids = [token for item in items for token in item.text_ids]
-    speech_ids = [token for item in items for token in item.speech_ids]
-    return _StepOutput(last.handle, text_ids, speech_ids, last.finish, last.error, first.queued)
-
-
-def _vocode_items(items: list[_StepOutput]) -> list[VocodeItem]:
-    """The vocoder's view of a round's (merged) items: audio is wanted unless a request was cancelled or failed."""
-    return [VocodeItem(item.handle.id, item.handle.request.voice, item.speech_ids, item.finish is not None,
-                       item.finish not in ("cancelled", "error"))
-            for item in items]  # fmt: skip
 
 
 class SpeechEngine:
@@ -492,7 +452,7 @@ class SpeechEngine:
         tokens = len(first["tokens"])
         finish = "stop" if first["done"] else "length" if tokens >= max_new else None
         # Its first outputs go to the output thread now, not at its admission between two decode steps.
-        self._hand(_StepOutput(handle, first["tokens"], first["speech"], finish, None, time.perf_counter()))
+        self._hand(StepOutput(handle, first["tokens"], first["speech"], finish, None, time.perf_counter()))
         if finish is None:
             groups = len(first["speech"]) // self.batch.k
             with self._lock:
@@ -611,7 +571,7 @@ class SpeechEngine:
         finish = "stop" if done else "length" if slot.tokens >= slot.max_new_tokens else None
         if finish is not None:  # the slot is free before the caller sees the last event
             self._leave(slot, None)
-        self._hand(_StepOutput(slot.handle, [token], speech, finish, None, time.perf_counter()))
+        self._hand(StepOutput(slot.handle, [token], speech, finish, None, time.perf_counter()))
 
     def _leave(self, slot: _Active, reason: str | None) -> None:
         self.batch.free(slot.row)
@@ -622,9 +582,9 @@ class SpeechEngine:
             self._finish(slot.handle, reason)
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
-        self._hand(_StepOutput(handle, [], [], reason, error, time.perf_counter()))
+        self._hand(StepOutput(handle, [], [], reason, error, time.perf_counter()))
 
-    def _hand(self, item: _StepOutput) -> None:
+    def _hand(self, item: StepOutput) -> None:
         """Queue an item for the output thread (counted: `_wait_for_output_thread`)."""
         with self._lock:
             self._handed += 1
@@ -658,15 +618,15 @@ class SpeechEngine:
             if closing and not items:
                 return
 
-    def _in_start_up(self, items: list[_StepOutput]) -> bool:
+    def _in_start_up(self, items: list[StepOutput]) -> bool:
         """Whether every request of a round is in its start-up (`ServingVocoder.in_start_up`)."""
         return self._vocoder is not None and all(self._vocoder.in_start_up(item.handle.id) for item in items)
 
-    def _emit_round_holding_steps(self, items: list[_StepOutput]) -> None:
+    def _emit_round_holding_steps(self, items: list[StepOutput]) -> None:
         """`_emit_round`, the decode thread holding its next step meanwhile if every request of the round is in its
         start-up (`_wait_for_start_up_round`) and the round may decode audio (`ServingVocoder.may_decode`: a round
         that only adds a reply's first ids holds nothing)."""
-        if not self._in_start_up(items) or not self._vocoder.may_decode(_vocode_items(items)):
+        if not self._in_start_up(items) or not self._vocoder.may_decode(vocode_items(items)):
             self._emit_round(items)
             return
         with self._lock:
@@ -679,8 +639,8 @@ class SpeechEngine:
                 self._lock.notify_all()
 
     def _start_up_meanwhile(
-        self, running: _Round, items: list[_StepOutput], closing: bool
-    ) -> tuple[list[_StepOutput], bool, int]:
+        self, running: VocoderRound, items: list[StepOutput], closing: bool
+    ) -> tuple[list[StepOutput], bool, int]:
         """While `running` (a round of steady chunks) is on the GPU, take what the decode thread hands over and emit
         the start-up chunks among it at once, beside the round (`ServingVocoder.concurrent_start_up`), instead of
         after it: a steady round of many streams at their largest hop takes several times a first chunk. Returns
@@ -698,7 +658,7 @@ class SpeechEngine:
                 self._emit_round_holding_steps(start_up)
         return items, closing, taken
 
-    def _take_queued(self, wait: float | None) -> tuple[list[_StepOutput], bool]:
+    def _take_queued(self, wait: float | None) -> tuple[list[StepOutput], bool]:
         """What the decode thread has queued since the last look, and whether that ends with the last item ever (put
         after the decode thread ended). `wait`: seconds to wait for a first item (None: until one comes; 0: none).
         Taken before every round: a round may take long, and what comes meanwhile joins the next."""
@@ -713,9 +673,9 @@ class SpeechEngine:
             items.append(item)
             block = False
 
-    def _next_round(self, items: list[_StepOutput]) -> tuple[list[_StepOutput], list[_StepOutput]]:
+    def _next_round(self, items: list[StepOutput]) -> tuple[list[StepOutput], list[StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
-        (`_merged`), of the requests in their start-up (`ServingVocoder.in_start_up`) if any (else of all), and the
+        (`merged_outputs`), of the requests in their start-up (`ServingVocoder.in_start_up`) if any (else of all), and the
         other items in order. A round thus catches up with all the steps handed over since the last one, however far
         vocoding fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A
         reply's start-up chunks get vocoder calls of their own, also when queued while a round ran: a round's chunks
@@ -724,7 +684,7 @@ class SpeechEngine:
         starting = set()
         if self._vocoder is not None:
             starting = {item.handle.id for item in items if self._vocoder.in_start_up(item.handle.id)}
-        taken: dict[int, list[_StepOutput]] = {}  # request id -> its items of this round, in order
+        taken: dict[int, list[StepOutput]] = {}  # request id -> its items of this round, in order
         ended, rest = set(), []
         for item in items:
             request = item.handle.id
@@ -732,28 +692,28 @@ class SpeechEngine:
             (taken.setdefault(request, []) if take else rest).append(item)
             if take and item.finish is not None:  # anything after a request's last item is left (and dropped)
                 ended.add(request)
-        return [_merged(group) for group in taken.values()], rest
+        return [merged_outputs(group) for group in taken.values()], rest
 
-    def _emit_round(self, items: list[_StepOutput]) -> None:
+    def _emit_round(self, items: list[StepOutput]) -> None:
         """Emit the events of queued items of distinct requests, in order, their audio decoded together (one vocoder
         call); a vocoder error fails its request only."""
         self._finish_round(self._start_round(items))
 
-    def _start_round(self, items: list[_StepOutput]) -> _Round:
+    def _start_round(self, items: list[StepOutput]) -> VocoderRound:
         """Queue the audio of items of distinct requests on the GPU (one vocoder call, `ServingVocoder.start`; a
         round whose requests are all in their start-up is vocoded as such)."""
         start_up = self._in_start_up(items)
         items = [item for item in items if not item.handle.finished.is_set()]  # e.g. a cancellation after the end
-        parts = _vocode_items(items)
+        parts = vocode_items(items)
         started = time.perf_counter()
         if self._vocoder is None or not items:
-            return _Round(items, None, None, started)
+            return VocoderRound(items, None, None, started)
         try:
-            return _Round(items, self._vocoder.start(parts, start_up=start_up), None, started)
+            return VocoderRound(items, self._vocoder.start(parts, start_up=start_up), None, started)
         except Exception as failure:  # not one request's problem: fail the round's requests, keep the thread
-            return _Round(items, None, failure, started)
+            return VocoderRound(items, None, failure, started)
 
-    def _finish_round(self, running: _Round) -> None:
+    def _finish_round(self, running: VocoderRound) -> None:
         """Emit the events of a round's items (`_start_round`), in order, once its audio is on the host; a vocoder
         error fails its request only."""
         items, started = running.items, running.started
@@ -799,7 +759,7 @@ class SpeechEngine:
             self._text.pop(request_id, None)
         return delta
 
-    def _record(self, item: _StepOutput, event: SpeechEvent, vocoding_started: float) -> None:
+    def _record(self, item: StepOutput, event: SpeechEvent, vocoding_started: float) -> None:
         handle, first_audio = item.handle, False
         with self._lock:
             metrics = self.metrics
