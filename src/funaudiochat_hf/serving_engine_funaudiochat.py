@@ -46,8 +46,8 @@ from .generation_vocoding_funaudiochat import decoder_sampling_rate
 from .serving_batch_funaudiochat import ServingBatch
 from .serving_host_copy_funaudiochat import HostCopy
 from .serving_metrics_funaudiochat import EngineMetrics
-from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
 from .serving_outputs_funaudiochat import StepOutput, VocoderRound, merged_outputs, vocode_items
+from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
 from .serving_vocoder_funaudiochat import ServingVocoder
 
 
