@@ -380,11 +380,11 @@ class SpeechEngine:
         self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
         placed = self._admit_prefilled()
         active = [slot for slot in self._slots if slot is not None]
-        if placed is not None and self._vocoder is not None and not any(slot.handle.first_audio for slot in active):
-            # No row streams audio yet (an idle server's request): a first chunk its prefill handed over is vocoded
+        if (placed is not None and self._vocoder is not None and self._has_first_chunk_ids(placed)
+                and not any(slot.handle.first_audio for slot in active)):  # fmt: skip
+            # No row streams audio yet (an idle server's request): the first chunk its prefill handed over is vocoded
             # before the next step is queued, with the GPU to itself (as `generate_speech_stream` vocodes it).
-            if placed.groups * self.batch.k >= self._first_chunk_ids:
-                self._wait_for_output_thread()
+            self._wait_for_output_thread()
         self._wait_for_start_up_round()
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
@@ -405,8 +405,12 @@ class SpeechEngine:
         `ServingVocoder.first_chunk_tokens` speech ids or more, or has left (its last item is vocoded whole). Before
         that the output thread has no audio to vocode (it creates the request's decoder and adds the ids, host work),
         and the next step need not wait for it."""
-        needed = self._vocoder.first_chunk_tokens
-        return any(self._slots[slot.row] is not slot or slot.groups * self.batch.k >= needed for slot in launched.slots)
+        return any(self._slots[slot.row] is not slot or self._has_first_chunk_ids(slot) for slot in launched.slots)
+
+    def _has_first_chunk_ids(self, slot: _Active) -> bool:
+        """Whether the request of `slot` has had `ServingVocoder.first_chunk_tokens` speech ids out (its first
+        chunk's, unless some are not codec tokens)."""
+        return slot.groups * self.batch.k >= self._first_chunk_ids
 
     def _wait_for_output_thread(self) -> None:
         """Wait until the output thread has emitted everything handed to it so far, at most
@@ -675,8 +679,8 @@ class SpeechEngine:
 
     def _next_round(self, items: list[StepOutput]) -> tuple[list[StepOutput], list[StepOutput]]:
         """`(round, rest)`: every queued item of each request up to its last, merged into one item per request
-        (`merged_outputs`), of the requests in their start-up (`ServingVocoder.in_start_up`) if any (else of all), and the
-        other items in order. A round thus catches up with all the steps handed over since the last one, however far
+        (`merged_outputs`), of the requests in their start-up (`ServingVocoder.in_start_up`) if any (else of all), and
+        the other items in order. A round thus catches up with all the steps handed over since the last one, however far
         vocoding fell behind (one round per step would leave it behind for good once a flow call outlasts a step). A
         reply's start-up chunks get vocoder calls of their own, also when queued while a round ran: a round's chunks
         share one flow call, whose time grows with its rows and windows (the DiT is GEMM-bound at a steady window),
