@@ -265,7 +265,12 @@ def _torchrun(argv: list[str], fsdp: Path | None = None, mixed_precision: str = 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     if fsdp:
         env.update(_launcher_env(fsdp, 2, "--mixed_precision", mixed_precision))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as hung:  # what the two processes printed before they hung, to diagnose it
+        output = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                  for part in (hung.stdout, hung.stderr)]  # fmt: skip
+        pytest.fail(f"the two-process run hung for {hung.timeout} s:\n" + "\n".join(text[-3000:] for text in output))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
