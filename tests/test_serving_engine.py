@@ -451,8 +451,7 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     direct = list(model.generate_speech_stream(**prompts["text40"], speech_decoder=decoder, max_new_tokens=12, seed=0))
     direct_first = next(i for i, event in enumerate(direct) if event.audio.numel())
     served_first = next(i for i, event in enumerate(served) if len(event.audio))
-    # The prefill's steps up to the first chunk's speech ids come as one event (with its audio), the batch's one a step.
-    assert handle.first_audio_steps == direct_first + 1 == len(served[0].text_ids) > 1 and served_first == 0
+    assert handle.first_audio_steps == served_first + 1 == direct_first + 1
     assert len(served[served_first].audio) == direct[direct_first].audio.numel() > 0
     stages = list(handle.timeline)
     assert stages == ["admitted", "prefilled", "ready", "vocoding", "first_audio"]
@@ -460,15 +459,12 @@ def test_an_idle_engines_first_audio_comes_when_the_direct_streams_does(model, p
     assert handle.first_audio == handle.timeline["first_audio"] > 0
 
 
-@pytest.mark.parametrize("prefill_steps", ["to_first_chunk", "prompt_pass_only"])
-def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(model, prompts, prefill_steps,
-                                                                               monkeypatch):  # fmt: skip
-    """While no request streams audio yet (one request on an idle engine), the first chunk is vocoded with no step
-    beside it, as in `generate_speech_stream` (on a GPU a step queued ahead shared the GPU with it and slowed it): the
-    prefill's own steps reach its speech ids, and the batch's first step waits for its audio; where they do not
-    (`prompt_pass_only`, as when the speech starts after them) the decode thread reads each step's outputs and waits
-    for the output thread to vocode them before it queues the next step. Once audio streams, steps are queued ahead
-    of the reads again. Before, every step was queued before the previous one's outputs were read."""
+def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(model, prompts, monkeypatch):
+    """While no request streams audio yet (one request on an idle engine), the decode thread reads each step's
+    outputs and waits for the output thread to vocode them before it queues the next step: the first chunk is then
+    vocoded with no step beside it, as in `generate_speech_stream` (on a GPU a step queued ahead shared the GPU with
+    it and slowed it). Once audio streams, steps are queued ahead of the reads again. Before, every step was queued
+    before the previous one's outputs were read."""
     _no_hold_bound(monkeypatch)
     decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
     log = []  # "step" (queued), "read" (outputs taken), "audio" (a vocoder call returned audio)
@@ -479,8 +475,6 @@ def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(
 
     _spy_on_vocoder_rounds(monkeypatch, recorded_audio)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
-    if prefill_steps == "prompt_pass_only":
-        monkeypatch.setattr(engine, "_prefill_steps", 1)
     step, read = engine.batch.step, engine.batch.read_results
     monkeypatch.setattr(engine.batch, "step", lambda generators: (log.append("step"), step(generators))[1])
     monkeypatch.setattr(engine.batch, "read_results", lambda copy: (log.append("read"), read(copy))[1])
@@ -491,10 +485,7 @@ def test_until_a_request_streams_each_step_is_vocoded_before_the_next_is_queued(
     assert served[-1].finished and "audio" in log, log
     first_audio = log.index("audio")
     before, after = log[:first_audio], log[first_audio + 1 :]
-    if prefill_steps == "to_first_chunk":
-        assert not before, log  # the prefill's steps gave the first chunk, vocoded before any batch step
-    else:  # one step at a time, up to its audio
-        assert before and before == ["step", "read"] * (len(before) // 2), log
+    assert before and before == ["step", "read"] * (len(before) // 2), log  # one step at a time, up to its audio
     assert after[0] == "step", log  # the next step waited for the first chunk
     pairs = list(zip(after, after[1:]))
     assert ("step", "step") in pairs, log  # then queued ahead again
@@ -686,11 +677,11 @@ def _hold_prefills_of(prompt, monkeypatch):
 
     prefill, entered, release = ServingBatch.prefill, threading.Event(), threading.Event()
 
-    def held_prefill(self, request, resolved, *steps):
+    def held_prefill(self, request, resolved):
         if request.inputs["input_ids"].shape[1] == prompt["input_ids"].shape[1]:
             entered.set()
             assert release.wait(TIMEOUT)
-        return prefill(self, request, resolved, *steps)
+        return prefill(self, request, resolved)
 
     monkeypatch.setattr(ServingBatch, "prefill", held_prefill)
     return entered, release
@@ -736,47 +727,6 @@ def test_the_decode_steps_go_on_while_a_request_is_prefilled(model, prompts, mon
     _assert_single_runs(model, prompts, before + during + rest, 24, joined)
 
 
-def test_a_requests_prefill_runs_its_steps_to_its_first_chunk_and_hands_them_over_at_once(model, prompts, monkeypatch):
-    """A joining request's prefill also runs its decode steps up to its first chunk's speech tokens (batch 1, as its
-    single run): their outputs reach it while the batch's steps are held, before it has a slot (they used to wait for
-    its admission between two batch steps, then for the steps to its first chunk: under load ~3 steps). Both requests
-    then get their single runs' tokens."""
-    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
-    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=24,
-                          generation_options={"do_sample": False})  # fmt: skip
-    needed = engine._vocoder.first_chunk_tokens
-    assert engine._prefill_steps == -(-needed // engine.batch.k) + 1
-    step, hold, held, release = engine.batch.step, threading.Event(), threading.Event(), threading.Event()
-
-    def held_step(generators):
-        if hold.is_set():
-            held.set()
-            assert release.wait(TIMEOUT)
-        return step(generators)
-
-    monkeypatch.setattr(engine.batch, "step", held_step)
-    try:
-        running = engine.submit(SpeechRequest(prompts["text40"], max_new_tokens=24))
-        events = running.events(timeout=TIMEOUT)
-        before = [next(events) for _ in range(2)]
-        hold.set()
-        assert held.wait(TIMEOUT)
-        joining = engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=6))
-        joined = joining.events(timeout=TIMEOUT)
-        first = next(joined)
-        assert not release.is_set()
-        assert len(first.speech_ids) >= needed and 2 <= len(first.text_ids) <= engine._prefill_steps
-        assert not first.finished
-        assert all(slot is None or slot.handle is running for slot in engine._slots)  # no slot yet
-        release.set()
-        joined = [first, *joined]
-        rest = list(events)
-    finally:
-        release.set()
-        engine.close()
-    _assert_single_runs(model, prompts, before + rest, 24, joined)
-
-
 def test_a_request_prefilled_while_the_engine_fails_gets_an_error_at_once(model, prompts, monkeypatch):
     """The decode thread fails while a request is being prefilled (then in none of the engine's lists, so the failure
     does not reach it): it gets an error event when its prefill ends, not only when the engine is closed."""
@@ -804,29 +754,6 @@ def test_a_request_prefilled_while_the_engine_fails_gets_an_error_at_once(model,
     finally:
         release.set()
         engine.close()
-
-
-@pytest.mark.parametrize("end", ["length", "stop"])
-def test_a_request_that_ends_within_its_prefill_never_takes_a_slot(model, prompts, end):
-    """A reply that ends within its prefill's steps (its length limit, or its stop token) gets its single run's tokens
-    without joining the batch: no batch step runs."""
-    text, _ = _single_run(model, prompts["text25"], 4, do_sample=False)
-    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
-    options = {"do_sample": False}
-    if end == "stop":  # its last prefill step's token stops it (the tiny model's first tokens differ)
-        options["eos_token_id"] = text[1]
-        assert text.index(text[1]) == 1
-    engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=12,
-                          generation_options=options)  # fmt: skip
-    try:
-        max_new = 2 if end == "length" else 12
-        served = _drain(engine.submit(SpeechRequest(prompts["text25"], max_new_tokens=max_new)))
-        assert engine.metrics.steps == 0
-    finally:
-        engine.close()
-    expected = text[:max_new] if end == "length" else text[:2]
-    assert [t for event in served for t in event.text_ids] == expected
-    assert served[-1].finished and served[-1].finish_reason == end
 
 
 def test_a_prefill_has_the_gpu_to_itself_while_every_stream_is_ahead(model, prompts, monkeypatch):
@@ -895,9 +822,6 @@ def test_an_idle_engine_waits_for_the_vocoder_only_after_a_step_that_may_give_a_
 
     monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "start", slow_round)
     engine = SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=12)
-    # The prefill stops at the prompt pass (as when the speech starts after its steps): the batch's steps give the
-    # first chunk.
-    monkeypatch.setattr(engine, "_prefill_steps", 1)
     step = engine.batch.step
     monkeypatch.setattr(engine.batch, "step", lambda generators: (events.append(("step",)), step(generators))[1])
     needed = engine._vocoder.first_chunk_tokens

@@ -175,16 +175,12 @@ class ServingBatch:
                 )
         return resolved
 
-    def prefill(
-        self, request: SpeechRequest, resolved: ResolvedRequest, max_steps: int = 1, speech_ids: int = 0
-    ) -> tuple[SpeechRun, dict]:
-        """A request's batch-1 run on the engine's generator: its prompt prefilled alone in the prefill workspace, then
-        decode steps there too (as `generate_speech` runs them) until it has `speech_ids` speech ids, has stopped, or
-        has run `max_steps` steps (the prompt pass's included); and the outputs of those steps: `{"tokens": text ids
-        (up to the stop token), "done": bool, "speech": speech ids}`. Raises ValueError naming a problem of its
-        inputs. All of it on `prefill_stream` (the run's copies of the request's tensors too), after the last `admit`
-        read the workspace. The outputs' copies wait for everything the prefill queued: the workspace is complete when
-        this returns (`admit` may read it on another stream)."""
+    def prefill(self, request: SpeechRequest, resolved: ResolvedRequest) -> tuple[SpeechRun, dict]:
+        """A request's batch-1 run on the engine's generator, its prompt prefilled alone in the prefill workspace, and
+        its first step's outputs (as `read_results`); raises ValueError naming a problem of its inputs. All of it on
+        `prefill_stream` (the run's copies of the request's tensors too), after the last `admit` read the workspace.
+        The outputs' copy waits for everything the prefill queued: the workspace is complete when this returns
+        (`admit` may read it on another stream)."""
         stream = contextlib.nullcontext() if self.prefill_stream is None else torch.cuda.stream(self.prefill_stream)
         with stream:
             if self._admitted is not None:
@@ -192,25 +188,12 @@ class ServingBatch:
             inputs = dict(request.inputs)
             input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
             run = SpeechRun(self.model, self.generator, resolved, input_ids, attention_mask, inputs, None)
-            ws, k = run.prefill(), self.k
-
-            def outputs():  # one copy of the run's outputs so far: a step appends at most one speech group
-                n = run.steps
-                state = [ws.done[:1].long(), ws.finish_step[:1], ws.groups[:1], ws.text_out[0, :n]]
-                done, finish, groups, *ids = to_host(torch.cat([*state, ws.speech_out[0, : n * k]])).tolist()
-                return bool(done), ids[: finish + 1 if done else n], ids[n : n + groups * k]
-
-            done, tokens, speech = outputs()
-            while run.steps < max_steps and not done and len(speech) < speech_ids:
-                run.decode()  # the speech may start a step after the prompt pass: each step's outputs say if one more
-                done, tokens, speech = outputs()
-        return run, {"tokens": tokens, "done": done, "speech": speech}
-
-    @staticmethod
-    def columns_of(run: SpeechRun) -> int:
-        """The cache columns a prefilled `run` brings into its slot: its prompt (without the bucket padding of its
-        recorded prompt pass) and one per decode step it ran."""
-        return run.input_ids.shape[1] - (run.bucket_padding or 0) + run.steps - 1
+            ws = run.prefill()
+            # One copy; a prompt pass appends at most one speech group.
+            token, done, groups, *speech = to_host(
+                torch.cat([ws.next_ids[:1], ws.done[:1].long(), ws.groups[:1], ws.speech_out[0, : self.k]])
+            ).tolist()
+        return run, {"token": token, "done": bool(done), "speech": speech[: groups * self.k]}
 
     # ------------------------------------------------------------------ slots
     @property
@@ -223,9 +206,9 @@ class ServingBatch:
     def admit(self, row: int, run: SpeechRun) -> None:
         """Move the prefilled request (its batch-1 workspace) into slot `row`, right-aligned at the current column."""
         ws, pre, k = self.ws, run.ws, self.k
-        # The run's own columns: its prompt after any bucket padding of its recorded prompt pass, and its steps'.
+        # The run's own columns: its prompt after any bucket padding of its recorded prompt pass.
         skip = run.bucket_padding or 0
-        length = self.columns_of(run)
+        length = run.input_ids.shape[1] - skip
         end = self.column
         start = end - length
         for batch_cache, own_cache, scale in ((ws.llm_cache, pre.llm_cache, 1), (ws.crq_cache, pre.crq_cache, k)):

@@ -2,10 +2,9 @@
 
 `SpeechEngine` runs the package's decode step over the rows ("slots") of one static batch in a background thread. A new
 request is prefilled alone (batch 1) on a prefill thread, on a CUDA stream of its own, while the decode steps go on;
-its prefill also runs its first decode steps, up to its first chunk's speech ids, whose outputs go to the output
-thread at once; between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled
-or disconnected request leaves and frees its slot at the next step. Each step is queued before the previous one's
-outputs are read (`_iteration`), so the GPU does not wait for the host between steps.
+between two steps its cache rows and per-row state are placed into a free slot; a finished, cancelled or disconnected
+request leaves and frees its slot at the next step. Each step is queued before the previous one's outputs are read
+(`_iteration`), so the GPU does not wait for the host between steps.
 Every request has its own sampling values, seed, length limit and voice, and streams text deltas and 24 kHz audio
 chunks (a streaming CosyVoice3 decoder per request, on an output thread so that vocoding never delays a decode step;
 the chunks ready across requests are decoded together, see `serving_vocoder_funaudiochat`).
@@ -100,19 +99,17 @@ class _Active:
     start: int  # first cache column of its prompt
     reserved_end: int  # start + prompt + max_new_tokens: columns it may write up to (exclusive)
     max_new_tokens: int
-    tokens: int = 0  # text tokens emitted (the prefill's included)
+    tokens: int = 0  # text tokens emitted (the prefill's first one included)
     groups: int = 0  # speech groups emitted
 
 
 @dataclass
 class _Prefilled:
-    """A request prefilled by the prefill thread, waiting for the decode thread to place it in a slot (the outputs of
-    its first steps are already with the output thread)."""
+    """A request prefilled by the prefill thread, waiting for the decode thread to place it in a slot."""
 
     handle: RequestHandle
     run: SpeechRun
-    tokens: int  # text tokens of its prefill's steps
-    groups: int  # speech groups of its prefill's steps
+    first: dict  # its first step's outputs (`ServingBatch.prefill`)
     max_new_tokens: int
 
 
@@ -216,12 +213,6 @@ class SpeechEngine:
                 sizes = self._vocoder.warm_up_batch_sizes(max_batch_size)
                 logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
                 self._vocoder.warm_up(max_batch_size)
-        # A request's prefill also runs the decode steps (batch 1, in the prefill workspace, as `generate_speech`) up to
-        # its first chunk's speech ids: its first audio need not wait for its admission between two batch steps, nor
-        # for the batch's steps queued before and after it (under load ~3 steps of ~30 ms). At most one step more than
-        # those ids take: the speech may start a step after the prompt pass.
-        self._first_chunk_ids = 0 if self._vocoder is None else self._vocoder.first_chunk_tokens
-        self._prefill_steps = 1 if self._vocoder is None else -(-self._first_chunk_ids // self.batch.k) + 1
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
         if sys.getswitchinterval() > THREAD_SWITCH_INTERVAL_SECONDS:  # process-wide; never raised back (harmless)
             logger.info(f"Speech engine: thread switch interval {1e3 * THREAD_SWITCH_INTERVAL_SECONDS:g} ms.")
@@ -378,14 +369,9 @@ class SpeechEngine:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
         self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
-        placed = self._admit_prefilled()
-        active = [slot for slot in self._slots if slot is not None]
-        if (placed is not None and self._vocoder is not None and self._has_first_chunk_ids(placed)
-                and not any(slot.handle.first_audio for slot in active)):  # fmt: skip
-            # No row streams audio yet (an idle server's request): the first chunk its prefill handed over is vocoded
-            # before the next step is queued, with the GPU to itself (as `generate_speech_stream` vocodes it).
-            self._wait_for_output_thread()
+        self._admit_prefilled()
         self._wait_for_start_up_round()
+        active = [slot for slot in self._slots if slot is not None]
         launched = self._launch_step(active) if active else None
         if self._launched is not None:
             self._take_outputs(self._launched)
@@ -410,7 +396,7 @@ class SpeechEngine:
     def _has_first_chunk_ids(self, slot: _Active) -> bool:
         """Whether the request of `slot` has had `ServingVocoder.first_chunk_tokens` speech ids out (its first
         chunk's, unless some are not codec tokens)."""
-        return slot.groups * self.batch.k >= self._first_chunk_ids
+        return self._vocoder is not None and slot.groups * self.batch.k >= self._vocoder.first_chunk_tokens
 
     def _wait_for_output_thread(self) -> None:
         """Wait until the output thread has emitted everything handed to it so far, at most
@@ -440,12 +426,10 @@ class SpeechEngine:
         if handle.cancelled:
             self._finish(handle, "cancelled")
             return True
-        max_new = handle.request.max_new_tokens or self.max_new_tokens
         try:
             handle._mark("admitted")
             self._set_prefilling(True)
-            steps = min(self._prefill_steps, max_new)
-            run, first = self.batch.prefill(handle.request, handle.options, steps, self._first_chunk_ids)
+            run, first = self.batch.prefill(handle.request, handle.options)
             handle._mark("prefilled")
         except Exception as error:  # the request's own problem: the batch is untouched (prefill workspace)
             logger.warning(f"Request {handle.id} failed before joining the batch: {error}")
@@ -453,20 +437,15 @@ class SpeechEngine:
             return True
         finally:
             self._set_prefilling(False)
-        tokens = len(first["tokens"])
-        finish = "stop" if first["done"] else "length" if tokens >= max_new else None
-        # Its first outputs go to the output thread now, not at its admission between two decode steps.
-        self._hand(StepOutput(handle, first["tokens"], first["speech"], finish, None, time.perf_counter()))
-        if finish is None:
-            groups = len(first["speech"]) // self.batch.k
-            with self._lock:
-                # An engine that failed meanwhile failed its pending requests, but not this one, held by no list then.
-                failure = self._failure
-                if failure is None:
-                    self._prefilled.append(_Prefilled(handle, run, tokens, groups, max_new))
-                    self._lock.notify_all()
-            if failure is not None:
-                self._finish(handle, "error", failure)
+        max_new = handle.request.max_new_tokens or self.max_new_tokens
+        with self._lock:
+            # An engine that failed meanwhile failed its pending requests, but not this one, held by no list then.
+            failure = self._failure
+            if failure is None:
+                self._prefilled.append(_Prefilled(handle, run, first, max_new))
+                self._lock.notify_all()
+        if failure is not None:
+            self._finish(handle, "error", failure)
         return True
 
     def _set_prefilling(self, running: bool) -> None:
@@ -491,25 +470,20 @@ class SpeechEngine:
                     return
             self._lock.wait_for(lambda: not self._prefilling or self._closed, PREFILL_HOLD_SECONDS)
 
-    def _admit_prefilled(self) -> _Active | None:
-        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it); its
-        slot, None if none was placed."""
+    def _admit_prefilled(self) -> None:
+        """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
         with self._lock:
             free = [row for row, slot in enumerate(self._slots) if slot is None]
             if not self._prefilled or not free:
-                return None
+                return
             item = self._prefilled[0]
         handle = item.handle
-        placed = None
         if handle.cancelled:
             self._finish(handle, "cancelled")
         else:
-            # Its columns (prompt and prefill steps) and room for the rest of its steps: as much as a request
-            # prefilled with one step reserves.
-            columns, room = self.batch.columns_of(item.run), item.max_new_tokens - item.tokens + 1
-            offset = self._placement(columns, room)
+            offset = self._placement(handle.prompt_tokens, item.max_new_tokens)
             if offset is None:  # no room yet: wait for running rows to finish
-                return None
+                return
             if offset:
                 self.batch.rebase(offset, free)
                 busy = [slot for slot in self._slots if slot is not None]
@@ -521,16 +495,15 @@ class SpeechEngine:
                         self.metrics.rebases += 1
             row = free[0]
             self.batch.admit(row, item.run)
-            column = self.batch.column
-            slot = _Active(handle, item.run, row, column - columns, column + room, item.max_new_tokens, item.tokens,
-                           item.groups)  # fmt: skip
+            column, first = self.batch.column, item.first
+            slot = _Active(handle, item.run, row, column - handle.prompt_tokens, column + item.max_new_tokens,
+                           item.max_new_tokens, groups=len(first["speech"]) // self.batch.k)  # fmt: skip
             with self._lock:
                 self._slots[row] = slot
-            placed = slot
+            self._advance(slot, first["token"], first["done"], first["speech"])
         with self._lock:  # the prefill workspace is free again (what `admit` read is queued before the next prefill)
             self._prefilled.popleft()
             self._lock.notify_all()
-        return placed
 
     def _placement(self, length: int, max_new: int) -> int | None:
         """The column offset to shift the batch by before a request of `length` prompt tokens and `max_new` steps
