@@ -164,18 +164,19 @@ def test_the_wait_for_the_output_thread_ends_when_it_emitted_or_after_the_hold(m
     assert time.perf_counter() - start < 5.0
 
 
-def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
-    """`_hold_for_prefill`: while a prefill runs, a step or round whose requests all have
-    `PREFILL_PRIORITY_AHEAD_SECONDS` of audio out ahead of their playback waits until the prefill ends (at the latest
-    after `PREFILL_HOLD_SECONDS`); one that holds a request with less audio ahead, or still waiting for its first
-    audio, does not wait, nor does any when no prefill runs."""
+def test_steps_and_rounds_wait_for_a_prefill_unless_a_request_needs_them_now(monkeypatch):
+    """`_hold_for_prefill`: while a prefill runs, a decode step or vocoder round waits until it ends (at the latest
+    after `PREFILL_HOLD_SECONDS`) unless one of its requests needs it now: one whose playback has caught up with its
+    audio, or one waiting for its first audio; a step's row waits for it only until its first chunk's speech ids are
+    out (the round then vocodes them). Nothing waits when no prefill runs."""
     from types import SimpleNamespace
 
     from funaudiochat_hf import serving_engine_funaudiochat as engine_module
 
     engine = _output_loop_alone(streaming=set())
     engine.sampling_rate = 100
-    monkeypatch.setattr(engine_module, "PREFILL_PRIORITY_AHEAD_SECONDS", 2.0)
+    engine._vocoder.first_chunk_tokens = 9
+    engine.batch = SimpleNamespace(k=5)
     monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 10.0)
     now = time.perf_counter()
 
@@ -184,26 +185,35 @@ def test_steps_and_rounds_far_enough_ahead_wait_for_a_prefill(monkeypatch):
         submitted = now - 1.0 - (first_audio_ago or 0.0)
         return SimpleNamespace(submitted=submitted, first_audio=first_audio, audio_samples=int(100 * audio_seconds))
 
-    ahead = request(first_audio_ago=1.0, audio_seconds=4.0)  # 3 s ahead
-    behind = request(first_audio_ago=3.0, audio_seconds=4.0)  # 1 s ahead
+    ahead = request(first_audio_ago=1.0, audio_seconds=1.2)  # 0.2 s ahead of its playback
+    starved = request(first_audio_ago=3.0, audio_seconds=2.8)  # its playback caught up 0.2 s ago
     new = request(first_audio_ago=None, audio_seconds=0.0)
+    slot = SimpleNamespace
+    ahead_row, starved_row = slot(handle=ahead, groups=20), slot(handle=starved, groups=20)
+    new_row, new_row_with_ids = slot(handle=new, groups=1), slot(handle=new, groups=2)  # 5, then 10 speech ids
 
-    def waited(handles):
+    def waited(**step_or_round):
         start = time.perf_counter()
-        engine._hold_for_prefill(handles)
+        engine._hold_for_prefill(**step_or_round)
         return time.perf_counter() - start
 
+    def held(**step_or_round):  # it waits for the prefill, which ends 50 ms later
+        engine._prefilling = True
+        ender = threading.Timer(0.05, engine._set_prefilling, (False,))
+        ender.start()
+        seconds = waited(**step_or_round)
+        ender.join()
+        return 0.04 <= seconds < 5.0
+
     engine._prefilling = True
-    for handles in ([ahead, behind], [ahead, new], []):
-        assert waited(handles) < 5.0
-    ender = threading.Timer(0.05, engine._set_prefilling, (False,))
-    ender.start()
-    assert 0.04 <= waited([ahead]) < 5.0  # until the prefill ended
-    ender.join()
-    assert waited([ahead]) < 5.0  # no prefill: no wait
+    for step_or_round in ({"handles": [ahead, starved]}, {"handles": [ahead, new]}, {"handles": []},
+                          {"slots": [ahead_row, starved_row]}, {"slots": [ahead_row, new_row]}, {"slots": []}):
+        assert waited(**step_or_round) < 5.0, step_or_round
+    assert held(handles=[ahead]) and held(slots=[ahead_row, new_row_with_ids])
+    assert not engine._prefilling and waited(handles=[ahead]) < 5.0  # no prefill: no wait
     monkeypatch.setattr(engine_module, "PREFILL_HOLD_SECONDS", 0.05)
     engine._prefilling = True
-    assert 0.05 <= waited([ahead]) < 5.0  # a prefill that does not end: the bound
+    assert 0.05 <= waited(slots=[ahead_row]) < 5.0  # a prefill that does not end: the bound
 
 
 def test_the_output_thread_vocodes_a_first_chunk_round_with_the_steps_held():

@@ -76,12 +76,12 @@ THREAD_SWITCH_INTERVAL_SECONDS = 2e-4
 # other stream's tokens for long. It also bounds the wait of a step for the vocoding of the previous one's outputs
 # while no request streams yet (`_wait_for_output_thread`).
 FIRST_AUDIO_HOLD_SECONDS = 0.05
-# While a request is prefilled, the decode steps and the vocoder rounds of requests that all have at least this much
-# audio out ahead of their playback (counted from their first audio, played in real time) wait for it: the prefill
-# then has the GPU to itself, and a new request's first audio comes sooner (beside the steps and rounds of a load a
-# prefill took about twice as long), at the cost of audio the listeners do not need yet. The hold ends with the
-# prefill, at the latest after `PREFILL_HOLD_SECONDS` (a prefill alone takes ~50-150 ms on a GPU).
-PREFILL_PRIORITY_AHEAD_SECONDS = 2.0
+# While a request is prefilled, the decode steps and the vocoder rounds wait for it unless one of their requests needs
+# them now: one whose playback has caught up with its audio (counted from its first audio, played in real time), or one
+# still waiting for its first audio (a step's rows: whose first chunk's speech ids are not out yet). The prefill then
+# has the GPU to itself, and a new request's first audio comes sooner (beside the steps and rounds of a load a prefill
+# took about twice as long). The hold ends with the prefill, at the latest after `PREFILL_HOLD_SECONDS` (a prefill alone
+# takes ~50-150 ms on a GPU); a listener's buffered audio covers it.
 PREFILL_HOLD_SECONDS = 0.3
 # While a round of steady chunks runs on the GPU, the output thread looks for new start-up chunks (and whether the
 # round is done) at least this often (seconds): they are vocoded beside the round instead of after it
@@ -368,7 +368,7 @@ class SpeechEngine:
         for slot in self._slots:
             if slot is not None and slot.handle.cancelled:
                 self._leave(slot, "cancelled")
-        self._hold_for_prefill([slot.handle for slot in self._slots if slot is not None])
+        self._hold_for_prefill(slots=[slot for slot in self._slots if slot is not None])
         self._admit_prefilled()
         self._wait_for_start_up_round()
         active = [slot for slot in self._slots if slot is not None]
@@ -454,21 +454,28 @@ class SpeechEngine:
             if not running:
                 self._lock.notify_all()  # steps and rounds held for the prefill go on
 
-    def _hold_for_prefill(self, handles: list[RequestHandle]) -> None:
-        """While a request is prefilled, wait for it if every one of `handles` (the requests of the next step or
-        vocoder round) has `PREFILL_PRIORITY_AHEAD_SECONDS` of audio out ahead of its playback; at most
-        `PREFILL_HOLD_SECONDS`. A request still waiting for its first audio is never held."""
+    def _hold_for_prefill(self, slots: list[_Active] = (), handles: list[RequestHandle] = ()) -> None:
+        """While a request is prefilled, hold the next decode step of `slots` or vocoder round of `handles` for it, at
+        most `PREFILL_HOLD_SECONDS`, unless one of their requests needs it now: its playback has caught up with its
+        audio, or it waits for its first audio (a step's row only until its first chunk's speech ids are out)."""
         with self._lock:
-            if not self._prefilling or not handles:
+            if not self._prefilling or not (slots or handles):
                 return
             now = time.perf_counter()
-            for handle in handles:
-                if handle.first_audio is None:
+            for slot in slots:
+                if slot.handle.first_audio is None:
+                    if not self._has_first_chunk_ids(slot):
+                        return
+                elif self._starved(slot.handle, now):
                     return
-                played = now - handle.submitted - handle.first_audio
-                if handle.audio_samples / self.sampling_rate - played < PREFILL_PRIORITY_AHEAD_SECONDS:
+            for handle in handles:
+                if handle.first_audio is None or self._starved(handle, now):
                     return
             self._lock.wait_for(lambda: not self._prefilling or self._closed, PREFILL_HOLD_SECONDS)
+
+    def _starved(self, handle: RequestHandle, now: float) -> bool:
+        """Whether the playback of `handle`'s audio, in real time from its first audio, has caught up with it."""
+        return handle.audio_samples / self.sampling_rate < now - handle.submitted - handle.first_audio
 
     def _admit_prefilled(self) -> None:
         """Place the prefilled request in a free slot when it fits (else it waits, and nothing overtakes it)."""
@@ -579,7 +586,7 @@ class SpeechEngine:
                 taken += len(queued)
             if items:  # a round of one (merged) item per request: its events in order
                 round_items, items = self._next_round(items)
-                self._hold_for_prefill([item.handle for item in round_items])
+                self._hold_for_prefill(handles=[item.handle for item in round_items])
                 concurrent = self._vocoder is not None and self._vocoder.concurrent_start_up
                 if concurrent and not self._in_start_up(round_items):
                     running = self._start_round(round_items)
