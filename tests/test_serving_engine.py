@@ -52,6 +52,22 @@ def _drain(handle):
     return list(handle.events(timeout=TIMEOUT))
 
 
+def _steps_wait_for_prefills(engine, monkeypatch):
+    """Each decode step waits while a request is prefilled, or waits for a free slot's prefill: a request submitted
+    joins before the running ones step on. (On a busy host a long prefill beside the steps could outlast the reply
+    running, and the join the test means to exercise would find an empty batch.)"""
+    step = engine.batch.step
+
+    def step_after_prefills(generators):
+        with engine._lock:
+            engine._lock.wait_for(
+                lambda: not engine._prefilling and not (engine._waiting and None in engine._slots), TIMEOUT
+            )
+        return step(generators)
+
+    monkeypatch.setattr(engine.batch, "step", step_after_prefills)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "seeded", "bucketed"])
 def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, prompts, mode, monkeypatch):
     max_new = 16
@@ -82,6 +98,7 @@ def test_requests_joining_and_leaving_mid_flight_equal_their_single_runs(model, 
         model, max_batch_size=3, max_prompt_tokens=336, max_new_tokens=max_new, cache_length=352,
         generation_options=engine_options,
     )  # fmt: skip
+    _steps_wait_for_prefills(engine, monkeypatch)
     try:
         handles = [engine.submit(SpeechRequest(prompts[order[0]], max_new_tokens=max_new, **per_request[0]))]
         events = {0: _take(handles[0], 3)}  # the first runs alone for 3 steps

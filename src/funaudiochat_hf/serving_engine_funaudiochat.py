@@ -199,7 +199,7 @@ class SpeechEngine:
         self._failure: str | None = None
         self._launched: _LaunchedStep | None = None  # decode thread only
         self._start_up_round = False  # the output thread vocodes a round of start-up chunks (the steps wait)
-        self._prefilling = False  # the prefill thread runs a prefill (steps and rounds far enough ahead wait)
+        self._prefilling = False  # the prefill thread runs a prefill (`_hold_for_prefill`)
         self._output: queue.Queue = queue.Queue()
         # Items put on `_output` so far, and how many of them the output thread has emitted (both under `_lock`); a
         # condition of its own on that lock, so that each round wakes only a decode thread waiting for it.
