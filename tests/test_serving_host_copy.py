@@ -21,9 +21,9 @@ def test_to_host_of_a_cpu_tensor_is_the_tensor():
 
 
 def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, inputs, monkeypatch):
-    """One `HostCopy` per decode step (the step's outputs, started when it is queued), one `to_host` per step of a
-    prefill (its prompt pass and its own decode steps to its first chunk), one `HostCopy` per vocoder call that has
-    audio: no pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left on the engine's threads."""
+    """One `HostCopy` per decode step (the step's outputs, started when it is queued), one `to_host` per prefill, one
+    `HostCopy` per vocoder call that has audio: no pageable copy (`.tolist()` / `.cpu()` of a device tensor) is left
+    on the engine's threads."""
     copies = {"batch": 0, "vocoder": 0, "steps": 0, "step_reads": 0}
 
     def counting(name):
@@ -62,8 +62,8 @@ def test_the_engine_reads_each_step_and_each_vocoder_call_with_one_copy(model, i
         engine.close()
     assert events[-1].finish_reason == "length"
     assert sum(len(event.audio) for event in events) > 0
-    assert 2 <= copies["batch"] <= engine._prefill_steps  # the prefill's steps
-    assert copies["step_reads"] == copies["steps"] >= 8 - copies["batch"]  # each step queued
+    assert copies["batch"] == 1  # the prefill
+    assert copies["step_reads"] == copies["steps"] >= 7  # each step queued
     assert copies["vocoder"] == len(calls) > 0
 
 
