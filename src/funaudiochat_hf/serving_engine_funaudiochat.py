@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -454,7 +454,7 @@ class SpeechEngine:
             if not running:
                 self._lock.notify_all()  # steps and rounds held for the prefill go on
 
-    def _hold_for_prefill(self, slots: list[_Active] = (), handles: list[RequestHandle] = ()) -> None:
+    def _hold_for_prefill(self, slots: Sequence[_Active] = (), handles: Sequence[RequestHandle] = ()) -> None:
         """While a request is prefilled, hold the next decode step of `slots` or vocoder round of `handles` for it, at
         most `PREFILL_HOLD_SECONDS`, unless one of their requests needs it now: its playback has caught up with its
         audio, or it waits for its first audio (a step's row only until its first chunk's speech ids are out)."""
