@@ -1,18 +1,14 @@
 """Tests of scripts/bench_dit_attention.py's arguments and its sweep's report (the timings need a GPU)."""
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_module
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-try:
-    import bench_dit_attention as bench
-finally:
-    sys.path.pop(0)
+
+bench = load_module(Path(__file__).resolve().parents[1] / "scripts" / "bench_dit_attention.py", "bench_dit_attention")
 
 
 def test_tiles_narrow_the_sweep_grid_and_bad_ones_are_refused():
