@@ -7,8 +7,9 @@ Shapes are a CFG-batched flow call of the full-size estimator: q / k / v views o
 3 * 1024)` projection (`--streams`: the streams of a serving round decoded in one flow call), 16 heads of 64, a
 key-padding mask (a streamed window's). Prints µs per call (one CUDA-graph replay of 20 calls / 20, so launch overheads
 do not count, as inside the flow's graphs) and each path's largest difference from float32 SDPA. `--sweep` times
-BLOCK_M x BLOCK_N x warps x stages at each length and prints the best against the default tiles; `--tiles` narrows
-the grid, e.g. '{"block_m": [32, 64, 128], "num_stages": [2, 3]}' (the rest stay as in `TILES`).
+BLOCK_M x BLOCK_N x warps x stages at each length and prints the best against the kernel's own tiles (by rows and
+GPU: `attention_cosyvoice3.dit_attention_tiles`); `--tiles` narrows the grid, e.g. '{"block_m": [32, 64, 128],
+"num_stages": [2, 3]}' (the rest stay as in `TILES`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv_position import us_per_call  # noqa: E402  (same folder: CUDA-graph replay timing)
 
 from funaudiochat_hf.attention_cosyvoice3 import (  # noqa: E402
-    BLOCK_M,
-    BLOCK_N,
-    NUM_STAGES,
-    NUM_WARPS,
+    dit_attention_tiles,
     launch_dit_attention,
     sdpa_dit_attention,
 )
@@ -60,11 +58,15 @@ def tile_grid(text: str | None) -> dict[str, tuple[int, ...]]:
     return grid
 
 
-def default_tiles_time(results: list[tuple[float, tuple[int, ...]]]) -> float | None:
-    """µs of the kernel's default tiles among the sweep's `(µs, (block_m, block_n, warps, stages))` results (None when
-    the grid left them out)."""
-    default = (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
-    return next((us for us, values in results if values == default), None)
+def default_tiles_time(results: list[tuple[float, tuple[int, ...]]], default: tuple[int, ...]) -> float | None:
+    """µs of the kernel's `default` tiles among the sweep's `(µs, (block_m, block_n, warps, stages))` results (None
+    when the grid left them out)."""
+    return next((us for us, values in results if tuple(values) == tuple(default)), None)
+
+
+def shipped_tiles(rows: int) -> tuple[int, int, int, int]:
+    """The tiles the kernel picks for a call of `rows` on this GPU."""
+    return dit_attention_tiles(rows, torch.cuda.get_device_capability()[0] == 9)
 
 
 def make_inputs(frames: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0, streams: int = 1):
@@ -99,18 +101,16 @@ def compare(frame_counts: list[int], streams: int = 1) -> None:
 
 
 def sweep(frame_counts: list[int], grid: dict[str, tuple[int, ...]] = TILES, streams: int = 1) -> None:
-    print(f"default tiles: BLOCK_M={BLOCK_M}, BLOCK_N={BLOCK_N}, {NUM_WARPS} warps, {NUM_STAGES} stages; "
-          f"{2 * streams} rows")  # fmt: skip
+    print(f"{2 * streams} rows; the kernel's own tiles: {shipped_tiles(2 * streams)}")
     print("| frames | BLOCK_M | BLOCK_N | warps | stages | µs |")
     print("|---|---|---|---|---|---|")
     for frames in frame_counts:
         inputs = make_inputs(frames, streams=streams)
         results = []
         for values in itertools.product(*grid.values()):
-            options = dict(zip(grid, values))
             try:
                 with torch.no_grad():
-                    us = us_per_call(lambda: launch_dit_attention(*inputs[:5], inputs[5], HEADS, **options))
+                    us = us_per_call(lambda: launch_dit_attention(*inputs[:5], inputs[5], HEADS, tuple(values)))
             except Exception as error:  # noqa: BLE001 (out of shared memory / registers: skip the configuration)
                 print(f"| {frames} | {' | '.join(map(str, values))} | failed: {type(error).__name__} |", flush=True)
                 continue
@@ -119,10 +119,10 @@ def sweep(frame_counts: list[int], grid: dict[str, tuple[int, ...]] = TILES, str
         if not results:
             print(f"no tiles ran at {frames} frames", flush=True)
             continue
-        best, default = min(results), default_tiles_time(results)
+        best, default = min(results), default_tiles_time(results, shipped_tiles(2 * streams))
         named = ", ".join(f"{name}={value}" for name, value in zip(grid, best[1]))
         against = "not in the grid" if default is None else f"{default:.2f} µs"
-        print(f"best at {frames} frames: {best[0]:.2f} µs with {named} (default tiles: {against})", flush=True)
+        print(f"best at {frames} frames: {best[0]:.2f} µs with {named} (its own tiles: {against})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

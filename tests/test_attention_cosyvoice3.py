@@ -35,7 +35,7 @@ def make_inputs(batch, frames, heads, head_dim, kind, device="cpu", dtype=torch.
     qkv = torch.randn(batch, frames, 3 * heads * head_dim, generator=generator).to(device, dtype)
     query, key, value = qkv.chunk(3, dim=-1)
     cos, sin = CosyVoice3RotaryEmbedding(head_dim).to(device)(frames, torch.device(device))
-    lengths = {"lengths": [frames, frames - 50], "empty_row": [frames, 0]}.get(kind)
+    lengths = {"lengths": [frames - 50 * (row % 2) for row in range(batch)], "empty_row": [frames, 0]}.get(kind)
     chunk = 16 if kind == "chunk" else None
     mask = build_attention_mask(None if lengths is None else torch.tensor(lengths), frames, chunk, device, batch)
     if mask is not None:
@@ -46,6 +46,7 @@ def make_inputs(batch, frames, heads, head_dim, kind, device="cpu", dtype=torch.
 _INTERPRETER_SCRIPT = """
 import json
 import torch
+from funaudiochat_hf import attention_cosyvoice3 as kernel
 from funaudiochat_hf.attention_cosyvoice3 import sdpa_dit_attention
 from test_attention_cosyvoice3 import CASES, make_inputs
 
@@ -56,6 +57,9 @@ for case in CASES:
     want = sdpa_dit_attention(query, key, value, cos, sin, heads, mask)
     got = torch.ops.funaudiochat.dit_attention(query, key, value, cos, sin, mask, heads)
     errors[str(case)] = (got - want).abs().max().item()
+    # the tiles a Hopper takes for many rows
+    got = kernel.launch_dit_attention(query, key, value, cos, sin, mask, heads, kernel.MANY_ROWS_TILES)
+    errors[f"{case} many rows"] = (got - want).abs().max().item()
 # through torch.compile (the operator's fake implementation; no graph break)
 query, key, value, cos, sin, mask = make_inputs(*CASES[1])
 compiled = torch.compile(
@@ -71,9 +75,17 @@ print(json.dumps(errors))
 def test_kernel_matches_sdpa_attention_in_the_triton_interpreter():
     """float32 (the interpreter's bfloat16 is not faithful): rotary on head 0, masks, several key blocks."""
     errors = json.loads(run_in_triton_interpreter(_INTERPRETER_SCRIPT))
-    assert len(errors) == len(CASES) + 1
+    assert len(errors) == 2 * len(CASES) + 1
     for case, error in errors.items():
         assert error < 1e-5, (case, error)
+
+
+def test_tiles_by_gpu_and_rows():
+    """The tiles measured on a Hopper only there; there, a serving round's many rows take their own."""
+    tiles, many_rows = attention_cosyvoice3.dit_attention_tiles, attention_cosyvoice3.MANY_ROWS
+    assert tiles(32, hopper=False) == tiles(2, hopper=False) == attention_cosyvoice3.TILES
+    assert tiles(2, hopper=True) == tiles(many_rows - 1, hopper=True) == attention_cosyvoice3.TILES
+    assert tiles(many_rows, hopper=True) == tiles(32, hopper=True) == attention_cosyvoice3.MANY_ROWS_TILES
 
 
 def test_cpu_and_float32_take_the_sdpa_path(monkeypatch):
@@ -141,6 +153,20 @@ def test_cuda_kernel_matches_sdpa(case, dtype):
         with torch.autocast("cuda", dtype=dtype):  # as the 16-bit estimator runs it (the rotary promotes to float32)
             sdpa = sdpa_dit_attention(query, key, value, cos, sin, heads, mask)
         torch.testing.assert_close(sdpa.float().cpu(), reference, rtol=0, atol=tolerance)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("streams, frames", [(1, 436), (4, 436), (16, 606)])
+def test_cuda_kernel_at_both_tile_sets_matches_sdpa(streams, frames):
+    """Full-size heads, bfloat16: both tile sets the kernel may pick, at serving rounds' shapes."""
+    pytest.importorskip("triton")
+    query, key, value, cos, sin, mask = make_inputs(2 * streams, frames, 16, 64, "lengths", "cuda", torch.bfloat16)
+    cpu_inputs = [t.float().cpu() for t in (query, key, value, cos, sin)]
+    reference = sdpa_dit_attention(*cpu_inputs, 16, mask.float().cpu())
+    for tiles in (attention_cosyvoice3.TILES, attention_cosyvoice3.MANY_ROWS_TILES):
+        got = attention_cosyvoice3.launch_dit_attention(query, key, value, cos, sin, mask, 16, tiles)
+        torch.testing.assert_close(got.float().cpu(), reference, rtol=0, atol=2e-2, msg=lambda m: f"{tiles}: {m}")
 
 
 @pytest.mark.gpu

@@ -32,10 +32,11 @@ def test_tiles_narrow_the_sweep_grid_and_bad_ones_are_refused():
 def test_sweep_reports_the_default_tiles_time():
     """The sweep's summary named the default tiles' time as None whatever it measured (it looked the tiles up in a
     dict keyed by the times)."""
-    default = (bench.BLOCK_M, bench.BLOCK_N, bench.NUM_WARPS, bench.NUM_STAGES)
+    default = (64, 64, 4, 2)
     results = [(9.5, (32, 64, 4, 2)), (15.2, default), (12.0, (128, 64, 8, 3))]
-    assert bench.default_tiles_time(results) == 15.2
-    assert bench.default_tiles_time([(9.5, (32, 64, 4, 2))]) is None
+    assert bench.default_tiles_time(results, default) == 15.2
+    assert bench.default_tiles_time(results, [128, 64, 8, 3]) == 12.0
+    assert bench.default_tiles_time([(9.5, (32, 64, 4, 2))], default) is None
 
 
 def test_arguments_are_checked_before_any_gpu_work(capsys):

@@ -16,6 +16,7 @@ input dtype; scores and softmax in float32; the probabilities rounded to the val
 SDPA's flash kernels do).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -30,13 +31,22 @@ from .triton_config_funaudiochat import supports_programmatic_launch
 # 606 of a grown hop of 100; `scripts/bench_dit_attention.py`); the gap closes as windows grow. Longer windows
 # (offline calls) go to cuDNN's attention.
 KERNEL_MAX_FRAMES = 1206
-# Tiles and launch options: the best of a sweep at a streamed chunk's 136 frames (`BLOCK_M` query frames per program,
-# `BLOCK_N` key frames per inner step).
-BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+# Tiles and launch options, `(BLOCK_M query frames per program, BLOCK_N key frames per inner step, warps, stages)`,
+# from `scripts/bench_dit_attention.py --sweep` (H100, CUDA-graph replays of the kernel alone, side by side).
+# `TILES`: no tile set is faster for one stream's 2 CFG rows at a streamed chunk's windows (136, 436 frames).
+# `MANY_ROWS_TILES`, on a Hopper, for a flow call of `MANY_ROWS` rows or more (a serving round of 2 streams or more),
+# in us against `TILES` at the steady window (436 frames) and the grown hop's (606): 4 rows 23.9 / 25.7 and 39.1 /
+# 41.7, 8 rows 37.6 / 44.7, 16 rows 76.2 / 91.1 and 126 / 170, 32 rows 146 / 177 and 241 / 330 (measured on a Hopper
+# only: other GPUs keep `TILES`).
+TILES = (64, 64, 4, 2)
+MANY_ROWS = 4
+MANY_ROWS_TILES = (128, 64, 4, 2)
 
+
+def dit_attention_tiles(rows: int, hopper: bool) -> tuple[int, int, int, int]:
+    """`(BLOCK_M, BLOCK_N, num_warps, num_stages)` of the kernel for a call of `rows` (the CFG rows of all its
+    streams); `hopper`: a GPU of compute capability 9.x."""
+    return MANY_ROWS_TILES if hopper and rows >= MANY_ROWS else TILES
 
 
 def _rotate_pairs(hidden: torch.Tensor) -> torch.Tensor:
@@ -232,11 +242,14 @@ def dit_attention_op(
 
 
 def launch_dit_attention(
-    query, key, value, cos, sin, attention_mask, heads, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=NUM_WARPS,
-    num_stages=NUM_STAGES,
-) -> torch.Tensor:  # fmt: skip
-    """The operator's launcher (the tile sizes and launch options are keywords for benchmarks)."""
+    query, key, value, cos, sin, attention_mask, heads, tiles: tuple[int, int, int, int] | None = None
+) -> torch.Tensor:
+    """The operator's launcher. `tiles`: `(BLOCK_M, BLOCK_N, num_warps, num_stages)` (for benchmarks; default
+    `dit_attention_tiles` of the shape and GPU)."""
     batch, frames, width = query.shape
+    if tiles is None:
+        tiles = dit_attention_tiles(batch, query.is_cuda and _is_hopper(query.device.index))
+    block_m, block_n, num_warps, num_stages = tiles
     head_dim = width // heads
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     cos, sin = (t.contiguous() for t in (cos, sin))
@@ -260,9 +273,21 @@ def launch_dit_attention(
     return out
 
 
+@functools.cache
+def _is_hopper(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 @dit_attention_op.register_fake
 def _(query, key, value, cos, sin, attention_mask, heads):
     return query.new_empty(query.shape)
 
 
-__all__ = ["apply_partial_rotary", "dit_attention", "dit_attention_op", "launch_dit_attention", "sdpa_dit_attention"]
+__all__ = [
+    "apply_partial_rotary",
+    "dit_attention",
+    "dit_attention_op",
+    "dit_attention_tiles",
+    "launch_dit_attention",
+    "sdpa_dit_attention",
+]
