@@ -6,6 +6,7 @@ save / resume, LoRA and bf16. NCCL, CUDA memory and speed are left to scripts/mu
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -265,13 +266,31 @@ def _torchrun(argv: list[str], fsdp: Path | None = None, mixed_precision: str = 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     if fsdp:
         env.update(_launcher_env(fsdp, 2, "--mixed_precision", mixed_precision))
-    try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as hung:  # what the two processes printed before they hung, to diagnose it
-        output = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
-                  for part in (hung.stdout, hung.stderr)]  # fmt: skip
-        pytest.fail(f"the two-process run hung for {hung.timeout} s:\n" + "\n".join(text[-3000:] for text in output))
+    result = run_or_dump_stacks(command, env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`command` in a process group of its own, with faulthandler on in it and its children (the launcher's ranks).
+    If it has not ended after `timeout` s, the whole group gets SIGABRT: each Python process prints where every one of
+    its threads is, and the test fails with that and what they printed before (a run that once hung after training
+    had finished gave no clue where it waited)."""
+    process = subprocess.Popen(
+        command, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # not even a dump: kill it
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        pytest.fail(f"the run hung for {timeout} s; its output and each process's threads:\n{stdout[-3000:]}\n"
+                    f"{stderr[-12000:]}")  # fmt: skip
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _losses(output_dir: Path) -> list[list[float]]:
@@ -540,3 +559,20 @@ def test_only_the_writing_process_saves_the_processor(tmp_path, monkeypatch):
     monkeypatch.undo()
     trainer._save(str(tmp_path / "rank0"))
     assert (tmp_path / "rank0" / "processor_config.json").is_file() and (tmp_path / "rank0" / "config.json").is_file()
+
+
+def test_a_hung_run_fails_with_where_each_process_waits():
+    """A parent and its child both hang (as torchrun and a rank): the test fails within the timeout, with both
+    processes' Python stacks."""
+    rank = "import time\\ndef rank_waits(): time.sleep(60)\\nrank_waits()"
+    script = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', '{rank}'])\n"
+        "def launcher_waits(): child.wait()\n"
+        "launcher_waits()\n"
+    )
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_or_dump_stacks([sys.executable, "-c", script], dict(os.environ), timeout=3)
+    message = str(failure.value)
+    assert "the run hung for 3 s" in message
+    assert "in rank_waits" in message and "in launcher_waits" in message, message
