@@ -27,6 +27,7 @@ from bench_conv_position import us_per_call  # noqa: E402  (same folder: CUDA-gr
 
 from funaudiochat_hf.attention_cosyvoice3 import (  # noqa: E402
     dit_attention_tiles,
+    is_hopper_gpu,
     launch_dit_attention,
     sdpa_dit_attention,
 )
@@ -66,7 +67,7 @@ def default_tiles_time(results: list[tuple[float, tuple[int, ...]]], default: tu
 
 def shipped_tiles(rows: int) -> tuple[int, int, int, int]:
     """The tiles the kernel picks for a call of `rows` on this GPU."""
-    return dit_attention_tiles(rows, torch.cuda.get_device_capability()[0] == 9)
+    return dit_attention_tiles(rows, is_hopper_gpu(torch.cuda.current_device()))
 
 
 def make_inputs(frames: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0, streams: int = 1):

@@ -248,7 +248,7 @@ def launch_dit_attention(
     `dit_attention_tiles` of the shape and GPU)."""
     batch, frames, width = query.shape
     if tiles is None:
-        tiles = dit_attention_tiles(batch, query.is_cuda and _is_hopper(query.device.index))
+        tiles = dit_attention_tiles(batch, query.is_cuda and is_hopper_gpu(query.device.index))
     block_m, block_n, num_warps, num_stages = tiles
     head_dim = width // heads
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
@@ -274,7 +274,8 @@ def launch_dit_attention(
 
 
 @functools.cache
-def _is_hopper(device_index: int | None) -> bool:
+def is_hopper_gpu(device_index: int) -> bool:
+    """Whether CUDA device `device_index` is a Hopper (capability 9.x): `dit_attention_tiles`'s `hopper`."""
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
@@ -288,6 +289,7 @@ __all__ = [
     "dit_attention",
     "dit_attention_op",
     "dit_attention_tiles",
+    "is_hopper_gpu",
     "launch_dit_attention",
     "sdpa_dit_attention",
 ]
