@@ -510,6 +510,29 @@ def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full
     assert short_flow.abs().max() <= 0.99
 
 
+def test_default_hift_window_covers_the_full_size_vocoders_reach():
+    """The streamed HiFT's default left context (32 frames) covers the full-size vocoder's receptive field (~22
+    frames): its stream equals the whole-history run exactly; 16 frames would not (the full-size HiFT, a tiny flow)."""
+    torch.manual_seed(0)
+    config = CosyVoice3Config(
+        vocab_size=64, pre_lookahead_channels=16, dit_dim=32, dit_depth=1, dit_heads=2, dit_dim_head=16, noise_frames=400
+    )  # fmt: skip
+    model = CosyVoice3Token2Wav(config).eval()
+    assert config.hift_config == {}  # the full-size HiFT: its defaults
+    speaker = torch.randn(config.spk_embed_dim)
+    tokens = torch.randint(0, config.vocab_size, (80,), generator=torch.Generator().manual_seed(0))
+
+    def stream(**kwargs):
+        decoder = model.streaming_decoder(speaker_embedding=speaker, token_hop_len=15, **kwargs)
+        return torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)] + [decoder.finalize()])
+
+    whole_history = stream(hift_left_context_frames=10_000)
+    default = model.streaming_decoder(speaker_embedding=speaker)
+    assert default.hift_left_context == 32
+    _close(stream(), whole_history, atol=1e-6)
+    assert (stream(hift_left_context_frames=16) - whole_history).abs().max() > 1e-4
+
+
 def test_streaming_f0_runs_on_the_new_frames_and_their_context_only(original_model, monkeypatch):
     """The float64 F0 predictor of a stream runs on the new frames plus the 8 frames each depends on (plus the
     look-ahead), not the whole HiFT window, and gives the same f0 as running it on the whole window."""
