@@ -497,6 +497,40 @@ def test_cuda_channels_last_filter_matches_the_default_layout_at_full_size():
     assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_graph_of_the_filter_runs_its_independent_parts_as_branches(channels_last):
+    """Recorded into a CUDA graph (as a streamed chunk's vocoder is), the filter queues each stage's source term and
+    its resblocks but the first on branch streams (so does the warm-up run before the recording); the replays give the
+    eager filter's output for new inputs each time (full-size channels), and other calls use no branch."""
+    from funaudiochat_hf.cuda_graph_capture import capture_branches
+    from funaudiochat_hf.cuda_graph_cosyvoice3 import CUDAGraphRunner
+
+    hift = CosyVoice3HiFTGenerator().cuda().eval()
+    hift.use_channels_last_convolutions(channels_last)
+    queued = []
+    original = hift._source_term
+    hift._source_term = lambda stage, stft: queued.append(torch.cuda.current_stream()) or original(stage, stft)
+    runner = CUDAGraphRunner(hift.filter_body)
+    main = torch.cuda.current_stream()
+    for seed in range(3):
+        inputs = [tensor.cuda() for tensor in _filter_inputs(hift, 40, seed)]
+        queued.clear()
+        expected = hift.filter_body(*inputs)
+        assert queued == [main] * 3  # eager: no branches
+        queued.clear()
+        replayed = runner(*inputs)
+        if seed == 0:  # the warm-up run before the recording, then the recording: both on one branch stream
+            assert len(queued) == 6 and len(set(queued)) == 1 and queued[0] != main
+        else:  # replayed
+            assert queued == []
+        torch.testing.assert_close(replayed, expected, atol=1e-5, rtol=1e-5)
+    assert len(runner) == 1
+    branch_streams = capture_branches(torch.zeros(1, device="cuda"), hift.num_kernels)
+    assert branch_streams is None  # not recording now
+
+
 def test_f0_predictor_keeps_its_float64_weights_between_inference_calls(golden):
     """The F0 predictor's float64 weights (cast + weight norm, ~22 kernels per call) are computed once while the
     parameters are unchanged and no gradient is needed; an in-place update or a gradient-enabled call recomputes

@@ -24,6 +24,7 @@ residual blocks' Snakes, conv biases, causal paddings and residual sums), `istft
 FFT) and `source_merge_cosyvoice3.py` (the excitation's mixing and Linear).
 """
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Optional
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cuda_graph_capture import capture_branches, run_beside
 from .istft_cosyvoice3 import hift_overlap_add, hift_spectrum
 from .modeling_cosyvoice3_hift_convs import (  # noqa: F401  (re-exported)
     CausalConv1d,
@@ -436,6 +438,18 @@ class CosyVoice3HiFTGenerator(nn.Module):
                 # Read by three convs, one of them 1x1 (whose weight has no layout of its own): one copy. Not with
                 # the released HiFT, whose 18-channel source stays contiguous (see `_channels_last_eligible`).
                 source_stft = source_stft.contiguous(memory_format=torch.channels_last)
+        stages = range(len(self.ups))
+        # Recorded into a CUDA graph, the independent parts run as parallel branches: the source's term of every
+        # stage (it depends on the source alone) from the start, and each stage's resblocks but the first. Their
+        # kernels are small, and one stream would run them one after the other. The same arithmetic either way.
+        branches = capture_branches(hidden, self.num_kernels)
+        if branches is None:
+            source_terms = None
+        else:
+            source_stream, block_streams = branches[0], branches[1:]
+            source_terms = [
+                run_beside(source_stream, functools.partial(self._source_term, i), source_stft) for i in stages
+            ]
         for i, upsample in enumerate(self.ups):
             hidden = F.leaky_relu(hidden, self.lrelu_slope)
             hidden = upsample(hidden)
@@ -443,16 +457,27 @@ class CosyVoice3HiFTGenerator(nn.Module):
                 # One sample of reflection on the left makes the length match the STFT frame count (120 * Q + 1):
                 # F.pad(mode="reflect") for 1 sample, written as a cat so that it works in 3-D and 4-D.
                 hidden = torch.cat([hidden[..., 1:2], hidden], dim=-1)
-            hidden = hidden + self.source_resblocks[i](self.source_downs[i](source_stft))
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            summed = blocks[0](hidden)
-            for block in blocks[1:]:
-                summed = summed + block(hidden)
+            if branches is None:
+                hidden = hidden + self._source_term(i, source_stft)
+                summed = blocks[0](hidden)
+                for block in blocks[1:]:
+                    summed = summed + block(hidden)
+            else:
+                hidden = hidden + source_terms[i].result()
+                others = [run_beside(stream, block, hidden) for stream, block in zip(block_streams, blocks[1:])]
+                summed = blocks[0](hidden)
+                for other in others:
+                    summed = summed + other.result()
             hidden = summed / self.num_kernels
 
         hidden = F.leaky_relu(hidden)  # default slope 0.01, as in the reference
         hidden = self.conv_post(hidden)
         return hidden.squeeze(2) if channels_last else hidden
+
+    def _source_term(self, stage: int, source_stft: torch.Tensor) -> torch.Tensor:
+        """What stage `stage` of `filter_body` adds from the source's STFT: its downsampling conv and resblock."""
+        return self.source_resblocks[stage](self.source_downs[stage](source_stft))
 
     def forward(
         self, mel: torch.Tensor, finalize: bool = True, source: Optional[torch.Tensor] = None
