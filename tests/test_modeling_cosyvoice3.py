@@ -510,21 +510,32 @@ def test_streaming_bounded_windows_and_how_they_differ(original_model, flow_full
     assert short_flow.abs().max() <= 0.99
 
 
+def _tiny_flow_model(noise_frames: int, hift_config=None) -> CosyVoice3Token2Wav:
+    """A decoder with a one-block, 32-wide flow and the given HiFT (None: the full-size one), seeded."""
+    torch.manual_seed(0)
+    config = CosyVoice3Config(
+        vocab_size=64, pre_lookahead_channels=16, dit_dim=32, dit_depth=1, dit_heads=2, dit_dim_head=16,
+        noise_frames=noise_frames, hift_config=hift_config,
+    )  # fmt: skip
+    return CosyVoice3Token2Wav(config).eval()
+
+
+def _pushed_in_fives(model, speaker, tokens, **kwargs) -> torch.Tensor:
+    """The audio of a stream (`streaming_decoder(**kwargs)`) that is pushed `tokens` 5 at a time, then finalised."""
+    decoder = model.streaming_decoder(speaker_embedding=speaker, **kwargs)
+    return torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)] + [decoder.finalize()])
+
+
 def test_default_hift_window_covers_the_full_size_vocoders_reach():
     """The streamed HiFT's default left context (32 frames) covers the full-size vocoder's receptive field (~22
     frames): its stream equals the whole-history run exactly; 16 frames would not (the full-size HiFT, a tiny flow)."""
-    torch.manual_seed(0)
-    config = CosyVoice3Config(
-        vocab_size=64, pre_lookahead_channels=16, dit_dim=32, dit_depth=1, dit_heads=2, dit_dim_head=16, noise_frames=400
-    )  # fmt: skip
-    model = CosyVoice3Token2Wav(config).eval()
-    assert config.hift_config == {}  # the full-size HiFT: its defaults
-    speaker = torch.randn(config.spk_embed_dim)
-    tokens = torch.randint(0, config.vocab_size, (80,), generator=torch.Generator().manual_seed(0))
+    model = _tiny_flow_model(noise_frames=400)
+    assert model.config.hift_config == {}  # the full-size HiFT: its defaults
+    speaker = torch.randn(model.config.spk_embed_dim)
+    tokens = torch.randint(0, model.config.vocab_size, (80,), generator=torch.Generator().manual_seed(0))
 
     def stream(**kwargs):
-        decoder = model.streaming_decoder(speaker_embedding=speaker, token_hop_len=15, **kwargs)
-        return torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)] + [decoder.finalize()])
+        return _pushed_in_fives(model, speaker, tokens, token_hop_len=15, **kwargs)
 
     whole_history = stream(hift_left_context_frames=10_000)
     default = model.streaming_decoder(speaker_embedding=speaker)
@@ -1117,26 +1128,15 @@ def test_cuda_full_size_streaming_memory_and_chunk_times_are_bounded(bucket):
 def test_streaming_holdback_follows_the_hift_look_ahead():
     """Regression: the streaming decoder held back a literal 8 mel frames (3 F0 + 4 conv_pre look-ahead + 1), which
     duplicated audio for a HiFT with another `conv_pre_look_right`."""
-    torch.manual_seed(0)
-    config = CosyVoice3Config(
-        vocab_size=64,
-        pre_lookahead_channels=16,
-        dit_dim=32,
-        dit_depth=1,
-        dit_heads=2,
-        dit_dim_head=16,
-        noise_frames=200,
-        hift_config={"base_channels": 16, "conv_pre_look_right": 2, "f0_predictor": {"cond_channels": 16}},
-    )
-    model = CosyVoice3Token2Wav(config).eval()
+    hift_config = {"base_channels": 16, "conv_pre_look_right": 2, "f0_predictor": {"cond_channels": 16}}
+    model = _tiny_flow_model(noise_frames=200, hift_config=hift_config)
     assert model.hift.conv_pre_look_right == 2
-    spk = torch.randn(config.spk_embed_dim)
-    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    spk = torch.randn(model.config.spk_embed_dim)
+    tokens = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
 
     def stream(**kwargs):
-        decoder = model.streaming_decoder(speaker_embedding=spk, token_hop_len=10, **kwargs)
-        return torch.cat([decoder.push(tokens[i : i + 5]) for i in range(0, len(tokens), 5)] + [decoder.finalize()])
+        return _pushed_in_fives(model, spk, tokens, token_hop_len=10, **kwargs)
 
     whole_history = stream(hift_left_context_frames=10_000)
-    assert whole_history.shape == (len(tokens) * config.samples_per_token,)
+    assert whole_history.shape == (len(tokens) * model.config.samples_per_token,)
     _close(stream(hift_left_context_frames=16), whole_history, atol=1e-4)
