@@ -28,7 +28,6 @@ from typing import Any, Optional
 import torch
 
 
-
 class _CaptureStreams:
     """The capture lock, the side stream of every device (by index) that has recorded, and the branch streams of
     those whose captures recorded branches."""
