@@ -4,11 +4,13 @@ arguments, scripts/multi_gpu_check.py's plan, and two processes on the gloo back
 own FSDP2 code (tests/fsdp_on_cpu.py: accelerate enables FSDP on accelerators only) with loss curves, weights,
 save / resume, LoRA and bf16. NCCL, CUDA memory and speed are left to scripts/multi_gpu_check.py on GPUs."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -272,9 +274,10 @@ def _torchrun(argv: list[str], fsdp: Path | None = None, mixed_precision: str = 
 
 def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """`command` in a process group of its own, with faulthandler on in it and its children (the launcher's ranks).
-    If it has not ended after `timeout` s, the whole group gets SIGABRT: each Python process prints where every one of
-    its threads is, and the test fails with that and what they printed before (a run that once hung after training
-    had finished gave no clue where it waited)."""
+    If it has not ended after `timeout` s, each process of the group gets SIGABRT in turn, the launcher first: each
+    Python process prints where every one of its threads is, and the test fails with that and what they printed
+    before (a run that once hung after training had finished gave no clue where it waited). In turn, because their
+    dumps share one stderr and would interleave; the launcher first, because a rank that ends first lets it return."""
     process = subprocess.Popen(
         command, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -282,7 +285,11 @@ def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subproc
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGABRT)
+        others = sorted(set(_process_group(process.pid)) - {process.pid})
+        for pid in (process.pid, *others):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+                time.sleep(DUMP_SECONDS)
         try:
             stdout, stderr = process.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # not even a dump: kill it
@@ -291,6 +298,21 @@ def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subproc
         pytest.fail(f"the run hung for {timeout} s; its output and each process's threads:\n{stdout[-3000:]}\n"
                     f"{stderr[-12000:]}")  # fmt: skip
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+# What a process aborted by `run_or_dump_stacks` gets to print its threads before the next one is aborted.
+DUMP_SECONDS = 0.5
+
+
+def _process_group(group: int) -> list[int]:
+    """The ids of the processes in process group `group` (Linux: read from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == group:
+                    members.append(int(entry))
+    return members
 
 
 def _losses(output_dir: Path) -> list[list[float]]:
@@ -563,7 +585,7 @@ def test_only_the_writing_process_saves_the_processor(tmp_path, monkeypatch):
 
 def test_a_hung_run_fails_with_where_each_process_waits():
     """A parent and its child both hang (as torchrun and a rank): the test fails within the timeout, with both
-    processes' Python stacks."""
+    processes' Python stacks, one after the other."""
     rank = "import time\\ndef rank_waits(): time.sleep(60)\\nrank_waits()"
     script = (
         "import subprocess, sys\n"
@@ -575,4 +597,6 @@ def test_a_hung_run_fails_with_where_each_process_waits():
         run_or_dump_stacks([sys.executable, "-c", script], dict(os.environ), timeout=3)
     message = str(failure.value)
     assert "the run hung for 3 s" in message
-    assert "in rank_waits" in message and "in launcher_waits" in message, message
+    # whole lines, one process after the other (they shared stderr and once interleaved), the launcher first
+    assert '"<string>", line 3 in launcher_waits' in message and '"<string>", line 2 in rank_waits' in message, message
+    assert message.index("in launcher_waits") < message.index("in rank_waits"), message
