@@ -285,7 +285,7 @@ def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subproc
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        others = sorted(set(_process_group(process.pid)) - {process.pid})
+        others = sorted(pid for pid in _process_group(process.pid) if pid != process.pid)
         for pid in (process.pid, *others):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
