@@ -14,7 +14,6 @@ from transformers import AutoModel
 
 import funaudiochat_hf  # noqa: F401  (registers the Auto classes)
 from funaudiochat_hf.generation_funaudiochat import FunAudioChatSpeechOutput
-from funaudiochat_hf.generation_vocoding_funaudiochat import speech_segments
 from funaudiochat_hf.modeling_cosyvoice3 import CosyVoice3Token2Wav, CosyVoice3Token2WavOutput
 
 from conftest import COSYVOICE3_TINY, FUNAUDIOCHAT_GOLDEN, FUNAUDIOCHAT_TINY, HostReads, force_recorded_prompt_pass
@@ -402,8 +401,11 @@ class StubDecoder(torch.nn.Module):
         self.config = SimpleNamespace(sampling_rate=24000)
         self.calls = []
 
-    def forward(self, speech_tokens, speaker=None, speaker_embedding=None, speech_token_lengths=None):
-        self.calls.append((speech_tokens.clone(), speaker, speech_token_lengths))
+    def forward(
+        self, speech_tokens, speaker=None, speaker_embedding=None, speech_token_lengths=None, segment_tokens=None
+    ):
+        # Its audio is the same whole or in segments: `segment_tokens` is only recorded.
+        self.calls.append((speech_tokens.clone(), speaker, speech_token_lengths, segment_tokens))
         if speech_token_lengths is None:
             speech_token_lengths = torch.full((len(speech_tokens),), speech_tokens.shape[1])
         # Same output type as CosyVoice3Token2Wav: zero-padded (batch, samples) waveform + valid lengths.
@@ -469,16 +471,6 @@ def test_offline_audio_with_decoder(model, inputs):
     torch.testing.assert_close(out.audio[0], valid.float().repeat_interleave(SAMPLES_PER_TOKEN))
     assert decoder.calls[0][1] == "中文女"
     assert model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=decoder, return_audio=False).audio is None
-
-
-def test_speech_segments_are_the_decoders_own():
-    """The offline split is `CosyVoice3Token2Wav.segment_bounds` (no second copy of its constants)."""
-    assert [len(s) for s in speech_segments(torch.arange(1600))] == [750, 750, 100]
-    assert [len(s) for s in speech_segments(torch.arange(1520))] == [750, 385, 385]
-    assert [len(s) for s in speech_segments(torch.arange(30))] == [30]
-    assert torch.equal(torch.cat(speech_segments(torch.arange(1520))), torch.arange(1520))
-    bounds = CosyVoice3Token2Wav.segment_bounds(1520)
-    assert [(int(s[0]), int(s[-1]) + 1) for s in speech_segments(torch.arange(1520))] == bounds
 
 
 def test_stream_matches_offline_and_arrives_in_chunks(model, inputs):
@@ -671,6 +663,8 @@ def test_stream_options_reach_the_streaming_decoder(model, inputs):
 
 
 def test_offline_audio_of_a_batch_is_one_decoder_call_with_30s_segments():
+    """One decoder call for the whole batch: the rows' codec tokens right-padded, the decoder cutting them into 30-s
+    segments (750 tokens, its `segment_tokens`)."""
     from funaudiochat_hf.generation_funaudiochat import decode_speech_offline
 
     decoder = StubDecoder()
@@ -679,12 +673,136 @@ def test_offline_audio_of_a_batch_is_one_decoder_call_with_30s_segments():
     rows[1, :5] = SPEECH_BOS  # delay tokens only: no audio
     rows[1, 5:45] = 7
     audio = decode_speech_offline(decoder, rows, SPEECH_BOS, speaker="x")
-    assert len(decoder.calls) == 1
-    assert decoder.calls[0][2].tolist() == [750, 750, 100, 40]
+    ((tokens, speaker, lengths, segment_tokens),) = decoder.calls
+    assert lengths.tolist() == [1600, 40] and tokens.shape == (2, 1600) and (speaker, segment_tokens) == ("x", 750)
+    assert torch.equal(tokens[1, :40], torch.full((40,), 7))
     expected = (torch.arange(1600) % SPEECH_BOS).float().repeat_interleave(SAMPLES_PER_TOKEN)
     torch.testing.assert_close(audio[0], expected)
     torch.testing.assert_close(audio[1], torch.full((40 * SAMPLES_PER_TOKEN,), 7.0))
     assert [a.numel() for a in decode_speech_offline(decoder, torch.full((1, 10), SPEECH_BOS), SPEECH_BOS)] == [0]
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder():
+    """The tiny random CosyVoice3 with its two stored voices, "中文女" and "中文男"."""
+    return CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY).eval()
+
+
+def _speech_rows(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Raw speech streams `(rows, 5 + max length + 2)` like `generate_speech`'s: 5 delay tokens, `lengths[i]` random
+    codec ids, then padding; and each row's codec ids."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, SPEECH_BOS, (n,), generator=generator) for n in lengths]
+    rows = torch.full((len(lengths), 5 + max(lengths) + 2), SPEECH_PAD)
+    rows[:, :5] = SPEECH_BOS
+    for row, row_codes in zip(rows, codes):
+        row[5 : 5 + len(row_codes)] = row_codes
+    return rows, codes
+
+
+def _relative_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+def _assert_same_voice(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Audio of a batched decoder call vs the same tokens decoded alone: the batched matmuls round the mel differently
+    (~1e-6) and the tiny random HiFT amplifies that (see test_modeling_cosyvoice3's batch test), here to <= 1.3e-2 at a
+    few samples and a relative RMS error <= 2.5e-3; the other stored voice is ~1.0 off by both measures."""
+    assert actual.shape == expected.shape
+    assert _relative_rms_error(actual, expected) <= 1e-2
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=0)
+
+
+def test_offline_audio_voices_every_segment_with_its_rows_speaker(tiny_decoder):
+    """Per-row speakers with rows of 2 segments and of no speech: every row sounds as decoded alone with its own voice,
+    segment by segment (the batch used to be flattened into segments with the speakers unchanged: with these rows,
+    row 0's second segment was voiced by row 1's speaker)."""
+    from funaudiochat_hf.generation_vocoding_funaudiochat import decode_speech_offline
+
+    rows, codes = _speech_rows([760, 0, 40])  # 760 tokens: segments of 380 + 380 (a short last one is merged, halved)
+    assert CosyVoice3Token2Wav.segment_bounds(760) == [(0, 380), (380, 760)]
+    speakers = ["中文女", "中文男", "中文男"]
+    audio = decode_speech_offline(tiny_decoder, rows, SPEECH_BOS, speaker=speakers)
+    assert [a.shape[0] for a in audio] == [SAMPLES_PER_TOKEN * n for n in (760, 0, 40)]
+
+    def alone(tokens, speaker):
+        return tiny_decoder(tokens[None], speaker=speaker).waveform[0]
+
+    expected = torch.cat([alone(codes[0][:380], "中文女"), alone(codes[0][380:], "中文女")])
+    _assert_same_voice(audio[0], expected)
+    _assert_same_voice(audio[2], alone(codes[2], "中文男"))
+    assert _relative_rms_error(alone(codes[2], "中文女"), audio[2]) > 0.5  # the other voice is far off (~1)
+
+
+def test_offline_audio_takes_one_x_vector_per_row(tiny_decoder):
+    """x-vectors `(batch, 192)` (a tensor or a numpy array) are one per row too, a row without speech included; one
+    `(192,)` x-vector voices every row."""
+    from funaudiochat_hf.generation_vocoding_funaudiochat import decode_speech_offline
+
+    rows, codes = _speech_rows([20, 0, 30], seed=1)
+    voices = tiny_decoder.speaker_embeddings  # ("中文女", "中文男")
+    names = ["中文男", "中文女", "中文女"]
+    by_name = decode_speech_offline(tiny_decoder, rows, SPEECH_BOS, speaker=names)
+    for speaker in (voices[[1, 0, 0]], voices[[1, 0, 0]].numpy()):
+        by_vector = decode_speech_offline(tiny_decoder, rows, SPEECH_BOS, speaker=speaker)
+        for row in range(3):
+            torch.testing.assert_close(by_vector[row], by_name[row], atol=0, rtol=0)
+    _assert_same_voice(by_name[0], tiny_decoder(codes[0][None], speaker="中文男").waveform[0])
+    shared = decode_speech_offline(tiny_decoder, rows, SPEECH_BOS, speaker=voices[0])
+    torch.testing.assert_close(shared[2], by_name[2], atol=0, rtol=0)
+    assert _relative_rms_error(shared[0], by_name[0]) > 0.5
+
+
+@pytest.mark.parametrize(
+    "speaker, error, match",
+    [
+        ("typo", ValueError, r"`speaker`: Unknown speaker\(s\) \['typo'\]"),
+        (["中文女", "中文男"], ValueError, "`speaker` has 2 names for a batch of 1 rows"),
+        (torch.zeros(100), ValueError, r"`speaker`: speaker_embedding must have shape \(192,\)"),
+        (torch.zeros(3, 192), ValueError, "`speaker`: Got 3 speaker embeddings for a batch of 1"),
+        (torch.zeros(192, dtype=torch.long), TypeError, "`speaker`: speaker_embedding must be a floating-point"),
+        (7, ValueError, "`speaker` must be a stored speaker's name"),
+    ],
+)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_bad_speaker_raises_before_anything_is_decoded(model, inputs, tiny_decoder, monkeypatch, speaker, error,
+                                                         match, streaming):  # fmt: skip
+    """The speaker is looked up in the decoder when the call starts, not when it vocodes after the whole decode."""
+    from funaudiochat_hf import generation_funaudiochat
+
+    runs = []
+    monkeypatch.setattr(generation_funaudiochat, "SpeechRun", lambda *args, **kw: runs.append(args))
+    kwargs = dict(GOLDEN_KWARGS, speech_decoder=tiny_decoder, speaker=speaker)
+    with pytest.raises(error, match=match):
+        if streaming:
+            next(model.generate_speech_stream(**inputs, **kwargs))
+        else:
+            model.generate_speech(**inputs, **kwargs)
+    assert runs == []  # no run was made: nothing allocated, no step decoded
+    assert model.default_speech_generator.acquire(blocking=False)  # and the generator was not left held
+    model.default_speech_generator.release()
+
+
+def test_speaker_check_passes_good_speakers_and_skips_unused_ones(model, inputs, tiny_decoder, monkeypatch):
+    """A list of one name per row (or one for all) and an x-vector pass the check; a speaker no one voices (no audio
+    asked for, or no speech decoded) is not looked up."""
+    from funaudiochat_hf import generation_funaudiochat
+
+    class Checked(Exception):
+        pass
+
+    def stop(*args, **kw):  # the run starts: the speaker passed its check
+        raise Checked
+
+    monkeypatch.setattr(generation_funaudiochat, "SpeechRun", stop)
+    batch_ids, mask, _, audio = _left_padded_batch(inputs)
+    for speaker in (["中文男", "中文女"], ["中文男"], "中文女", None, tiny_decoder.speaker_embeddings):
+        with pytest.raises(Checked):
+            model.generate_speech(batch_ids, mask, **audio, **GOLDEN_KWARGS, speech_decoder=tiny_decoder,
+                                  speaker=speaker)  # fmt: skip
+    for kwargs in (dict(return_audio=False), dict(disable_speech=True)):
+        with pytest.raises(Checked):
+            model.generate_speech(**inputs, **GOLDEN_KWARGS, speech_decoder=tiny_decoder, speaker="typo", **kwargs)
 
 
 def test_new_sampling_values_reuse_the_compiled_step(model, inputs):
@@ -912,6 +1030,77 @@ def test_speech_generator_owns_and_frees_its_state(model, inputs):
     assert model.default_speech_generator.memory_bytes() > 0
     model.clear_speech_caches()
     assert model.__dict__["_speech_generator_slot"].generator is None
+
+
+def _in_a_thread(function, timeout: float = 60.0):
+    """`function()` run in a daemon thread: `(result, exception)`; fails (rather than hangs) if it does not return
+    within `timeout` seconds."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["result"] = function()
+        except BaseException as error:  # noqa: BLE001  (handed to the test)
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{function} still waits after {timeout} s"
+    return outcome.get("result"), outcome.get("error")
+
+
+def test_a_call_on_a_generator_held_by_this_threads_stream_raises_instead_of_hanging(model, inputs):
+    """A stream holds its generator until exhausted or closed: a call (or `close()`) on that generator from the same
+    thread used to wait for it forever; it raises now, and once the stream is closed the generator serves again."""
+    kwargs = dict(GOLDEN_KWARGS, max_new_tokens=4)
+    # Not a `with` block: where the call hung, its thread holds the generator and leaving the block would hang too.
+    generator = model.speech_generator()
+    alone = generator.generate(**inputs, **kwargs)
+
+    def same_thread():
+        stream = generator.stream(**inputs, **kwargs)
+        next(stream)
+        errors = []
+        for call in (lambda: generator.generate(**inputs, **kwargs), generator.close):
+            with pytest.raises(RuntimeError, match="in use by an unfinished stream in this thread") as raised:
+                call()
+            errors.append(raised.value)
+        assert not generator.acquire(blocking=False)  # a non-blocking try just fails
+        stream.close()  # frees the generator
+        return generator.generate(**inputs, **kwargs), errors
+
+    result, error = _in_a_thread(same_thread)
+    assert error is None, error
+    after, errors = result
+    assert len(errors) == 2
+    assert torch.equal(after.sequences, alone.sequences) and torch.equal(after.speech_ids, alone.speech_ids)
+
+    # The model's default generator in the same situation: the call decodes with a temporary one, as before.
+    def default_generator():
+        stream = model.generate_speech_stream(**inputs, **kwargs)
+        next(stream)
+        try:
+            return model.generate_speech(**inputs, **kwargs)
+        finally:
+            stream.close()
+
+    result, error = _in_a_thread(default_generator)
+    assert error is None, error
+    assert torch.equal(result.speech_ids, alone.speech_ids)
+
+    # Another thread still waits for the stream to end, then runs.
+    stream = generator.stream(**inputs, **kwargs)
+    next(stream)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(generator.generate(**inputs, **kwargs)), daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not results  # waiting, not raising
+    stream.close()
+    waiter.join(60)
+    assert not waiter.is_alive() and torch.equal(results[0].speech_ids, alone.speech_ids)
+    generator.close()
 
 
 @pytest.mark.parametrize("rep", ["1.0", "1.2"])

@@ -33,6 +33,7 @@ from .generation_loop_funaudiochat import SpeechRun
 from .generation_output_funaudiochat import FunAudioChatSpeechOutput, SpeechStreamEvent, TextDeltas
 from .generation_state_funaudiochat import SpeechGenerator
 from .generation_vocoding_funaudiochat import (
+    check_decoder_speaker,
     decode_speech_offline,
     decoder_sampling_rate,
     decoder_speaker_kwargs,
@@ -143,10 +144,16 @@ class FunAudioChatSpeechGenerationMixin:
         )
 
     @contextmanager
-    def _speech_run(self, input_ids, attention_mask, prompt_inputs, generation_config, backend, generator, kwargs):
+    def _speech_run(
+        self, input_ids, attention_mask, prompt_inputs, generation_config, backend, generator, kwargs, decoder, speaker
+    ):
         """A validated [`SpeechRun`] on a generator held for the run (`generator`, else the default one, else, when
-        that one is busy in another thread, a temporary one closed afterwards)."""
+        that one is busy in another thread, a temporary one closed afterwards). `speaker` is checked against
+        `decoder` (the call's vocoder, None: no audio) first: a bad one raises before anything is allocated or
+        decoded."""
         request = self.resolve_speech_request(input_ids, attention_mask, generation_config, kwargs)
+        if decoder is not None and not request.disable_speech:
+            check_decoder_speaker(decoder, speaker, input_ids.shape[0])
         if generator is not None and not isinstance(generator, SpeechGenerator):
             raise TypeError(f"`speech_generator` must be a SpeechGenerator, got {type(generator).__name__}.")
         if generator is not None and generator.model is not self:
@@ -202,7 +209,8 @@ class FunAudioChatSpeechGenerationMixin:
                 default: the model's own (`clear_speech_caches()` frees it).
             speech_decoder: a `CosyVoice3Token2Wav` (defaults to `self.token2wav`); may live on another device.
             speaker: a stored speaker's name (a list: one per row) or a `(192,)` x-vector (tensor or numpy
-                array) for the decoder.
+                array; `(batch, 192)`: one per row) for the decoder. Checked before decoding: an unknown name, a
+                list whose length is not the batch's or an x-vector of the wrong shape raises at once.
             return_audio: None = vocode when a decoder is available; False = never; True = required.
             streamer: transformers-style streamer (`put`/`end`) receiving the prompt then each text token (batch 1).
             **kwargs: `GenerationConfig` fields (`max_new_tokens`, `do_sample`, `temperature`, `top_p`, `top_k`,
@@ -226,7 +234,8 @@ class FunAudioChatSpeechGenerationMixin:
             feature_exist_mask=feature_exist_mask,
         )
         with self._speech_run(
-            input_ids, attention_mask, prompt_inputs, generation_config, backend, speech_generator, kwargs
+            input_ids, attention_mask, prompt_inputs, generation_config, backend, speech_generator, kwargs, decoder,
+            speaker,
         ) as run:
             ws = run.prefill()
             if streamer is None:
@@ -298,7 +307,8 @@ class FunAudioChatSpeechGenerationMixin:
             feature_exist_mask=feature_exist_mask,
         )
         with self._speech_run(
-            input_ids, attention_mask, prompt_inputs, generation_config, backend, speech_generator, kwargs
+            input_ids, attention_mask, prompt_inputs, generation_config, backend, speech_generator, kwargs, decoder,
+            speaker,
         ) as run:
             if run.cfg.disable_speech:
                 decoder = None

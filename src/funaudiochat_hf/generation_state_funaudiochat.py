@@ -11,7 +11,9 @@ larger batch or cache, closed by `model.clear_speech_caches()`), or the one pass
 
 Threads: a generator runs one call at a time. A call that finds the model's default generator busy in another thread
 decodes with a temporary generator of its own (closed after the call: no reuse of caches or CUDA graphs); a call
-given an explicit `speech_generator` waits until it is free.
+given an explicit `speech_generator` waits until it is free. A stream holds its generator until it is exhausted or
+closed, so a call (or `close()`) in the thread that holds it would wait forever: it raises instead (the default
+generator's call takes a temporary one).
 """
 
 import threading
@@ -138,6 +140,7 @@ class SpeechGenerator:
         self.plan_overrides = dict(plan_overrides or {})
         self.growable = growable
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding `_lock` (None: free)
         self._workspaces: OrderedDict = OrderedDict()  # (batch, cache length, output_logits) -> DecodeWorkspace
         self._weights = DecodeWeights()
         self._compiled_parts: dict = {}  # compile options key -> CompiledParts
@@ -153,8 +156,11 @@ class SpeechGenerator:
 
     def close(self) -> None:
         """Free everything it holds (a later call builds it again)."""
-        with self._lock:
+        self.acquire()
+        try:
             self._release_all()
+        finally:
+            self.release()
 
     def _release_all(self) -> None:
         self._workspaces.clear()
@@ -177,10 +183,23 @@ class SpeechGenerator:
         return self.model.generate_speech_stream(*args, speech_generator=self, **kwargs)
 
     def acquire(self, blocking: bool = True) -> bool:
-        """Take the generator for one call (`release()` after it)."""
-        return self._lock.acquire(blocking=blocking)
+        """Take the generator for one call (`release()` after it). Where this thread holds it already (an unfinished
+        stream), `blocking=True` raises a RuntimeError instead of waiting forever and `blocking=False` returns
+        False."""
+        if self._owner == threading.get_ident():  # only this thread writes its own id here
+            if not blocking:
+                return False
+            raise RuntimeError(
+                "This SpeechGenerator is in use by an unfinished stream in this thread: exhaust or close() it first "
+                "(waiting for it here would never end)."
+            )
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        self._owner = threading.get_ident()
+        return True
 
     def release(self) -> None:
+        self._owner = None
         self._lock.release()
 
     def temporary_copy(self) -> "SpeechGenerator":

@@ -4,13 +4,9 @@ the streaming path shares."""
 import numpy as np
 import torch
 
-from .modeling_cosyvoice3 import CosyVoice3Token2Wav
-
-
-def speech_segments(tokens: torch.Tensor) -> list[torch.Tensor]:
-    """A 1-D token stream cut into the independent segments Fun-Audio-Chat vocodes offline (spec funaudiochat.md §8):
-    `CosyVoice3Token2Wav.segment_bounds`, the decoder's own split."""
-    return [tokens[first:end] for first, end in CosyVoice3Token2Wav.segment_bounds(len(tokens))]
+# Fun-Audio-Chat vocodes offline in independent segments of 30 s = 750 tokens at 25 Hz (spec funaudiochat.md §8); the
+# decoder cuts them itself (`CosyVoice3Token2Wav.forward(segment_tokens=...)`, `segment_bounds`).
+OFFLINE_SEGMENT_TOKENS = 750
 
 
 def decoder_speaker_kwargs(speaker) -> dict:
@@ -21,6 +17,27 @@ def decoder_speaker_kwargs(speaker) -> dict:
     if isinstance(speaker, (torch.Tensor, np.ndarray)):
         return {"speaker_embedding": torch.as_tensor(speaker)}
     return {"speaker": speaker}
+
+
+def check_decoder_speaker(decoder, speaker, batch_size: int) -> None:
+    """Resolve `speaker` for a batch of `batch_size` rows as the decoder will when it vocodes (a cheap lookup through
+    its `get_speaker_embedding`), so that an unknown name, a list of names of the wrong length or an x-vector of the
+    wrong shape raises before the LLM decodes rather than after. A decoder without that lookup checks when it
+    vocodes."""
+    lookup = getattr(decoder, "get_speaker_embedding", None)
+    if lookup is None:
+        return
+    if isinstance(speaker, (list, tuple)) and len(speaker) not in (1, batch_size):
+        raise ValueError(
+            f"`speaker` has {len(speaker)} names for a batch of {batch_size} rows: pass one name for every row or one "
+            "per row."
+        )
+    try:
+        lookup(**decoder_speaker_kwargs(speaker), batch_size=batch_size)
+    except (TypeError, ValueError) as error:
+        if "`speaker`" in str(error):
+            raise
+        raise type(error)(f"`speaker`: {error}") from error  # the decoder's message names its own argument
 
 
 def _decoder_device(decoder) -> torch.device:
@@ -54,27 +71,33 @@ def _waveforms(output) -> tuple[torch.Tensor, torch.Tensor | None]:
 def decode_speech_offline(decoder, speech_ids: torch.Tensor, speech_bos_id: int, speaker=None) -> list[torch.Tensor]:
     """Vocode raw speech streams `(batch, n)` into one 1-D waveform per row (on the CPU).
 
-    Only codec ids (0 <= id < speech bos) are kept; each row is cut into independent 30-s segments (spec §8, the
-    decoder's own `CosyVoice3Token2Wav.segment_bounds`). All
-    segments of all rows go through the decoder in one right-padded batch call (`speech_token_lengths`) on the
-    decoder's own device, which may differ from the chat model's.
+    Only codec ids (0 <= id < speech bos) are kept. The rows go right-padded (`speech_token_lengths`) through one
+    decoder call on the decoder's own device, which may differ from the chat model's; the decoder cuts each row into
+    independent 30-s segments (`segment_tokens`, spec §8) and runs all segments of all rows as one batch, each with
+    its row's voice. `speaker`: one stored name or x-vector `(192,)` for every row, or one per row (a list of names,
+    or `(batch, 192)`).
     """
-    rows = [speech_segments(valid_speech_tokens(row, speech_bos_id)) for row in speech_ids]
-    segments = [segment for row in rows for segment in row if len(segment) > 0]
-    if not segments:
+    rows = [valid_speech_tokens(row, speech_bos_id) for row in speech_ids]
+    if not any(len(row) for row in rows):
         return [torch.zeros(0) for _ in rows]
     device = _decoder_device(decoder)
-    lengths = torch.tensor([len(segment) for segment in segments])
-    tokens = torch.nn.utils.rnn.pad_sequence(segments, batch_first=True).to(device)
+    lengths = torch.tensor([len(row) for row in rows])
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
     kwargs = decoder_speaker_kwargs(speaker)
-    if len(segments) > 1:
-        kwargs["speech_token_lengths"] = lengths.to(device)
-    waveform, waveform_lengths = _waveforms(decoder(tokens, **kwargs))
+    # The rows, not their segments, are the decoder's batch: a per-row `speaker` stays aligned with them.
+    output = decoder(tokens, speech_token_lengths=lengths, segment_tokens=OFFLINE_SEGMENT_TOKENS, **kwargs)
+    waveform, waveform_lengths = _waveforms(output)
     waveform = waveform.float().cpu()
     if waveform_lengths is None:
-        waveform_lengths = torch.full((len(segments),), waveform.shape[1])
-    pieces = iter(waveform[i, : int(n)] for i, n in enumerate(waveform_lengths.cpu()))
-    return [torch.cat([next(pieces) for segment in row if len(segment) > 0] or [torch.zeros(0)]) for row in rows]
+        waveform_lengths = torch.full((len(rows),), waveform.shape[1])
+    return [waveform[i, : int(n)] for i, n in enumerate(waveform_lengths.cpu())]
 
 
-__all__ = ["decode_speech_offline", "decoder_sampling_rate", "decoder_speaker_kwargs", "speech_segments", "valid_speech_tokens"]
+__all__ = [
+    "OFFLINE_SEGMENT_TOKENS",
+    "check_decoder_speaker",
+    "decode_speech_offline",
+    "decoder_sampling_rate",
+    "decoder_speaker_kwargs",
+    "valid_speech_tokens",
+]
