@@ -395,17 +395,83 @@ def test_the_shared_column_is_read_without_touching_the_device(model, prompts, m
 
 def test_the_engine_lowers_the_thread_switch_interval(model, monkeypatch):
     """The decode thread must get the GIL back as soon as a step's outputs arrive, also while the output thread
-    vocodes: CPython's default 5 ms switch interval would add up to 5 ms to each of its waits under load."""
+    vocodes: CPython's default 5 ms switch interval would add up to 5 ms to each of its waits under load. The setting
+    is process-wide: it is set back when the last running engine closes (it stayed lowered for good before)."""
     import sys
 
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
     from funaudiochat_hf.serving_engine_funaudiochat import THREAD_SWITCH_INTERVAL_SECONDS
 
+    monkeypatch.setattr(engine_module, "_SWITCH_INTERVAL", engine_module._SwitchInterval())  # no other engine runs
     monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)
     intervals = []
     monkeypatch.setattr(sys, "setswitchinterval", intervals.append)
-    engine = SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
-    engine.close()
-    assert intervals == [THREAD_SWITCH_INTERVAL_SECONDS] and THREAD_SWITCH_INTERVAL_SECONDS <= 5e-4
+    first = SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
+    second = SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=8)
+    try:
+        assert intervals == [THREAD_SWITCH_INTERVAL_SECONDS] and THREAD_SWITCH_INTERVAL_SECONDS <= 5e-4
+        first.close()
+        first.close()  # a second close sets nothing back twice
+        assert intervals == [THREAD_SWITCH_INTERVAL_SECONDS]  # the second engine still runs
+    finally:
+        second.close()
+    assert intervals == [THREAD_SWITCH_INTERVAL_SECONDS, 0.005]
+
+
+def test_the_engines_start_up_work_is_said_at_the_default_log_level(model, monkeypatch, caplog):
+    """The engine's long start-up work (allocating and warming up its batch, recording the decoder's graphs) is logged
+    as a warning, as the package's compile notes are: at INFO a default logger (`funaudiochat-serve`'s) said nothing
+    for minutes."""
+    import logging
+
+    from funaudiochat_hf.serving_engine_funaudiochat import logger
+
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "fixed_shapes", property(lambda self: True))
+    monkeypatch.setattr(serving_vocoder_funaudiochat.ServingVocoder, "warm_up", lambda self, batch_size: None)
+    with caplog.at_level(logging.NOTSET):  # what the records' levels are, whatever the loggers let through
+        SpeechEngine(model, speech_decoder=decoder, max_batch_size=2, max_prompt_tokens=48, max_new_tokens=4).close()
+    said = {record.getMessage().split(";")[-1].strip(): record.levelno for record in caplog.records
+            if record.name == logger.name and record.getMessage().endswith("...")}  # fmt: skip
+    assert len(said) == 2 and all(level >= logging.WARNING for level in said.values()), said
+    assert any("allocating and warming up" in message for message in said), said
+    assert any("recording the speech decoder's graphs" in message for message in said), said
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"token_hop_len": 0}, "token_hop_len must be an int >= 1"),
+        ({"hift_left_context_frames": 0}, "hift_left_context_frames must be an int >= 8"),
+        ({"flow_left_context_tokens": 1.5}, "flow_left_context_tokens must be an int >= 0"),
+        ({"stream_scale_factor": float("nan")}, "stream_scale_factor must be a finite number"),
+        ({"token_hop_len": 150}, "token_max_hop_len must be None or an int >= token_hop_len"),
+        ({"hop_len": 5}, "Unknown stream option hop_len"),
+    ],
+)  # fmt: skip
+def test_bad_stream_options_are_refused_before_the_engine_allocates(model, monkeypatch, options, message):
+    """The streaming decoder's rules that need no decoder are checked before the batch allocates its caches and
+    records its graphs (they were checked only once its first streaming decoder was made, after all that)."""
+    from funaudiochat_hf import serving_engine_funaudiochat as engine_module
+
+    monkeypatch.setattr(engine_module, "ServingBatch", lambda *args: pytest.fail("the batch was allocated"))
+    with pytest.raises(ValueError, match=message):
+        SpeechEngine(model, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=4, stream_options=options)
+
+
+def test_an_engine_that_fails_to_start_frees_its_batch(model, monkeypatch):
+    """An option only the decoder can check (its pre-lookahead) fails the start after the batch is allocated: the
+    batch's caches and graphs are freed then, not held by an engine nobody can close."""
+    from funaudiochat_hf.serving_batch_funaudiochat import ServingBatch
+
+    decoder = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    closed, close = [], ServingBatch.close
+    monkeypatch.setattr(ServingBatch, "close", lambda batch: closed.append(batch) or close(batch))
+    wrong = {"pre_lookahead_len": decoder.config.pre_lookahead_len + 1}
+    with pytest.raises(ValueError, match="pre_lookahead_len must equal the model's pre-lookahead"):
+        SpeechEngine(model, speech_decoder=decoder, max_batch_size=1, max_prompt_tokens=48, max_new_tokens=4,
+                     stream_options=wrong)  # fmt: skip
+    assert len(closed) == 1 and closed[0].generator is None
 
 
 def test_more_steps_than_cache_columns(model, prompts):

@@ -255,6 +255,11 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(server):
         ({"max_completion_tokens": None, "max_tokens": MAX_NEW_TOKENS + 1}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
         ({"messages": [{"role": "system", "content": "s" * 5000}, {"role": "user", "content": "hi"}]}, "messages[0]"),
+        # values of the wrong JSON type (a 500 before: `audio.get` on a string, `set()` of unhashable modalities)
+        ({"modalities": ["text"], "audio": "wav"}, "audio"),
+        ({"modalities": [{}]}, "modalities"),
+        ({"messages": [{"role": "system", "content": [{"type": "text", "text": {"a": 1}}]},
+                       {"role": "user", "content": "hi"}]}, "messages[0].content[0]"),
     ],
 )  # fmt: skip
 def test_bad_input_gets_a_4xx_error_and_the_server_keeps_serving(server, change, param):
@@ -276,6 +281,106 @@ def test_not_json_and_missing_key(server, small_server):
     response = httpx.post(small_server.url + "/v1/chat/completions", json=_request(), timeout=30)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(small_server.url + "/health").status_code == 200  # open: load balancers probe it
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_path)
+
+
+def _parse(body, processor):
+    from funaudiochat_hf.serving_openai_funaudiochat import TranscriptMemory, parse_chat_request
+
+    return parse_chat_request(body, processor, TranscriptMemory(), [], "m")
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"audio": "wav"}, "audio"),
+        ({"audio": ["wav"], "modalities": ["text", "audio"]}, "audio"),
+        ({"modalities": [{}]}, "modalities"),
+        ({"modalities": [["audio"]]}, "modalities"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
+        ({"stream_options": ["include_usage"]}, "stream_options"),
+        ({"n": True}, "n"),
+        ({"messages": {"role": "user", "content": "hi"}}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [["hi"]]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "developer", "content": [{"type": "text", "text": 5}]},
+                       {"role": "user", "content": "hi"}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text"}]},
+                       {"role": "user", "content": "and?"}]}, "messages[1].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": "wav"}]}]},
+         "messages[0].content[0]"),
+    ],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_a_request_error_naming_it(processor, change, param):
+    """Every request field's type is checked before it is used: a JSON value of another type raises `RequestError`
+    naming the parameter (the server's 400), never an AttributeError or a TypeError (a 500), nor is it taken as text."""
+    from funaudiochat_hf.serving_openai_funaudiochat import RequestError
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text"]}
+    with pytest.raises(RequestError) as bad:
+        _parse({**body, **change}, processor)
+    assert bad.value.param == param and bad.value.status == 400, bad.value
+    assert bad.value.body()["error"]["type"] == "invalid_request_error"
+    # The defaults that OpenAI's API documents as nullable are taken as such.
+    plain = _parse({**body, "stream": None, "n": None, "audio": None, "stream_options": None}, processor)
+    assert plain.stream is False and plain.include_usage is False
+
+
+def _encoded_question(audio_format: str, folder) -> bytes:
+    """A 1.5 s spoken question encoded by ffmpeg as m4a (AAC) or webm (Opus)."""
+    import subprocess
+
+    source, encoded = folder / "question.wav", folder / f"question.{audio_format}"
+    source.write_bytes(wav_bytes(synthetic_question(1.5), 16000))
+    codec = {"m4a": "aac", "webm": "libopus"}[audio_format]
+    subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", str(source), "-c:a", codec, str(encoded)],
+                   capture_output=True, check=True)  # fmt: skip
+    return encoded.read_bytes()
+
+
+@pytest.mark.parametrize("audio_format", ["m4a", "webm"])
+def test_m4a_and_webm_uploads_are_decoded_with_ffmpeg(processor, audio_format, monkeypatch, tmp_path):
+    """soundfile reads neither m4a nor webm, and audio_io's ffmpeg fallback reads files only: the server decodes
+    these uploads from a temporary file (every such request failed before). Data that is not of its format is refused
+    before ffmpeg sees it, and a server without ffmpeg names the formats it takes."""
+    import shutil
+
+    from funaudiochat_hf import serving_openai_funaudiochat as openai_format
+
+    if shutil.which("ffmpeg") is None or not openai_format.ffmpeg_decodes():
+        pytest.skip("needs ffmpeg (and librosa) to encode and decode m4a / webm")
+    try:
+        encoded = _encoded_question(audio_format, tmp_path)
+    except Exception as error:  # an ffmpeg built without the encoder
+        pytest.skip(f"this ffmpeg cannot encode {audio_format}: {error}")
+
+    def body(data: bytes) -> dict:
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": audio_format}}
+        return {"model": "m", "messages": [{"role": "user", "content": [part]}], "modalities": ["text"]}
+
+    features = _parse(body(encoded), processor).speech.inputs["input_features"]
+    assert abs(features.shape[-1] - 150) <= 8, features.shape  # 1.5 s at 100 frames a second (and codec padding)
+    playlist = b"#EXTM3U\n#EXTINF:1,\nfile:///etc/hostname\n"  # ffmpeg would follow it, whatever the file's name
+    with pytest.raises(openai_format.RequestError, match=f"is not {audio_format} audio") as refused:
+        _parse(body(playlist), processor)
+    assert refused.value.param == "messages[0].content[0]"
+    with pytest.raises(openai_format.RequestError) as corrupt:  # the right magic, then garbage
+        _parse(body(encoded[:40] + b"\0" * 64), processor)
+    assert "could not be read as audio" in str(corrupt.value) and "funaudiochat-upload" not in str(corrupt.value)
+    monkeypatch.setattr(openai_format, "ffmpeg_decodes", lambda: False)
+    with pytest.raises(openai_format.RequestError, match="needs ffmpeg.*wav, mp3, flac, ogg") as unsupported:
+        _parse(body(encoded), processor)
+    assert unsupported.value.param == "messages[0].content[0].input_audio.format"
 
 
 def test_full_queue_gets_429_with_retry_after(small_server):
@@ -451,6 +556,32 @@ def test_stream_options_reach_the_engine_and_bad_ones_are_refused(tiny_path, cap
         assert "--stream-options" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"token_hop_len": 0}', "token_hop_len must be an int >= 1, got 0"),
+        ('{"first_token_hop_len": 0}', "first_token_hop_len must be None or an int >= 1, got 0"),
+        ('{"hift_left_context_frames": 0}', "hift_left_context_frames must be an int >= 8, got 0"),
+        ('{"flow_left_context_tokens": -1}', "flow_left_context_tokens must be an int >= 0, got -1"),
+        ('{"stream_scale_factor": NaN}', "stream_scale_factor must be a finite number >= 1, got nan"),
+        ('{"stream_scale_factor": 0.5}', "stream_scale_factor must be a finite number >= 1"),
+        ('{"stream_scale_factor": 1.01}', "does not grow token_hop_len=15"),
+        ('{"token_hop_len": 150}', "token_max_hop_len must be None or an int >= token_hop_len (150), got 100"),
+    ],
+)
+def test_stream_options_are_checked_by_the_decoders_rules_before_loading(options, message, monkeypatch, capsys):
+    """--stream-options values the streaming decoder refuses (ranges, hop growth, also against the engine's default
+    hops) are refused when the options are parsed: before, several passed and failed only once the engine had
+    allocated its caches and recorded its graphs."""
+    from funaudiochat_hf import serving_server_funaudiochat as server
+
+    monkeypatch.setattr(server, "build_engine", lambda args: pytest.fail("the models were loaded"))
+    with pytest.raises(SystemExit):
+        server.main(["--stream-options", options])
+    err = capsys.readouterr().err
+    assert "--stream-options" in err and message in err, err
+
+
 def test_the_server_warms_up_with_spoken_requests_before_it_listens(tiny_path):
     """`funaudiochat-serve` sends spoken synthetic requests through its own request path before it listens (the
     audio encoder's first use, the prompt bucket's pass and its recording on a GPU, the decoder's first chunks), and
@@ -480,6 +611,9 @@ def test_the_server_warms_up_with_spoken_requests_before_it_listens(tiny_path):
         (["--model", "/no/such/folder"], "--model folder not found: /no/such/folder"),
         (["--model", "NO_DECODER"], "has no speech decoder inside: set --decoder"),
         (["--port", "BUSY"], "cannot listen on 127.0.0.1:"),
+        (["--api-key", ""], "--api-key is empty"),  # an empty bearer token authenticated before
+        (["--api-key", "  "], "--api-key is empty"),
+        (["--api-key", "key "], "--api-key starts or ends with whitespace"),  # a key no client could send
     ],
 )
 def test_bad_options_and_a_busy_port_are_one_line_errors_before_loading(monkeypatch, capsys, argv, message):
@@ -497,3 +631,49 @@ def test_bad_options_and_a_busy_port_are_one_line_errors_before_loading(monkeypa
         assert server.main([values.get(a, a) for a in argv]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and message in err[0], err
+
+
+def test_an_empty_api_key_is_refused():
+    """`create_app(api_key="")` would have let `Authorization: Bearer ` (an empty token) in."""
+    from types import SimpleNamespace
+
+    for key in ("", " "):
+        with pytest.raises(ValueError, match="`api_key` is empty"):
+            create_app(SimpleNamespace(model=None), None, "m", api_key=key)
+
+
+def test_a_prompt_limit_below_the_default_prompt_is_refused_before_the_engine_starts(tiny_path, monkeypatch, capsys):
+    """--max-prompt-tokens 256 with the tiny model (its default system prompt alone is ~290 tokens) refused no
+    request until the warm-up's, which then ended in a raw traceback: it is now a one-line error naming the option
+    and the size it needs, before the engine allocates anything."""
+    from funaudiochat_hf import serving_server_funaudiochat as server
+
+    monkeypatch.setattr(server, "SpeechEngine", lambda *args, **kwargs: pytest.fail("the engine was started"))
+    argv = ["--model", str(tiny_path), "--device", "cpu", "--port", "0", "--max-prompt-tokens", "256"]
+    assert server.main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "--max-prompt-tokens 256 cannot hold the default system prompt" in err[0], err
+    needed = int(err[0].rsplit(" ", 1)[1])
+    assert needed > 256 and f"raise it to at least {needed}" in err[0]
+
+
+def test_a_failed_warm_up_is_a_one_line_error_and_closes_the_engine(monkeypatch, capsys):
+    """Errors of the warm-up (after the models loaded) end as the errors before loading do: one `error:` line, a
+    non-zero exit, the engine closed, nothing served."""
+    from types import SimpleNamespace
+
+    from funaudiochat_hf import serving_server_funaudiochat as server
+
+    closed = []
+    engine = SimpleNamespace(close=lambda: closed.append(True), voices=[])
+    monkeypatch.setattr(server, "build_engine", lambda args: (engine, None, "m"))
+
+    def failing_warm_up(*args):
+        raise RuntimeError("The warm-up request failed: vocoding failed: out of memory\n(details)")
+
+    monkeypatch.setattr(server, "warm_up", failing_warm_up)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("the server started"))
+    assert server.main(["--port", "0"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: The warm-up request failed: vocoding failed: out of memory", err
+    assert closed == [True]

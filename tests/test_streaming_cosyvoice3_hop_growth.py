@@ -154,3 +154,34 @@ def test_bad_growth_arguments_are_refused(model, options, match):
         model.streaming_decoder(speaker="中文女", token_hop_len=15, **options)
     # a factor of 1 is fine without growth
     assert model.streaming_decoder(speaker="中文女", stream_scale_factor=1).hop_schedule == (15, 15)
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("token_hop_len", 2.5, "token_hop_len must be an int >= 1, got 2.5"),  # once named token_max_hop_len
+        ("token_hop_len", float("nan"), "token_hop_len must be an int >= 1, got nan"),
+        ("token_hop_len", True, "token_hop_len must be an int >= 1, got True"),
+        ("token_hop_len", 0, "token_hop_len must be an int >= 1, got 0"),
+        ("first_token_hop_len", 5.0, "first_token_hop_len must be None or an int >= 1, got 5.0"),
+        ("first_token_hop_len", 0, "first_token_hop_len must be None or an int >= 1, got 0"),
+        ("flow_left_context_tokens", 1.5, "flow_left_context_tokens must be an int >= 0, got 1.5"),  # a TypeError
+        ("flow_left_context_tokens", -1, "flow_left_context_tokens must be an int >= 0, got -1"),
+        ("hift_left_context_frames", 32.0, "hift_left_context_frames must be an int >= 8, got 32.0"),
+        ("hift_left_context_frames", 7, "hift_left_context_frames must be an int >= 8, got 7"),
+        ("pre_lookahead_len", 3.0, "pre_lookahead_len must be an int >= 0, got 3.0"),
+    ],
+)
+def test_each_integer_option_is_refused_by_its_own_name(model, name, value, match):
+    """`token_hop_len=2.5` (or nan) passed `< 1` and failed naming token_max_hop_len; `flow_left_context_tokens=1.5`
+    passed and raised a raw TypeError in the first chunk."""
+    with pytest.raises(ValueError, match=match):
+        model.streaming_decoder(speaker="中文女", **{name: value})
+
+
+def test_numpy_integers_are_ints(model):
+    import numpy as np
+
+    decoder = model.streaming_decoder(speaker="中文女", token_hop_len=np.int64(10), first_token_hop_len=np.int32(5),
+                                      flow_left_context_tokens=np.int64(30))  # fmt: skip
+    assert decoder.hop_schedule == (5, 10) and type(decoder.flow_left_context) is int

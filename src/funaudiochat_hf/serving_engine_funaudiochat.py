@@ -25,6 +25,7 @@ and handles are in `serving_requests_funaudiochat`.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import sys
 import threading
@@ -48,6 +49,7 @@ from .serving_metrics_funaudiochat import EngineMetrics
 from .serving_outputs_funaudiochat import StepOutput, VocoderRound, merged_outputs, vocode_items
 from .serving_requests_funaudiochat import EngineClosed, QueueFull, RequestHandle, SpeechEvent, SpeechRequest
 from .serving_vocoder_funaudiochat import ServingVocoder
+from .streaming_cosyvoice3 import STREAM_SIZE_MINIMA, CosyVoice3StreamingDecoder, checked_stream_size, hop_schedule
 
 
 logger = logging.get_logger(__name__)
@@ -87,6 +89,64 @@ PREFILL_HOLD_SECONDS = 0.3
 # round is done) at least this often (seconds): they are vocoded beside the round instead of after it
 # (`ServingVocoder.concurrent_start_up`).
 START_UP_POLL_SECONDS = 1e-3
+
+
+# `CosyVoice3StreamingDecoder`'s keywords that `stream_options` may set (the model and the voice are the engine's).
+_DECODER_PARAMETERS = inspect.signature(CosyVoice3StreamingDecoder.__init__).parameters
+STREAM_OPTION_NAMES = tuple(name for name in _DECODER_PARAMETERS if name not in ("self", "model", "speaker_embedding"))
+
+
+def check_stream_options(stream_options: dict | None) -> dict:
+    """The engine's streaming decoder keywords (`DEFAULT_STREAM_OPTIONS` updated with `stream_options`), checked by
+    the streaming decoder's own rules where they need no decoder: known names, the sizes' ranges, the hop growth
+    (`streaming_cosyvoice3.hop_schedule`). Raises ValueError. The engine checks them before it allocates anything; the
+    decoder checks the rest (its pre-lookahead, window buckets, CUDA graphs) when the engine creates its first one."""
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ValueError(f"`stream_options` must be a dict of streaming decoder keywords, got {stream_options!r}.")
+    options = {**DEFAULT_STREAM_OPTIONS, **(stream_options or {})}
+    unknown = sorted(set(options) - set(STREAM_OPTION_NAMES))
+    if unknown:
+        known = ", ".join(STREAM_OPTION_NAMES)
+        raise ValueError(f"Unknown stream option {', '.join(unknown)}; the options are {known}.")
+    for name in STREAM_SIZE_MINIMA.keys() & options.keys():
+        checked_stream_size(name, options[name])
+    hop = options.get("token_hop_len", _DECODER_PARAMETERS["token_hop_len"].default)
+    first = options.get("first_token_hop_len")
+    factor = options.get("stream_scale_factor", _DECODER_PARAMETERS["stream_scale_factor"].default)
+    try:
+        hop_schedule(hop if first is None else first, hop, options.get("token_max_hop_len"), factor)
+    except ValueError as error:  # it may be about a default the caller did not set
+        defaults = ", ".join(f"{name} {value}" for name, value in DEFAULT_STREAM_OPTIONS.items())
+        raise ValueError(f"{error} (unset options take the engine's defaults: {defaults})") from None
+    return options
+
+
+class _SwitchInterval:
+    """The interpreter's thread switch interval, lowered to `THREAD_SWITCH_INTERVAL_SECONDS` while any engine runs and
+    set back to what it was when the last one closes (it is process-wide: several engines share one setting)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._engines = 0
+        self._previous: float | None = None
+
+    def lower(self) -> None:
+        with self._lock:
+            self._engines += 1
+            if self._engines == 1 and sys.getswitchinterval() > THREAD_SWITCH_INTERVAL_SECONDS:
+                self._previous = sys.getswitchinterval()
+                logger.info(f"Speech engine: thread switch interval {1e3 * THREAD_SWITCH_INTERVAL_SECONDS:g} ms.")
+                sys.setswitchinterval(THREAD_SWITCH_INTERVAL_SECONDS)
+
+    def restore(self) -> None:
+        with self._lock:
+            self._engines -= 1
+            if self._engines == 0 and self._previous is not None:
+                sys.setswitchinterval(self._previous)
+                self._previous = None
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
 
 
 @dataclass
@@ -174,17 +234,19 @@ class SpeechEngine:
                 f"`cache_length`={cache_length} cannot hold one request of `max_prompt_tokens`={max_prompt_tokens} "
                 f"and `max_new_tokens`={max_new_tokens}."
             )
+        # Checked before the batch allocates its caches and records its graphs (long on a GPU).
+        self.stream_options = check_stream_options(stream_options)
         self.model = model
         self.tokenizer = tokenizer
         decoder = speech_decoder if speech_decoder is not None else getattr(model, "token2wav", None)
         self.decoder = decoder
         self.sampling_rate = decoder_sampling_rate(decoder) if decoder is not None else 24000
-        self.stream_options = dict(DEFAULT_STREAM_OPTIONS)
-        self.stream_options.update(stream_options or {})
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.metrics = EngineMetrics()
-        logger.info(
+        # A warning, as the package's compile notes: long work (minutes with the compiled backend) that a default
+        # logger (transformers' level: warnings) would otherwise leave silent.
+        logger.warning(
             f"Speech engine: {max_batch_size} slots, {cache_length} cache columns, prompts up to {max_prompt_tokens} "
             f"tokens, replies up to {max_new_tokens} steps; allocating and warming up ..."
         )
@@ -208,21 +270,29 @@ class SpeechEngine:
         # Each request's streaming decoder (output thread only); their chunks are decoded together.
         self._vocoder = None
         if decoder is not None:
-            self._vocoder = ServingVocoder(decoder, self.stream_options, self.batch.cfg.speech_bos_id)
-            if self._vocoder.fixed_shapes:
-                sizes = self._vocoder.warm_up_batch_sizes(max_batch_size)
-                logger.info(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
-                self._vocoder.warm_up(max_batch_size)
+            try:
+                self._vocoder = self._start_vocoder(decoder, max_batch_size)
+            except BaseException:  # e.g. an option only the decoder checks: a failed start keeps none of the memory
+                self.batch.close()
+                raise
         self._text: dict[int, TextDeltas] = {}  # request id -> its reply's text so far (output thread)
-        if sys.getswitchinterval() > THREAD_SWITCH_INTERVAL_SECONDS:  # process-wide; never raised back (harmless)
-            logger.info(f"Speech engine: thread switch interval {1e3 * THREAD_SWITCH_INTERVAL_SECONDS:g} ms.")
-            sys.setswitchinterval(THREAD_SWITCH_INTERVAL_SECONDS)
+        _SWITCH_INTERVAL.lower()
+        self._switch_interval_lowered = True  # until `close` sets it back
         self._decode_thread = threading.Thread(target=self._decode_loop, name="speech-engine-decode", daemon=True)
         self._prefill_thread = threading.Thread(target=self._prefill_loop, name="speech-engine-prefill", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="speech-engine-output", daemon=True)
         self._decode_thread.start()
         self._prefill_thread.start()
         self._output_thread.start()
+
+    def _start_vocoder(self, decoder, max_batch_size: int) -> ServingVocoder:
+        """The speech decoder's streams, their graphs recorded up front where they run fixed shapes."""
+        vocoder = ServingVocoder(decoder, self.stream_options, self.batch.cfg.speech_bos_id)
+        if vocoder.fixed_shapes:
+            sizes = vocoder.warm_up_batch_sizes(max_batch_size)
+            logger.warning(f"Speech engine: recording the speech decoder's graphs for rounds of {sizes} streams ...")
+            vocoder.warm_up(max_batch_size)
+        return vocoder
 
     # ------------------------------------------------------------------ public
     def submit(self, request: SpeechRequest, sink: Callable[[SpeechEvent], None] | None = None) -> RequestHandle:
@@ -308,6 +378,9 @@ class SpeechEngine:
         self._output.put(None)
         self._output_thread.join()
         self.batch.close()
+        if self._switch_interval_lowered:  # once, however often `close` is called
+            self._switch_interval_lowered = False
+            _SWITCH_INTERVAL.restore()
 
     def __enter__(self) -> "SpeechEngine":
         return self

@@ -18,7 +18,10 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import importlib.util
 import io
+import os
+import tempfile
 import time
 import uuid
 import wave
@@ -42,6 +45,10 @@ from .serving_requests_funaudiochat import SpeechRequest
 # Base64 audio larger than this is refused before decoding (OpenAI's own upload limit).
 MAX_AUDIO_BYTES = 25 * 1024 * 1024
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a", "webm")
+# Formats that soundfile cannot read, as (how the file starts, or where: its magic bytes). `audio_io` decodes them with
+# ffmpeg (librosa's audioread fallback), from a file only. The magic is checked first: ffmpeg probes a file's content,
+# not its name, and an upload that is, say, a playlist could make it open other files or URLs.
+FFMPEG_INPUT_FORMATS = {"m4a": (4, b"ftyp"), "webm": (0, b"\x1a\x45\xdf\xa3")}  # MP4 `ftyp` box; EBML header
 # `audio.format`s of a reply written here, and OpenAI's others, as (libsndfile format, subtype), written by
 # soundfile (librosa's audio backend) where its libsndfile has them (`output_audio_formats`). A stream sends pcm16.
 PCM_AUDIO_FORMATS = ("wav", "pcm16")
@@ -146,12 +153,47 @@ def _decode_input_audio(part: dict, where: str) -> np.ndarray:
     except (binascii.Error, ValueError):
         raise RequestError(f"{where}: `input_audio.data` is not valid base64.", param=where) from None
     try:
+        if audio_format in FFMPEG_INPUT_FORMATS:
+            return _load_with_ffmpeg(raw, audio_format, where)
         # `MAX_AUDIO_SECONDS` is checked on the file's header, before the audio is decoded.
         return load_audio(raw, max_seconds=MAX_AUDIO_SECONDS)
+    except RequestError:
+        raise
     except InputTooLongError as error:
         raise RequestError(f"{where}: {error}", param=where, code="input_too_long") from None
     except ValueError as error:
         raise RequestError(f"{where}: the input audio could not be read as audio ({error})", param=where) from None
+
+
+@functools.cache
+def ffmpeg_decodes() -> bool:
+    """Whether this process can decode `FFMPEG_INPUT_FORMATS`: librosa and audioread's ffmpeg decoder are there."""
+    try:
+        import audioread.ffdec
+    except ImportError:
+        return False
+    return importlib.util.find_spec("librosa") is not None and bool(audioread.ffdec.available())
+
+
+def _load_with_ffmpeg(raw: bytes, audio_format: str, where: str) -> np.ndarray:
+    """An upload of `FFMPEG_INPUT_FORMATS`, decoded from a temporary file (`audio_io`'s ffmpeg fallback reads paths)."""
+    param = f"{where}.input_audio.format"
+    if not ffmpeg_decodes():
+        others = ", ".join(name for name in INPUT_AUDIO_FORMATS if name not in FFMPEG_INPUT_FORMATS)
+        raise RequestError(f"{where}: this server cannot decode {audio_format} audio (it needs ffmpeg); send {others}.",
+                           param=param)  # fmt: skip
+    offset, magic = FFMPEG_INPUT_FORMATS[audio_format]
+    if raw[offset : offset + len(magic)] != magic:
+        raise RequestError(f"{where}: `input_audio.data` is not {audio_format} audio.", param=where)
+    with tempfile.TemporaryDirectory(prefix="funaudiochat-upload-") as folder:
+        path = os.path.join(folder, f"input.{audio_format}")
+        with open(path, "wb") as file:
+            file.write(raw)
+        try:
+            return load_audio(path, max_seconds=MAX_AUDIO_SECONDS)
+        except ValueError as error:  # its message names the temporary file: the client sent data, not a file
+            message = str(error).replace(f"file '{path}'", f"{audio_format} upload")
+            raise type(error)(message.replace(path, f"input.{audio_format}")) from None
 
 
 def _text_of(content, where: str) -> str:
@@ -162,7 +204,11 @@ def _text_of(content, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") not in ("text", "refusal"):
                 raise RequestError(f"{where}[{i}]: only text parts are accepted here.", param=f"{where}[{i}]")
-            texts.append(str(part.get("text", part.get("refusal", ""))))
+            text = part.get(part["type"])
+            if not isinstance(text, str):  # not str()'d: a number or an object is a client's mistake
+                raise RequestError(f"{where}[{i}]: a {part['type']} part needs a `{part['type']}` string.",
+                                   param=f"{where}[{i}]")  # fmt: skip
+            texts.append(text)
         return "".join(texts)
     raise RequestError(f"{where}: content must be a string or a list of parts.", param=where)
 
@@ -235,21 +281,28 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     `RequestError`."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):  # true == 1 in Python
         raise RequestError("Only `n` = 1 is supported.", param="n")
     for name in UNSUPPORTED_PARAMETERS:
         if _asks_for_something(body.get(name)):
             raise RequestError(f"`{name}` is not supported by this server: leave it out.", param=name,
                                code="unsupported_parameter")  # fmt: skip
+    # Every value's type is checked before it is used: a JSON value of another type is the client's mistake (400),
+    # not the server's (500).
     modalities = body.get("modalities") or ["text"]
-    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"}:
+    if not isinstance(modalities, list) or not all(kind in ("text", "audio") for kind in modalities):
         raise RequestError('`modalities` must be a list of "text" and "audio".', param="modalities")
     want_audio = "audio" in modalities
-    audio = body.get("audio") or {}
-    if want_audio and not isinstance(body.get("audio"), dict):
-        formats = " | ".join(f'"{name}"' for name in output_audio_formats())
+    audio = body.get("audio")
+    formats = " | ".join(f'"{name}"' for name in output_audio_formats())
+    if want_audio and not isinstance(audio, dict):
         raise RequestError(f'`modalities` asks for audio: pass `audio: {{"voice": ..., "format": {formats}}}`.',
+                           param="audio")  # fmt: skip
+    if audio is None:
+        audio = {}
+    elif not isinstance(audio, dict):
+        raise RequestError(f'`audio` must be an object: {{"voice": ..., "format": {formats}}}, got {audio!r}.',
                            param="audio")  # fmt: skip
     audio_format = audio.get("format", "wav")
     if audio_format not in output_audio_formats():
@@ -259,12 +312,18 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
     if voice != DEFAULT_VOICE and voice not in voices:
         known = ", ".join([DEFAULT_VOICE, *voices])
         raise RequestError(f"Unknown voice {voice!r}; this server has: {known}.", param="audio.voice")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # OpenAI's default
+        stream = False
     if not isinstance(stream, bool):
-        raise RequestError("`stream` must be true or false.", param="stream")
+        raise RequestError(f"`stream` must be true or false, got {stream!r}.", param="stream")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError("`stream_options` must be an object.", param="stream_options")
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError(f"`stream_options.include_usage` must be true or false, got {include_usage!r}.",
+                           param="stream_options.include_usage")  # fmt: skip
     max_tokens = _number(body, "max_completion_tokens", 1, max_reply_tokens, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", 1, max_reply_tokens, integer=True)
@@ -298,7 +357,7 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
         stream=stream,
         audio_format=audio_format,
         want_audio=want_audio,
-        include_usage=bool(stream_options.get("include_usage", False)),
+        include_usage=bool(include_usage),
         model=model_name,  # the model that answers, whatever name the request used (as OpenAI's API)
     )
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from .generation_plan_funaudiochat import BACKENDS
-from .serving_engine_funaudiochat import SpeechEngine
+from .serving_engine_funaudiochat import SpeechEngine, check_stream_options
 from .serving_metrics_funaudiochat import prometheus_text
 from .serving_openai_funaudiochat import (
     DEFAULT_VOICE,
@@ -54,7 +54,9 @@ def _missing_serve_extra(error: ImportError):
 
 
 def create_app(engine: SpeechEngine, processor, model_name: str, api_key: str | None = None):
-    """The FastAPI app serving `engine` (whose lifetime the caller owns)."""
+    """The FastAPI app serving `engine` (whose lifetime the caller owns). `api_key`: the bearer token /v1/ requires
+    (None: none)."""
+    _check_api_key(api_key, "`api_key`")
     try:
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -228,6 +230,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_api_key(api_key: str | None, option: str) -> None:
+    """An empty key would let an empty bearer token in, and one with surrounding blanks could never be sent (HTTP drops
+    them from a header's value): both are refused rather than served."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError(f"{option} is empty: pass a key, or leave the option out to serve without one")
+    if api_key != api_key.strip():
+        raise ValueError(f"{option} starts or ends with whitespace, which no client can send: remove it")
+
+
 def check_before_loading(args) -> None:
     """What can be checked before the models load (the 8B model takes long): the sizes, the model and decoder
     sources (as the CLI checks them), and that the address is free to listen on. Raises ValueError."""
@@ -241,6 +254,7 @@ def check_before_loading(args) -> None:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    _check_api_key(args.api_key, "--api-key")
     _check_sources(args)
     check_decoder_before_loading(args.model, args.decoder)
     try:
@@ -252,6 +266,7 @@ def check_before_loading(args) -> None:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
 
 
+# The streaming decoder's settings the server exposes (`check_stream_options` takes a few more, for tests and tuning).
 _STREAM_OPTION_NAMES = (
     "token_hop_len",
     "first_token_hop_len",
@@ -260,25 +275,25 @@ _STREAM_OPTION_NAMES = (
     "flow_left_context_tokens",
     "hift_left_context_frames",
 )
-_NUMBER_STREAM_OPTIONS = ("stream_scale_factor",)  # the others take integers
 
 
 def _stream_options(text: str) -> dict:
-    """`--stream-options`: a JSON object of the streaming decoder's window and hop settings (the decoder checks
-    their ranges when the engine starts)."""
+    """`--stream-options`: a JSON object of the streaming decoder's window and hop settings, checked by the decoder's
+    rules here, before anything loads (the engine would check them only after the model loaded)."""
     try:
         options = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
     if not isinstance(options, dict):
         raise argparse.ArgumentTypeError(f"takes a JSON object, got {text!r}")
-    for name, value in options.items():
+    for name in options:
         if name not in _STREAM_OPTION_NAMES:
-            raise argparse.ArgumentTypeError(f"unknown option {name!r}; the options are {', '.join(_STREAM_OPTION_NAMES)}")
-        kinds = (int, float) if name in _NUMBER_STREAM_OPTIONS else int
-        if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
-            kind = "a number" if name in _NUMBER_STREAM_OPTIONS else "an integer"
-            raise argparse.ArgumentTypeError(f"{name} takes {kind} >= 0, got {value!r}")
+            known = ", ".join(_STREAM_OPTION_NAMES)
+            raise argparse.ArgumentTypeError(f"unknown option {name!r}; the options are {known}")
+    try:
+        check_stream_options(options)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return options
 
 
@@ -290,6 +305,18 @@ def build_engine(args) -> tuple[SpeechEngine, object, str]:
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = TINY_MODEL_MAX_NEW_TOKENS if args.model is None else 512
+    name = args.served_model_name or args.model or "funaudiochat-tiny"
+    # A server whose prompts cannot hold the default system prompt and a short spoken question (the warm-up's) would
+    # refuse every plain request: refused before the engine allocates its caches and records its graphs (minutes on a
+    # GPU), with or without the warm-up. The count depends on the model's tokenizer, hence after loading.
+    warm_up_chat = _warm_up_request(pipe.processor, [], name, pipe.model.dtype, max_new_tokens)
+    warm_up_tokens = int(warm_up_chat.speech.inputs["input_ids"].shape[1])
+    if warm_up_tokens > args.max_prompt_tokens:
+        raise ValueError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} cannot hold the default system prompt and a "
+            f"{WARMUP_QUESTION_SECONDS:g} s spoken question ({warm_up_tokens} tokens with this model): raise it to at "
+            f"least {warm_up_tokens}"
+        )
     options = {"eos_token_id": pipe._reply_stop_ids()}
     engine = SpeechEngine(
         pipe.model,
@@ -303,7 +330,6 @@ def build_engine(args) -> tuple[SpeechEngine, object, str]:
         backend=args.backend,
         stream_options=args.stream_options,
     )
-    name = args.served_model_name or args.model or "funaudiochat-tiny"
     return engine, pipe.processor, name
 
 
@@ -318,18 +344,23 @@ WARMUP_STEPS = 8  # LLM steps: past a reply's first audio chunk
 def warm_up(engine: SpeechEngine, processor, model_name: str) -> float:
     """Synthetic spoken requests through the server's own request path before it listens, so that the first client
     does not pay for first-use work; returns the seconds taken."""
-    from .tiny_model import synthetic_question
-
     started = time.perf_counter()
-    question = wav_bytes(synthetic_question(WARMUP_QUESTION_SECONDS), 16000)
-    body = spoken_question_body(question, model_name, min(WARMUP_STEPS, engine.max_new_tokens), seed=0)
     for _ in range(WARMUP_REPLIES):
-        chat = parse_chat_request(body, processor, TranscriptMemory(), engine.voices, model_name,
-                                  getattr(engine.model, "dtype", None), engine.max_new_tokens)  # fmt: skip
+        chat = _warm_up_request(processor, engine.voices, model_name, getattr(engine.model, "dtype", None),
+                                engine.max_new_tokens)  # fmt: skip
         events = list(engine.submit(chat.speech).events())
         if events and events[-1].finish_reason == "error":
             raise RuntimeError(f"The warm-up request failed: {events[-1].error}")
     return time.perf_counter() - started
+
+
+def _warm_up_request(processor, voices: list[str], model_name: str, model_dtype, max_new_tokens: int):
+    """The warm-up's request (the default system prompt and a synthetic spoken question), parsed as a client's."""
+    from .tiny_model import synthetic_question
+
+    question = wav_bytes(synthetic_question(WARMUP_QUESTION_SECONDS), 16000)
+    body = spoken_question_body(question, model_name, min(WARMUP_STEPS, max_new_tokens), seed=0)
+    return parse_chat_request(body, processor, TranscriptMemory(), voices, model_name, model_dtype, max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,12 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {one_line_error(error)}", file=sys.stderr)
         return 1
     try:
-        if args.warmup:
-            print("warming up (spoken requests through the engine and the speech decoder) ...", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            print(f"warm-up done in {warm_up(engine, processor, name):.1f} s", file=sys.stderr, flush=True)
-            engine.reset_metrics()  # /metrics counts traffic only
-        app = create_app(engine, processor, name, api_key=args.api_key)
+        try:
+            if args.warmup:
+                print("warming up (spoken requests through the engine and the speech decoder) ...", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                print(f"warm-up done in {warm_up(engine, processor, name):.1f} s", file=sys.stderr, flush=True)
+                engine.reset_metrics()  # /metrics counts traffic only
+            app = create_app(engine, processor, name, api_key=args.api_key)
+        except Exception as error:  # as the errors before loading (the engine is closed below)
+            if args.debug:
+                raise
+            print(f"error: {one_line_error(error)}", file=sys.stderr)
+            return 1
         print(f"serving {name} on http://{args.host}:{args.port} ({args.max_batch_size} slots); voices: "
               f"{', '.join([DEFAULT_VOICE, *engine.voices])}", file=sys.stderr, flush=True)  # fmt: skip
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

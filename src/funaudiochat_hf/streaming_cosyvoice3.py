@@ -2,6 +2,7 @@
 
 import functools
 import math
+import numbers
 import threading
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -115,12 +116,16 @@ class CosyVoice3StreamingDecoder:
         token_max_hop_len: Optional[int] = None,
         stream_scale_factor: float = 2.0,
     ):
-        if token_hop_len < 1:
-            raise ValueError(f"token_hop_len must be >= 1, got {token_hop_len}")
+        # Each integer option is checked by its own name first: a float, nan or bool passes a bare `< 1` and then
+        # fails under another option's name (token_max_hop_len) or as a raw TypeError deep in a chunk.
+        token_hop_len = checked_stream_size("token_hop_len", token_hop_len)
+        first_token_hop_len = checked_stream_size("first_token_hop_len", first_token_hop_len)
+        token_max_hop_len = checked_stream_size("token_max_hop_len", token_max_hop_len)
+        pre_lookahead_len = checked_stream_size("pre_lookahead_len", pre_lookahead_len)
+        flow_left_context_tokens = checked_stream_size("flow_left_context_tokens", flow_left_context_tokens)
+        hift_left_context_frames = checked_stream_size("hift_left_context_frames", hift_left_context_frames)
         if first_token_hop_len is None:
             first_token_hop_len = token_hop_len
-        if first_token_hop_len < 1:
-            raise ValueError(f"first_token_hop_len must be None or >= 1, got {first_token_hop_len}")
         # The hops of chunks 0, 1, 2, ... until the largest; every later chunk has the last one.
         self.hop_schedule = hop_schedule(first_token_hop_len, token_hop_len, token_max_hop_len, stream_scale_factor)
         if pre_lookahead_len != model.config.pre_lookahead_len:
@@ -128,10 +133,6 @@ class CosyVoice3StreamingDecoder:
                 f"pre_lookahead_len must equal the model's pre-lookahead ({model.config.pre_lookahead_len}); "
                 f"got {pre_lookahead_len}"
             )
-        if flow_left_context_tokens < 0:
-            raise ValueError(f"flow_left_context_tokens must be >= 0, got {flow_left_context_tokens}")
-        if hift_left_context_frames < 8:
-            raise ValueError(f"hift_left_context_frames must be >= 8, got {hift_left_context_frames}")
         on_cuda = model.device.type == "cuda"
         if cuda_graphs == "auto":
             cuda_graphs = on_cuda and not model.flow_compiles_cuda_graphs
@@ -473,6 +474,24 @@ class CosyVoice3StreamingDecoder:
             index = torch.arange(sample_start, sample_start + num_samples, device=table.device) % table_len
             noise = table.index_select(1, index)
         return hift.merge_source(sines, hift.f0_to_sample_rate(f0), noise)
+
+
+# A stream's integer sizes and the smallest value of each; the optional ones may also be None (their default).
+STREAM_SIZE_MINIMA = {"token_hop_len": 1, "first_token_hop_len": 1, "token_max_hop_len": 1, "pre_lookahead_len": 0,
+                      "flow_left_context_tokens": 0, "hift_left_context_frames": 8}  # fmt: skip
+_OPTIONAL_STREAM_SIZES = ("first_token_hop_len", "token_max_hop_len")
+
+
+def checked_stream_size(name: str, value) -> Optional[int]:
+    """`value` of the stream size `name` (a `STREAM_SIZE_MINIMA` key) as an int >= its minimum (None stays None for
+    an optional one), else a ValueError naming `name`. A bool is not taken for an int here; numpy integers are."""
+    minimum, optional = STREAM_SIZE_MINIMA[name], name in _OPTIONAL_STREAM_SIZES
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        allowed = f"None or an int >= {minimum}" if optional else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
 
 
 def _positive_int(value) -> bool:
