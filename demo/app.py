@@ -1,22 +1,25 @@
 """Gradio demo (a Hugging Face Space app): talk to Fun-Audio-Chat and hear the reply while it is generated.
 
-Environment variables:
+Environment variables (all read and checked at start-up, before any model loads; a bad value stops the app with
+an error naming the variable; an empty one counts as unset):
     FUNAUDIOCHAT_MODEL      chat model folder / Hub id (default: the tiny offline random-weight model: noise!)
     FUNAUDIOCHAT_DECODER    CosyVoice3 folder / Hub id, for the official two-repo layout (optional)
     FUNAUDIOCHAT_SPEAKERS   speaker file for an official CosyVoice3 folder (optional)
-    FUNAUDIOCHAT_DEVICE     "cpu", "cuda", ... (default: CUDA if available)
-    FUNAUDIOCHAT_MAX_INPUT_SECONDS   longest accepted question (default 30)
+    FUNAUDIOCHAT_DEVICE     "auto", "cpu", "cuda", "cuda:1", ... (default: CUDA if available)
+    FUNAUDIOCHAT_MAX_INPUT_SECONDS   longest accepted question in seconds, at most the model's audio window (default
+                                     30, or the window where that is shorter)
     FUNAUDIOCHAT_BATCH_SIZE          conversations the serving engine decodes together, sharing each decode step
                                      (default 4)
     FUNAUDIOCHAT_CONCURRENCY         replies Gradio runs at the same time (default: FUNAUDIOCHAT_BATCH_SIZE)
     FUNAUDIOCHAT_MAX_PROMPT_TOKENS   longest prompt (question + kept history) in tokens; older turns are dropped
                                      to fit (default 2048)
-    FUNAUDIOCHAT_WARMUP              "0" to skip the start-up warm-up reply (default: warm up before serving)
-    FUNAUDIOCHAT_TRUST_REMOTE_CODE   "1" to load one-folder Hub repos without the package installed
-    FUNAUDIOCHAT_STREAM_AUDIO        "0" to send the reply audio in one piece at the end (default: stream when
+    FUNAUDIOCHAT_WARMUP              off to skip the start-up warm-up reply (default: on, warm up before serving)
+    FUNAUDIOCHAT_TRUST_REMOTE_CODE   on to load one-folder Hub repos without the package installed (default: off)
+    FUNAUDIOCHAT_STREAM_AUDIO        off to send the reply audio in one piece at the end (default: stream when
                                      ffmpeg is installed, which Gradio needs to stream audio; see packages.txt)
-    FUNAUDIOCHAT_FAST                "1" (on a GPU) to compile the chat loop and the decoder and run the decoder's
-                                     DiT in bfloat16: start-up waits a few minutes for the compile
+    FUNAUDIOCHAT_FAST                on (on a GPU) to compile the chat loop and the decoder and run the decoder's
+                                     DiT in bfloat16: start-up waits a few minutes for the compile (default: off)
+The on/off switches take 1, true, yes (on) or 0, false, no (off), in any case.
 
 Every reply runs on one continuous-batching `SpeechEngine` (started once per process, closed at exit): concurrent
 visitors share its decode steps. Before the app says it is ready, one short synthetic reply warms the engine and the
@@ -27,13 +30,16 @@ Run locally: `python demo/app.py` (serves on http://127.0.0.1:7860, or GRADIO_SE
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import gradio as gr
 import numpy as np
@@ -41,23 +47,129 @@ import numpy as np
 
 MAX_TURNS = 8  # earlier turns kept as context, like the official web demo
 INPUT_SAMPLING_RATE = 16000
+DEFAULT_MAX_INPUT_SECONDS = 30.0
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_MAX_PROMPT_TOKENS = 2048
+_SWITCH_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+# NamedTuples rather than dataclasses: the tests import this file by path, unregistered, which dataclasses do not allow.
+class Settings(NamedTuple):
+    """The demo's FUNAUDIOCHAT_* environment variables, parsed and checked by `read_settings` (see the module
+    docstring); the defaults are those of unset variables."""
+
+    model: str | None = None  # None: the tiny offline model
+    decoder: str | None = None
+    speakers: str | None = None
+    device: str | None = None  # None: CUDA where available
+    max_input_seconds: float | None = None  # None: the default, capped at the model's window once it has loaded
+    batch_size: int = DEFAULT_BATCH_SIZE
+    concurrency: int | None = None  # None: batch_size
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    warmup: bool = True
+    trust_remote_code: bool = False
+    stream_audio: bool | None = None  # None: when ffmpeg is installed
+    fast: bool = False
+
+
+class LoadedModel(NamedTuple):
+    """What loading found out besides the pipeline itself (passed down rather than stored on the pipeline)."""
+
+    is_tiny: bool
+    fast_generate_kwargs: dict  # FUNAUDIOCHAT_FAST's generate_speech keywords ({} without it)
+
+
+def _text_setting(environ: Mapping[str, str], name: str) -> str | None:
+    return environ.get(name) or None  # empty: unset
+
+
+def _int_setting(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
+    value = _text_setting(environ, name)
+    if value is None:
+        return default
     try:
-        return int(value) if value else default
+        number = int(value.strip())
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
 
 
-def load_pipeline():
-    """The speech-to-speech pipeline described by the environment (see the module docstring)."""
-    import torch
+def _switch_setting(environ: Mapping[str, str], name: str, default: bool | None) -> bool | None:
+    value = _text_setting(environ, name)
+    if value is None:
+        return default
+    if value.strip().lower() not in _SWITCH_VALUES:  # "true" once counted as off: only "1" was on
+        raise ValueError(f"{name} must be 1, true or yes (on) or 0, false or no (off), got {value!r}")
+    return _SWITCH_VALUES[value.strip().lower()]
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The FUNAUDIOCHAT_* variables of `environ` (default `os.environ`), each checked before any model loads (a bad
+    one would otherwise stop the app, or every question, only after minutes of loading). Raises ValueError naming
+    the variable. The model's own limit on the question's length is checked once it has loaded
+    (`max_input_seconds_for`)."""
+    from funaudiochat_hf.cli import _check_sources, _device
+    from funaudiochat_hf.limits_funaudiochat import MAX_AUDIO_SECONDS
+
+    environ = os.environ if environ is None else environ
+    max_input_seconds = _text_setting(environ, "FUNAUDIOCHAT_MAX_INPUT_SECONDS")
+    if max_input_seconds is not None:
+        try:
+            seconds = float(max_input_seconds.strip())
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds <= MAX_AUDIO_SECONDS:  # also refuses nan and inf
+            raise ValueError(
+                f"FUNAUDIOCHAT_MAX_INPUT_SECONDS must be a number of seconds above 0 and at most "
+                f"{MAX_AUDIO_SECONDS:g} (the longest audio the model hears), got {max_input_seconds!r}"
+            )
+        max_input_seconds = seconds
+    settings = Settings(
+        model=_text_setting(environ, "FUNAUDIOCHAT_MODEL"),
+        decoder=_text_setting(environ, "FUNAUDIOCHAT_DECODER"),
+        speakers=_text_setting(environ, "FUNAUDIOCHAT_SPEAKERS"),
+        device=_device(_text_setting(environ, "FUNAUDIOCHAT_DEVICE") or "auto", "FUNAUDIOCHAT_DEVICE"),
+        max_input_seconds=max_input_seconds,
+        batch_size=_int_setting(environ, "FUNAUDIOCHAT_BATCH_SIZE", DEFAULT_BATCH_SIZE),
+        concurrency=_int_setting(environ, "FUNAUDIOCHAT_CONCURRENCY", None),
+        max_prompt_tokens=_int_setting(environ, "FUNAUDIOCHAT_MAX_PROMPT_TOKENS", DEFAULT_MAX_PROMPT_TOKENS),
+        warmup=_switch_setting(environ, "FUNAUDIOCHAT_WARMUP", True),
+        trust_remote_code=_switch_setting(environ, "FUNAUDIOCHAT_TRUST_REMOTE_CODE", False),
+        stream_audio=_switch_setting(environ, "FUNAUDIOCHAT_STREAM_AUDIO", None),
+        fast=_switch_setting(environ, "FUNAUDIOCHAT_FAST", False),
+    )
+    sources = SimpleNamespace(model=settings.model, decoder=settings.decoder, speakers=settings.speakers)
+    _check_sources(sources, ("FUNAUDIOCHAT_MODEL", "FUNAUDIOCHAT_DECODER", "FUNAUDIOCHAT_SPEAKERS"))
+    return settings
+
+
+def max_input_seconds_for(pipe, requested: float | None) -> float:
+    """The longest question the app takes: `requested` (FUNAUDIOCHAT_MAX_INPUT_SECONDS; None: the default), which the
+    model's processor must accept (its audio window: 30 s for the tiny model). An explicit value beyond it is refused
+    naming the variable rather than lowered behind the user's back; the default is capped at it."""
+    limit = getattr(pipe.processor, "max_audio_seconds", None)
+    if requested is None:
+        return DEFAULT_MAX_INPUT_SECONDS if limit is None else min(DEFAULT_MAX_INPUT_SECONDS, float(limit))
+    if limit is not None and requested > limit:
+        raise ValueError(
+            f"FUNAUDIOCHAT_MAX_INPUT_SECONDS={requested:g} is more than this model takes: its processor hears at most "
+            f"{limit:g} s of audio; set {limit:g} or less"
+        )
+    return float(requested)
+
+
+def load_pipeline(settings: Settings | None = None):
+    """The speech-to-speech pipeline that `settings` (default: `read_settings()`) describe, and a `LoadedModel`
+    saying what else the app needs to know about it."""
     from transformers import pipeline
 
-    model = os.environ.get("FUNAUDIOCHAT_MODEL")
-    trust_remote_code = os.environ.get("FUNAUDIOCHAT_TRUST_REMOTE_CODE") == "1"
+    from funaudiochat_hf.cli import _device
+
+    settings = read_settings() if settings is None else settings
+    model = settings.model
+    device = _device(settings.device or "auto", "FUNAUDIOCHAT_DEVICE")
     try:  # the package registers the task; a one-folder Hub repo also works without it (trust_remote_code)
         import funaudiochat_hf  # noqa: F401
         from funaudiochat_hf.pipeline_speech_to_speech import register_pipeline
@@ -76,25 +188,28 @@ def load_pipeline():
     elif package:  # before a 16 GB download: an official-layout chat model needs its decoder named
         from funaudiochat_hf.cli import check_decoder_before_loading
 
-        check_decoder_before_loading(model, os.environ.get("FUNAUDIOCHAT_DECODER"), "FUNAUDIOCHAT_MODEL",
-                                     "FUNAUDIOCHAT_DECODER")  # fmt: skip
-    device = os.environ.get("FUNAUDIOCHAT_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        check_decoder_before_loading(model, settings.decoder, "FUNAUDIOCHAT_MODEL", "FUNAUDIOCHAT_DECODER")
+    # Loading takes minutes for the 8B model (longer on its first download): say what the wait is for.
+    print(f"note: loading chat model {model} on {device} ...", file=sys.stderr, flush=True)
+    if settings.decoder is not None:
+        print(f"note: loading speech decoder {settings.decoder} ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     pipe = pipeline(
         "speech-to-speech" if package else None,
         model=model,
-        decoder=os.environ.get("FUNAUDIOCHAT_DECODER"),
-        speakers_file=os.environ.get("FUNAUDIOCHAT_SPEAKERS"),
+        decoder=settings.decoder,
+        speakers_file=settings.speakers,
         device=device,
-        trust_remote_code=trust_remote_code or None,
+        trust_remote_code=settings.trust_remote_code or None,
     )
-    pipe.is_tiny_model = is_tiny
-    pipe.fast_generate_kwargs = {}
-    if os.environ.get("FUNAUDIOCHAT_FAST") == "1":
+    print(f"note: models loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    fast_generate_kwargs = {}
+    if settings.fast:
         if pipe.device.type == "cuda":
-            pipe.fast_generate_kwargs = enable_fast_decoding(pipe)
+            fast_generate_kwargs = enable_fast_decoding(pipe)
         else:
-            print(f"note: FUNAUDIOCHAT_FAST=1 needs a CUDA device (running on {pipe.device}): ignored.", file=sys.stderr)
-    return pipe
+            print(f"note: FUNAUDIOCHAT_FAST needs a CUDA device (running on {pipe.device}): ignored.", file=sys.stderr)
+    return pipe, LoadedModel(is_tiny=is_tiny, fast_generate_kwargs=fast_generate_kwargs)
 
 
 def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
@@ -102,7 +217,7 @@ def enable_fast_decoding(pipe, backend: str | None = None) -> dict:
     with its estimator and vocoder compiled, and the chat loop's "compiled" backend. Returns the `generate_speech`
     keyword arguments to add to every reply. `backend`: a `torch.compile` backend (tests use "eager")."""
     compile_kwargs = {} if backend is None else {"backend": backend}
-    note = "note: FUNAUDIOCHAT_FAST=1: start-up compiles the chat loop and the decoder (a few minutes)."
+    note = "note: FUNAUDIOCHAT_FAST: start-up compiles the chat loop and the decoder (a few minutes)."
     print(note, file=sys.stderr)
     decoder = pipe.decoder
     if decoder is not None:
@@ -122,11 +237,11 @@ def example_wav() -> str:
     return str(path)
 
 
-def stream_audio_enabled() -> bool:
-    """Gradio encodes streamed audio with ffmpeg; without it the reply audio is sent whole when complete."""
-    setting = os.environ.get("FUNAUDIOCHAT_STREAM_AUDIO")
+def stream_audio_enabled(setting: bool | None = None) -> bool:
+    """Whether the reply audio streams: `setting` (FUNAUDIOCHAT_STREAM_AUDIO) where given, else whether ffmpeg is
+    installed (Gradio encodes streamed audio with it; without it the reply audio is sent whole when complete)."""
     if setting is not None:
-        return setting == "1"
+        return setting
     return shutil.which("ffmpeg") is not None
 
 
@@ -169,14 +284,13 @@ WARMUP_GPU_QUESTION_SECONDS = (1.0, 10.0, 25.0)
 WARMUP_STEPS = 24  # enough for the first streamed audio chunk: the decoder runs too
 
 
-def start_engine(pipe, batch_size: int | None = None, max_prompt_tokens: int | None = None):
+def start_engine(pipe, batch_size: int = DEFAULT_BATCH_SIZE, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+                 fast_generate_kwargs: dict | None = None):  # fmt: skip
     """The process's `SpeechEngine` over the pipeline's model and decoder (the caller closes it). `batch_size` rows
-    share every decode step; FUNAUDIOCHAT_FAST's settings (`pipe.fast_generate_kwargs`) pick its backend."""
+    share every decode step; FUNAUDIOCHAT_FAST's settings (`LoadedModel.fast_generate_kwargs`) pick its backend."""
     from funaudiochat_hf.serving_engine_funaudiochat import SpeechEngine
 
-    batch_size = batch_size or _env_int("FUNAUDIOCHAT_BATCH_SIZE", 4)
-    max_prompt_tokens = max_prompt_tokens or _env_int("FUNAUDIOCHAT_MAX_PROMPT_TOKENS", 2048)
-    fast = dict(getattr(pipe, "fast_generate_kwargs", {}))
+    fast = dict(fast_generate_kwargs or {})
     options = {"eos_token_id": pipe._reply_stop_ids()}
     if "compile_config" in fast:
         options["compile_config"] = fast["compile_config"]
@@ -293,21 +407,23 @@ def make_responder(pipe, engine, max_input_seconds: float, stream_audio: bool):
 
 
 def create_app(
-    pipe, engine, max_input_seconds: float | None = None, stream_audio: bool | None = None, warmup: bool | None = None
+    pipe,
+    engine,
+    max_input_seconds: float | None = None,
+    stream_audio: bool | None = None,
+    warmup: bool = True,
+    tiny_model: bool = False,
 ) -> gr.Blocks:
     """The Blocks app around a `SpeechToSpeechPipeline` (its processor, voices) and the `SpeechEngine` that generates
-    every reply (call `.queue(...).launch()` on it). Unless `warmup` is False (default: FUNAUDIOCHAT_WARMUP != "0"),
-    one short reply warms the engine up before this returns."""
+    every reply (call `.queue(...).launch()` on it). `max_input_seconds`: see `max_input_seconds_for`;
+    `stream_audio`: see `stream_audio_enabled`; unless `warmup` is False, one short reply warms the engine up before
+    this returns; `tiny_model` (`LoadedModel.is_tiny`) shows the offline model's warning."""
     from funaudiochat_hf.limits_funaudiochat import MAX_SYSTEM_PROMPT_CHARS
 
-    max_input_seconds = max_input_seconds or _env_int("FUNAUDIOCHAT_MAX_INPUT_SECONDS", 30)
-    # never more than the model's processor accepts (its feature window)
-    max_input_seconds = min(max_input_seconds, getattr(pipe.processor, "max_audio_seconds", max_input_seconds))
-    stream_audio = stream_audio_enabled() if stream_audio is None else stream_audio
+    max_input_seconds = max_input_seconds_for(pipe, max_input_seconds)
+    stream_audio = stream_audio_enabled(stream_audio)
     voices = pipe.speakers
     respond = make_responder(pipe, engine, max_input_seconds, stream_audio)
-    if warmup is None:
-        warmup = os.environ.get("FUNAUDIOCHAT_WARMUP") != "0"
     if warmup:
         warm_up(pipe, engine)
 
@@ -319,7 +435,7 @@ def create_app(
             "# Fun-Audio-Chat: talk, and hear the answer\n"
             "Record or upload a spoken question; the spoken reply streams back while it is generated."
         )
-        if getattr(pipe, "is_tiny_model", False):
+        if tiny_model:
             gr.Markdown(
                 "⚠️ **Offline demo model**: tiny and random-weight, so its replies are noise and gibberish. "
                 "Set `FUNAUDIOCHAT_MODEL=FunAudioLLM/Fun-Audio-Chat-8B` and `FUNAUDIOCHAT_DECODER=<CosyVoice3 folder>` "
@@ -342,7 +458,7 @@ def create_app(
                     temperature = gr.Slider(0.1, 1.5, value=0.8, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.1, 1.0, value=0.9, step=0.05, label="Top-p")
                     max_new_tokens = gr.Slider(
-                        8, MAX_NEW_TOKENS, value=64 if getattr(pipe, "is_tiny_model", False) else 512, step=8,
+                        8, MAX_NEW_TOKENS, value=64 if tiny_model else 512, step=8,
                         label="Max reply length (LLM steps, 0.2 s of speech each)",
                     )
                     system_prompt = gr.Textbox(
@@ -372,15 +488,18 @@ def create_app(
 
 
 def main() -> None:
-    pipe = load_pipeline()
-    if getattr(pipe, "is_tiny_model", False):
+    settings = read_settings()  # every variable first: a typo must not cost minutes of loading
+    pipe, loaded = load_pipeline(settings)
+    max_input_seconds = max_input_seconds_for(pipe, settings.max_input_seconds)  # the model's limit: known only now
+    if loaded.is_tiny:
         print("note: FUNAUDIOCHAT_MODEL is not set: serving the tiny offline model (noise).", file=sys.stderr)
-    if not stream_audio_enabled():
+    stream_audio = stream_audio_enabled(settings.stream_audio)
+    if not stream_audio and settings.stream_audio is None:
         print("note: ffmpeg not found: reply audio is sent when complete (text still streams).", file=sys.stderr)
-    engine = start_engine(pipe)
+    engine = start_engine(pipe, settings.batch_size, settings.max_prompt_tokens, loaded.fast_generate_kwargs)
     try:
-        app = create_app(pipe, engine)
-        concurrency = _env_int("FUNAUDIOCHAT_CONCURRENCY", engine.max_batch_size)  # one visitor per engine row
+        app = create_app(pipe, engine, max_input_seconds, stream_audio, settings.warmup, loaded.is_tiny)
+        concurrency = settings.concurrency or engine.max_batch_size  # one visitor per engine row
         app.queue(default_concurrency_limit=concurrency, max_size=32)
         app.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     finally:

@@ -55,6 +55,25 @@ def test_arrays_tensors_and_dicts(waveform):
     np.testing.assert_array_equal(load_audio({"path": str(WAV_PATH)}), waveform)
 
 
+def test_a_waveform_dict_needs_one_sampling_rate(waveform):
+    """A dict's waveform was taken as 16 kHz when it named no rate, and its rate silently won over `sampling_rate=`:
+    only bare arrays default to the target rate (a dict follows the transformers ASR pipeline: it names its rate),
+    and two different rates for one waveform are refused."""
+    for key in ("array", "raw"):
+        with pytest.raises(ValueError, match="needs its rate under 'sampling_rate'"):
+            load_audio({key: waveform})
+        with pytest.raises(ValueError, match="needs its rate"):
+            load_audio({key: waveform, "sampling_rate": None})
+        with pytest.raises(ValueError, match=r"'sampling_rate': 48000 but `sampling_rate=16000` was also given"):
+            load_audio({key: waveform, "sampling_rate": 48000}, sampling_rate=16000)
+        # One rate, in the dict or as the argument, or the same in both.
+        np.testing.assert_array_equal(load_audio({key: waveform}, sampling_rate=16000), waveform)
+        both = load_audio({key: waveform, "sampling_rate": 16000}, sampling_rate=16000)
+        np.testing.assert_array_equal(both, waveform)
+    up = resample(waveform, 16000, 48000)
+    np.testing.assert_array_equal(load_audio({"array": up}, sampling_rate=48000), load_audio(up, sampling_rate=48000))
+
+
 def test_integer_pcm_is_scaled():
     pcm = np.array([0, 16384, -32768, 32767], dtype=np.int16)
     np.testing.assert_allclose(load_audio(pcm), [0.0, 0.5, -1.0, 32767 / 32768], atol=1e-7)
@@ -117,6 +136,9 @@ def test_compressed_formats(waveform, tmp_path, fmt, subtype, atol):
     ("audio", "message"),
     [
         (np.zeros(0, dtype=np.float32), "empty"),
+        (np.zeros((2, 0), dtype=np.float32), r"empty: a waveform of shape \(2, 0\)"),  # once averaged into 2 NaNs
+        (np.zeros((0, 2), dtype=np.float32), r"empty: a waveform of shape \(0, 2\)"),
+        (torch.zeros(2, 0), "empty"),
         (b"", "empty"),
         ("", "empty string"),
         (np.array([0.0, np.nan, 0.1], dtype=np.float32), "1 NaN"),
@@ -143,6 +165,26 @@ def test_non_audio_file_and_directory(tmp_path):
         load_audio(text_file)
     with pytest.raises(ValueError, match="is a directory"):
         load_audio(tmp_path)
+
+
+def test_only_undecodable_input_is_an_audio_decode_error(tmp_path):
+    """`AudioDecodeError` (a ValueError) says "not audio at all", so that a caller (the CLI) can tell it from audio
+    that decodes but is refused (empty, too long, an unsupported rate), whose messages name the file."""
+    from funaudiochat_hf.audio_io import AudioDecodeError
+
+    text_file = tmp_path / "notes.wav"
+    text_file.write_text("hello, I am not a wav file")
+    for undecodable in (text_file, b"this is not audio at all" * 10):
+        with pytest.raises(AudioDecodeError, match="Could not decode"):
+            load_audio(undecodable)
+    empty = tmp_path / "empty.wav"
+    sf.write(empty, np.zeros(0, np.float32), 16000)
+    refused = [(empty, "The file '.*empty.wav' is empty: it contains 0 samples"),
+               (_wav_with_header_rate(4000), "sampled at 4000 Hz")]  # fmt: skip
+    for audio, message in refused:
+        with pytest.raises(ValueError, match=message) as caught:
+            load_audio(audio)
+        assert not isinstance(caught.value, AudioDecodeError)
 
 
 def test_bad_sampling_rates(waveform):

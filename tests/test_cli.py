@@ -98,6 +98,98 @@ def test_errors_are_one_line_with_nonzero_exit(cache_dir, question, tmp_path, mo
 
 
 @pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--temperature", "nan"], "--temperature must be positive and finite, got nan"),
+        (["--temperature", "inf"], "--temperature must be positive and finite, got inf"),
+        (["--seed", str(2**64)], f"--seed must fit in 64 bits (-2**63 to 2**64 - 1), got {2**64}"),
+        (["--seed", str(-(2**63) - 1)], "--seed must fit in 64 bits"),
+        (["--greedy", "--temperature", "0.7"], "--greedy takes no sampling options: drop --temperature or --greedy"),
+        (["--top-p", "0.5", "--greedy"], "--greedy takes no sampling options: drop --top-p or --greedy"),
+        (["--greedy", "--temperature", "1", "--top-p", "1"], "drop --temperature and --top-p or --greedy"),
+        (["--device", "gpu"], "--device gpu is not a device name: use auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "--device cuda:x is not a device name"),
+        (["--device", "meta"], "--device meta: not available on this machine"),
+    ],
+)
+def test_sampling_and_device_options_are_checked_before_any_model_loads(cache_dir, question, monkeypatch, capsys,
+                                                                        argv, message):  # fmt: skip
+    """generate_speech refused a bad --top-p or --seed, and the pipeline a bad --device, only after the model (16 GB)
+    had loaded; --greedy silently overrode an explicit --temperature / --top-p."""
+    from funaudiochat_hf import cli
+
+    monkeypatch.setenv("FUNAUDIOCHAT_HF_CACHE", str(cache_dir))
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
+    assert main([str(question), *argv]) == 1
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err_lines) == 1 and message in err_lines[0], err_lines
+
+
+def test_sampling_options_at_their_limits_are_passed_on():
+    from funaudiochat_hf import cli
+
+    def kwargs(*argv):
+        return cli._generate_kwargs(cli._parser().parse_args(["q.wav", *argv]))
+
+    assert kwargs("--top-p", "1", "--temperature", "1e-3") == {"top_p": 1.0, "temperature": 1e-3}
+    assert kwargs("--seed", "-1") == {"seed": -1}  # torch takes any 64-bit seed, as generate_speech does
+    assert kwargs("--seed", str(2**64 - 1), "--greedy") == {"seed": 2**64 - 1, "do_sample": False}
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_by_name(monkeypatch):
+    """`--device cuda:7` on a one-GPU host reached the pipeline, after loading; checked against the device count."""
+    import torch
+
+    from funaudiochat_hf import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli._device("cuda") == "cuda" and cli._device("cuda:0") == "cuda:0" and cli._device("auto") == "cuda"
+    with pytest.raises(ValueError, match=r"--device cuda:7: this machine has 1 CUDA device \(cuda:0 to cuda:0\)"):
+        cli._device("cuda:7")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"has 2 CUDA devices \(cuda:0 to cuda:1\)"):
+        cli._device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda:0: CUDA is not available on this machine"):
+        cli._device("cuda:0")
+    assert cli._device("auto") == "cpu" and cli._device("cpu") == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("EMPTY", "is empty: it contains 0 samples"),
+        ("LONG", "lasts 301.0 s (2408000 samples at 8000 Hz), longer than the 300 s limit"),
+        ("LOW_RATE", "is sampled at 4000 Hz; supported rates are 8000-384000 Hz"),
+    ],
+)
+def test_audio_that_decodes_but_is_refused_keeps_its_own_message(question, tmp_path, monkeypatch, capsys, kind,
+                                                                 message):  # fmt: skip
+    """Every refusal of the question used to read "input is not an audio file": that is said only of a file that
+    does not decode; an empty, over-long or oddly sampled recording is named as such (with the file)."""
+    from funaudiochat_hf import cli
+
+    monkeypatch.setattr(cli, "_load_pipeline", lambda args: pytest.fail("the models were loaded"))
+    path = tmp_path / f"{kind.lower()}.wav"
+    if kind == "EMPTY":
+        soundfile.write(path, np.zeros(0, np.float32), 16000)
+    elif kind == "LONG":
+        soundfile.write(path, np.zeros(301 * 8000, np.int16), 8000)
+    else:
+        soundfile.write(path, np.zeros(8000, np.int16), 8000)
+        data = bytearray(path.read_bytes())
+        data[24:28] = (4000).to_bytes(4, "little")  # the header's rate, as test_audio_io's header tests do
+        path.write_bytes(bytes(data))
+    assert main([str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and str(path) in err and "not an audio file" not in err, err
+
+
+@pytest.mark.parametrize(
     "argv",
     [["QUESTION", "--voice", "nobody"], ["NOT_AUDIO"], ["SHORT"], ["QUESTION", "-o", "DIRECTORY"],
      ["QUESTION", "-o", "reply.xyz"], ["QUESTION", "-o", "reply"], ["QUESTION", "-o", "/proc/reply.wav"],

@@ -129,3 +129,12 @@ def test_synthetic_question():
 def test_bad_seed_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="seed"):
         build_tiny_model(tmp_path / "x", seed=-1)
+
+
+def test_a_build_leaves_the_global_rng_as_it_was(tmp_path):
+    """A build runs in the caller's process (CLI, demo, server): it used to reseed the global RNG with its seed, so the
+    seeds that later unseeded requests draw from it were the same in every process that built the model."""
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    build_tiny_model(tmp_path / "fresh")
+    assert torch.equal(torch.random.get_rng_state(), before)

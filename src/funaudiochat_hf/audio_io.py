@@ -51,6 +51,12 @@ except ImportError:  # pragma: no cover
 
 MAX_CHANNELS = 8
 
+
+class AudioDecodeError(ValueError):
+    """A file or bytes that could not be decoded as audio at all (as opposed to audio that decodes but is refused:
+    too long, empty, an unsupported rate): callers can tell "not an audio file" from the other problems."""
+
+
 AudioInput = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, "torch.Tensor", dict]
 
 
@@ -98,7 +104,7 @@ def _decode_file(source: Any, description: str, max_seconds: float) -> tuple[np.
                 data = sound_file.read(dtype="float32", always_2d=True)
             except Exception as error:
                 message = f"Could not decode {description} as audio ({type(error).__name__}: {error})."
-                raise ValueError(message) from None
+                raise AudioDecodeError(message) from None
             _warn_if_truncated(sound_file, data.shape[0], what)
         return data, sr
     # soundfile cannot read some containers (m4a, webm, ...); librosa falls back to audioread/ffmpeg for paths.
@@ -119,7 +125,7 @@ def _decode_file(source: Any, description: str, max_seconds: float) -> tuple[np.
             check_sampling_rate_range(decoded[1], what)
             check_audio_duration(decoded[0].shape[0], decoded[1], max_seconds, what)
             return decoded
-    raise ValueError(f"Could not decode {description} as audio ({type(first_error).__name__}: {first_error}).")
+    raise AudioDecodeError(f"Could not decode {description} as audio ({type(first_error).__name__}: {first_error}).")
 
 
 def _load_path(path: str | os.PathLike, max_seconds: float) -> tuple[np.ndarray, int]:
@@ -154,6 +160,8 @@ def _to_mono(waveform: np.ndarray) -> np.ndarray:
             f"Expected a 1-D waveform (samples,) or a 2-D multi-channel waveform, got an array with shape "
             f"{tuple(waveform.shape)} ({waveform.ndim} dimensions)."
         )
+    if waveform.size == 0:  # averaging no samples (or no channels) gives NaNs, not an empty clip
+        raise ValueError(f"Audio input is empty: a waveform of shape {tuple(waveform.shape)} holds 0 samples.")
     channel_axis = 0 if waveform.shape[0] <= waveform.shape[1] else 1
     num_channels = waveform.shape[channel_axis]
     if num_channels > MAX_CHANNELS:
@@ -239,7 +247,9 @@ def load_audio(
             `(samples,)`, `(channels, samples)` or `(samples, channels)`), or a dict `{"raw" | "array": waveform,
             "sampling_rate": sr}` / `{"bytes": ...}` / `{"path": ...}`. See the module docstring for the rules.
         sampling_rate: rate of a waveform given as an array/tensor; defaults to `target_sampling_rate`. Files carry
-            their own rate, and passing a different one here is an error.
+            their own rate, and passing a different one here is an error. A waveform dict needs its rate under
+            "sampling_rate" or here (there is no default for dicts, as in the transformers ASR pipeline), and the
+            two must agree where both are given.
         target_sampling_rate: rate of the returned waveform.
         max_seconds: the longest accepted audio (default `MAX_AUDIO_SECONDS`), checked on the file header or the
             array length before decoding or resampling.
@@ -262,7 +272,21 @@ def load_audio(
     if isinstance(audio, dict):
         if "raw" in audio or "array" in audio:
             waveform = audio["raw"] if "raw" in audio else audio["array"]
-            dict_rate = audio.get("sampling_rate", sampling_rate)
+            dict_rate = audio.get("sampling_rate")
+            if dict_rate is None and sampling_rate is None:
+                # Only bare arrays default to the target rate: a dict that names no rate is more likely a mistake
+                # (transformers' ASR pipeline refuses it too) than 16 kHz audio.
+                raise ValueError(
+                    "An audio dict with a waveform under 'raw' or 'array' needs its rate under 'sampling_rate', e.g. "
+                    "{'array': waveform, 'sampling_rate': 16000}."
+                )
+            if dict_rate is None:
+                dict_rate = sampling_rate
+            elif sampling_rate is not None and _check_sampling_rate(dict_rate, "sampling_rate") != sampling_rate:
+                raise ValueError(
+                    f"The audio dict says 'sampling_rate': {dict_rate!r} but `sampling_rate={sampling_rate}` was "
+                    "also given; pass one rate (the dict's alone is enough)."
+                )
             return load_audio(waveform, dict_rate, target_sampling_rate, max_seconds)
         if audio.get("bytes") is not None:
             return load_audio(audio["bytes"], sampling_rate, target_sampling_rate, max_seconds)
@@ -273,11 +297,13 @@ def load_audio(
             f"got keys {sorted(audio)}."
         )
 
+    what = "Audio input"  # what the messages below call it: a file is named
     if isinstance(audio, (str, os.PathLike)):
         if isinstance(audio, str) and not audio.strip():
             raise ValueError("Audio input is an empty string; expected a path to an audio file.")
         waveform, native_rate = _load_path(audio, max_seconds)
         waveform = _downmix_decoded(waveform)
+        what = f"The file '{audio}'"
     elif isinstance(audio, (bytes, bytearray, memoryview)):
         waveform, native_rate = _load_bytes(audio, max_seconds)
         waveform = _downmix_decoded(waveform)
@@ -300,12 +326,12 @@ def load_audio(
     waveform = _to_mono(waveform)
 
     if waveform.size == 0:
-        raise ValueError("Audio input is empty: it contains 0 samples.")
-    check_audio_duration(waveform.size, native_rate, max_seconds)
+        raise ValueError(f"{what} is empty: it contains 0 samples.")
+    check_audio_duration(waveform.size, native_rate, max_seconds, what)
     if not np.all(np.isfinite(waveform)):
         num_nan = int(np.isnan(waveform).sum())
         num_inf = int(np.isinf(waveform).sum())
-        raise ValueError(f"Audio input contains non-finite samples ({num_nan} NaN, {num_inf} Inf).")
+        raise ValueError(f"{what} contains non-finite samples ({num_nan} NaN, {num_inf} Inf).")
 
     if native_rate != target_sampling_rate:
         waveform = resample(waveform, native_rate, target_sampling_rate)
@@ -316,4 +342,4 @@ def load_audio(
     return np.ascontiguousarray(waveform, dtype=np.float32)
 
 
-__all__ = ["MAX_CHANNELS", "load_audio", "resample"]
+__all__ = ["MAX_CHANNELS", "AudioDecodeError", "load_audio", "resample"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -99,7 +100,7 @@ def _looks_local(source: str) -> bool:
 
 def _check_input(path: str | None) -> None:
     """The question exists, is a file, decodes as audio and holds a speech frame: checked before any model loads."""
-    from .audio_io import load_audio
+    from .audio_io import AudioDecodeError, load_audio
     from .limits_funaudiochat import MIN_AUDIO_SECONDS
 
     if path is None:
@@ -111,8 +112,9 @@ def _check_input(path: str | None) -> None:
         raise ValueError(f"input file not found: {path}")
     try:
         waveform = load_audio(str(expanded), target_sampling_rate=16000)
-    except ValueError as error:
+    except AudioDecodeError as error:
         raise ValueError(f"input is not an audio file: {path} ({error})") from None
+    # Audio that decodes but is refused (too long, empty, an unsupported rate) keeps its own message, naming the file.
     if len(waveform) < MIN_AUDIO_SECONDS * 16000:
         raise ValueError(
             f"input is too short: {path} lasts {len(waveform) / 16000 * 1000:.0f} ms; the model hears speech in "
@@ -149,10 +151,12 @@ def _check_output(output: str) -> None:
         raise ValueError(f"cannot write the reply to {output}: {error.strerror or error}") from None
 
 
-def _check_sources(args) -> None:
+def _check_sources(args, options: tuple[str, str, str] = ("--model", "--decoder", "--speakers")) -> None:
     """--model / --decoder name an existing folder or a Hub id, --speakers an existing file: checked before loading,
-    so that a mistyped path reads "not found" rather than a Hub id format error."""
-    for option, source in (("--model", args.model), ("--decoder", args.decoder)):
+    so that a mistyped path reads "not found" rather than a Hub id format error. `options`: how the caller's user
+    names the three (e.g. the demo's environment variables)."""
+    model_option, decoder_option, speakers_option = options
+    for option, source in ((model_option, args.model), (decoder_option, args.decoder)):
         if source is None:
             continue
         path = Path(source).expanduser()
@@ -161,7 +165,7 @@ def _check_sources(args) -> None:
         if not path.is_dir() and _looks_local(source):
             raise ValueError(f"{option} folder not found: {source}")
     if args.speakers is not None and not Path(args.speakers).expanduser().is_file():
-        raise ValueError(f"--speakers file not found: {args.speakers}")
+        raise ValueError(f"{speakers_option} file not found: {args.speakers}")
 
 
 def _config_json(source: str, fetch: bool = False) -> dict | None:
@@ -226,31 +230,62 @@ def check_decoder_before_loading(model: str | None, decoder: str | None, model_o
         )
 
 
-def _device(name: str) -> str:
+def _device(name: str, option: str = "--device") -> str:
+    """The device `--device name` means, checked before any model loads: a malformed name or a GPU this machine does
+    not have would otherwise fail only once the (possibly 16 GB) model has loaded. `option`: how the caller's user
+    names the setting (e.g. the demo's environment variable)."""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu.")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{option} {name} is not a device name: use auto, cpu, cuda or cuda:N.") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{option} {name}: CUDA is not available on this machine; use {option} cpu.")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"{option} {name}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0 to cuda:{count - 1})."
+            )
+    elif device.type != "cpu":
+        backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu, ...: "meta" and the like have none
+        if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+            raise ValueError(f"{option} {name}: not available on this machine; use auto, cpu, cuda or cuda:N.")
     return name
 
 
 def _generate_kwargs(args) -> dict:
+    """generate_speech's keyword arguments, each option checked here: generate_speech would refuse a bad one only
+    after the (possibly 16 GB) model has loaded."""
     kwargs = {}
     if args.max_new_tokens is not None:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
         kwargs["max_new_tokens"] = args.max_new_tokens
+    # The sampling options default to None (not to their values), so an explicit one is told from the default.
+    sampling = [option for option, value in (("--temperature", args.temperature), ("--top-p", args.top_p))
+                if value is not None]  # fmt: skip
+    if args.greedy and sampling:
+        raise ValueError(f"--greedy takes no sampling options: drop {' and '.join(sampling)} or --greedy.")
     if args.temperature is not None:
-        if args.temperature <= 0:
-            raise ValueError(f"--temperature must be positive, got {args.temperature} (use --greedy for greedy).")
+        if not 0 < args.temperature < math.inf:  # also refuses nan
+            raise ValueError(
+                f"--temperature must be positive and finite, got {args.temperature} (use --greedy for greedy)."
+            )
         kwargs["temperature"] = args.temperature
     if args.top_p is not None:
+        if not 0 < args.top_p <= 1:  # also refuses nan
+            raise ValueError(f"--top-p must be in (0, 1], got {args.top_p} (1 turns the filter off).")
         kwargs["top_p"] = args.top_p
     if args.greedy:
         kwargs["do_sample"] = False
     if args.seed is not None:
+        if not -(2**63) <= args.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"--seed must fit in 64 bits (-2**63 to 2**64 - 1), got {args.seed}.")
         kwargs["seed"] = args.seed
     if args.voice is not None:
         kwargs["speaker"] = args.voice
@@ -373,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_input(args.input)
             _check_output(args.output)
         kwargs = _generate_kwargs(args)
+        _device(args.device)
         if args.model is None:
             # The random tiny model rarely decides to stop: bound its reply so the offline run takes seconds.
             kwargs.setdefault("max_new_tokens", TINY_MODEL_MAX_NEW_TOKENS)

@@ -198,6 +198,13 @@ def _prompt(processor) -> str:
 
 
 def _build(folder: Path, seed: int) -> None:
+    # The build runs in the caller's process (CLI, demo, server): seeding the global RNG there would change the seeds
+    # later unseeded requests draw from it, so the build draws from a forked copy that is restored afterwards.
+    with torch.random.fork_rng(devices=[]):
+        _build_seeded(folder, seed)
+
+
+def _build_seeded(folder: Path, seed: int) -> None:
     from .modeling_funaudiochat import FunAudioChatForConditionalGeneration
     from .processing_funaudiochat import FunAudioChatProcessor
 
