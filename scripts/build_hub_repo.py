@@ -193,6 +193,7 @@ def build_hub_repo(
         raise ValueError(f"{chat} has no speech decoder: pass --decoder (a CosyVoice3 folder or Hub id).")
     processor = AutoProcessor.from_pretrained(chat)
 
+    print(f"writing {out} ...", file=sys.stderr)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     processor.save_pretrained(out)
     package_dir = Path(funaudiochat_hf.__file__).parent

@@ -40,10 +40,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: speakers file {args.speakers} does not exist")
     if args.dst.exists() and any(args.dst.iterdir()) and not args.overwrite:
         raise SystemExit(f"error: {args.dst} is not empty (pass --overwrite)")
+    print(f"converting {args.src} (flow.pt, hift.pt, the speakers) ...", file=sys.stderr)
     try:
         model = CosyVoice3Token2Wav.from_original(args.src, args.speakers, args.speaker_names)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}")
+    print(f"writing {args.dst} ...", file=sys.stderr)
     model.save_pretrained(args.dst)
     params = sum(p.numel() for p in model.parameters())
     print(
