@@ -91,6 +91,19 @@ def test_streaming_graphs_are_off_on_cpu_and_cannot_be_forced():
         model.streaming_decoder(speaker="中文女", cuda_graphs="always")
 
 
+def test_the_model_owns_its_streaming_graph_runners_until_cleared():
+    """The runners (and the recordings and memory pools they hold) belong to the model: none until a stream needs
+    them, then one set shared by every stream of the model, freed by `clear_streaming_graphs()`."""
+    model = CosyVoice3Token2Wav.from_original(COSYVOICE3_TINY)
+    assert model.streaming_graph_runners is None
+    runners = _graph_runners(model)
+    assert model.streaming_graph_runners is runners and _graph_runners(model) is runners
+    assert set(runners) == {"flow", "hift"}
+    model.clear_streaming_graphs()
+    assert model.streaming_graph_runners is None
+    assert _graph_runners(model) is not runners
+
+
 def test_flow_graph_records_the_whole_window_from_token_ids_to_mel():
     """The flow graph starts at the token ids: its function embeds them and runs the look-ahead conv before the
     solver (eagerly those ~20 small launches made the GPU wait before each chunk's solver graph: measured slower),

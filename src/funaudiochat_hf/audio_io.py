@@ -30,6 +30,7 @@ import math
 import os
 import re
 import warnings
+import wave
 from pathlib import Path
 from typing import Any, Union
 
@@ -342,4 +343,20 @@ def load_audio(
     return np.ascontiguousarray(waveform, dtype=np.float32)
 
 
-__all__ = ["MAX_CHANNELS", "AudioDecodeError", "load_audio", "resample"]
+def pcm16(audio: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> little-endian 16-bit PCM bytes (clipped, as any PCM writer does)."""
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def wav_bytes(audio: np.ndarray, sampling_rate: int) -> bytes:
+    """A mono 16-bit PCM WAV file of `audio` (samples,) in [-1, 1] (stdlib only)."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(sampling_rate)
+        writer.writeframes(pcm16(audio))
+    return buffer.getvalue()
+
+
+__all__ = ["MAX_CHANNELS", "AudioDecodeError", "load_audio", "pcm16", "resample", "wav_bytes"]

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 
-TINY_MODEL_MAX_NEW_TOKENS = 48  # 9.6 s of speech at most
+# The random tiny model rarely stops by itself: its replies (CLI, server) end here, 9.6 s of speech at most.
+TINY_MODEL_MAX_NEW_TOKENS = 48
 # Characters a terminal acts on instead of showing: C0/C1 controls (not tab and newline; a carriage return would let
 # text overwrite itself) and the bidirectional overrides that reorder what is shown. Printed escaped (`\x1b`).
 _TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")

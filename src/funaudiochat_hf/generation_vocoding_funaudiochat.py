@@ -52,6 +52,11 @@ def decoder_sampling_rate(decoder) -> int:
     return int(rate if rate is not None else getattr(decoder, "sampling_rate", 24000))
 
 
+def decoder_voices(decoder) -> list[str]:
+    """The names of the voices a speech decoder stores (empty: none, or no decoder)."""
+    return list(getattr(getattr(decoder, "config", None), "speaker_names", None) or [])
+
+
 def valid_speech_tokens(speech_ids: torch.Tensor, speech_bos_id: int) -> torch.Tensor:
     """Keep only codec tokens (drops the bos delay tokens, EOS and padding)."""
     return speech_ids[(speech_ids >= 0) & (speech_ids < speech_bos_id)]
@@ -99,5 +104,6 @@ __all__ = [
     "decode_speech_offline",
     "decoder_sampling_rate",
     "decoder_speaker_kwargs",
+    "decoder_voices",
     "valid_speech_tokens",
 ]

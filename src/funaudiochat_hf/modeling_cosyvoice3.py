@@ -146,7 +146,14 @@ class CosyVoice3Token2Wav(CosyVoice3PerformanceMixin, CosyVoice3OfflineGraphsMix
         # The device type `apply_device_defaults` last ran for (None: not yet).
         self._device_defaults_applied: Optional[str] = None
         self._offline_flow_graphs: Optional[CUDAGraphRunner] = None  # see `offline_flow_graphs`
+        # Streamed chunks' {"flow", "hift"} graph runners, shared by this model's streaming decoders, made on their first
+        # CUDA-graphed chunk (`streaming_cosyvoice3`); `clear_streaming_graphs()` frees them.
+        self.streaming_graph_runners: Optional[dict[str, CUDAGraphRunner]] = None
         self.post_init()
+
+    def clear_streaming_graphs(self) -> None:
+        """Free the streamed chunks' CUDA graphs (a later stream records them again)."""
+        self.streaming_graph_runners = None
 
     # -- conditioning ---------------------------------------------------------------------------------------------
 

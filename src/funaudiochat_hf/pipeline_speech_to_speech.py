@@ -28,8 +28,9 @@ from transformers import AutoModel, Pipeline
 from transformers.utils import logging
 
 from .audio_io import load_audio
+from .generation_vocoding_funaudiochat import decoder_voices
 from .limits_funaudiochat import MAX_AUDIO_SECONDS, check_text_length
-from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT
+from .processing_funaudiochat import AUDIO_TEMPLATE, SPOKEN_S2M_PROMPT, _is_audio_item
 
 
 logger = logging.get_logger(__name__)
@@ -47,10 +48,6 @@ def _is_chat(item: Any) -> bool:
     if hasattr(item, "messages") and isinstance(item.messages, list):  # transformers' internal `Chat` wrapper
         return True
     return isinstance(item, (list, tuple)) and len(item) > 0 and all(_is_message(m) for m in item)
-
-
-def _is_audio_item(item: Any) -> bool:
-    return isinstance(item, dict) and (item.get("type") in ("audio", "input_audio") or "audio" in item)
 
 
 class SpeechToSpeechPipeline(Pipeline):
@@ -127,8 +124,7 @@ class SpeechToSpeechPipeline(Pipeline):
     @property
     def speakers(self) -> list[str]:
         """Names of the voices stored in the speech decoder (pass one as `speaker=`)."""
-        config = getattr(self.decoder, "config", None)
-        return list(getattr(config, "speaker_names", None) or [])
+        return decoder_voices(self.decoder)
 
     @property
     def sampling_rate(self) -> int:

@@ -42,7 +42,7 @@ from .generation_loop_funaudiochat import SpeechRun
 from .generation_output_funaudiochat import TextDeltas
 from .generation_plan_funaudiochat import BACKENDS
 from .generation_state_funaudiochat import CACHE_LENGTH_MULTIPLE
-from .generation_vocoding_funaudiochat import decoder_sampling_rate
+from .generation_vocoding_funaudiochat import decoder_sampling_rate, decoder_voices
 from .serving_batch_funaudiochat import ServingBatch
 from .serving_host_copy_funaudiochat import HostCopy
 from .serving_metrics_funaudiochat import EngineMetrics
@@ -334,8 +334,7 @@ class SpeechEngine:
     @property
     def voices(self) -> list[str]:
         """The speech decoder's voice names (empty: no named voices)."""
-        config = getattr(self.decoder, "config", None)
-        return list(getattr(config, "speaker_names", None) or [])
+        return decoder_voices(self.decoder)
 
     def reset_metrics(self) -> None:
         """Start the metrics afresh (e.g. after a start-up warm-up, whose requests are not traffic)."""

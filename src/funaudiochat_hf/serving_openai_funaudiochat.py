@@ -24,13 +24,12 @@ import os
 import tempfile
 import time
 import uuid
-import wave
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .audio_io import load_audio
+from .audio_io import load_audio, pcm16, wav_bytes
 from .limits_funaudiochat import (
     MAX_AUDIO_SECONDS,
     MAX_SYSTEM_PROMPT_CHARS,
@@ -360,22 +359,6 @@ def parse_chat_request(body, processor, transcripts: TranscriptMemory, voices: l
         include_usage=bool(include_usage),
         model=model_name,  # the model that answers, whatever name the request used (as OpenAI's API)
     )
-
-
-def pcm16(audio: np.ndarray) -> bytes:
-    """float32 samples in [-1, 1] -> little-endian 16-bit PCM bytes (clipped, as any PCM writer does)."""
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def wav_bytes(audio: np.ndarray, sampling_rate: int) -> bytes:
-    """A mono 16-bit PCM WAV file of `audio`."""
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as writer:
-        writer.setnchannels(1)
-        writer.setsampwidth(2)
-        writer.setframerate(sampling_rate)
-        writer.writeframes(pcm16(audio))
-    return buffer.getvalue()
 
 
 @functools.cache

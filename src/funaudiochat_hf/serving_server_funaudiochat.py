@@ -42,7 +42,6 @@ from .serving_openai_funaudiochat import (
 from .serving_requests_funaudiochat import EngineClosed, QueueFull
 
 
-TINY_MODEL_MAX_NEW_TOKENS = 48  # as the CLI: the random tiny model rarely stops by itself
 # How often a non-streamed request checks whether its client went away.
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -299,7 +298,7 @@ def _stream_options(text: str) -> dict:
 
 def build_engine(args) -> tuple[SpeechEngine, object, str]:
     """Load the model (as the CLI does) and start its engine; returns (engine, processor, served model name)."""
-    from .cli import _load_pipeline
+    from .cli import TINY_MODEL_MAX_NEW_TOKENS, _load_pipeline
 
     pipe = _load_pipeline(args)
     max_new_tokens = args.max_new_tokens

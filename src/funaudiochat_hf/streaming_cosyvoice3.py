@@ -606,9 +606,9 @@ _GRAPH_RUNNERS_LOCK = threading.Lock()
 def _graph_runners(model: "CosyVoice3Token2Wav") -> dict[str, CUDAGraphRunner]:
     """The model's {"flow", "hift"} graph runners (`new_graph_runners`), created on first use. The model owns them
     (`model.streaming_graph_runners`, shared by its streaming decoders: a reply's decoder replays the graphs an
-    earlier reply recorded); they are freed with the model, or by setting that attribute to None."""
+    earlier reply recorded); they are freed with the model, or by `model.clear_streaming_graphs()`."""
     with _GRAPH_RUNNERS_LOCK:
-        runners = getattr(model, "streaming_graph_runners", None)
+        runners = model.streaming_graph_runners
         if runners is None:
             runners = new_graph_runners(model)
             model.streaming_graph_runners = runners

@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import warnings
-import wave
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,6 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import Trainer
 
+from .audio_io import wav_bytes
 from .data_collator_funaudiochat import FunAudioChatDataCollator
 
 
@@ -311,16 +311,6 @@ class JsonlSpeechDataset(Dataset):
         return self.samples[index]
 
 
-def _write_wav(path: Path, waveform: np.ndarray, sampling_rate: int) -> None:
-    """16-bit PCM mono wav (stdlib only)."""
-    pcm = (np.clip(waveform, -1.0, 1.0) * 32767.0).astype("<i2")
-    with wave.open(str(path), "wb") as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(sampling_rate)
-        handle.writeframes(pcm.tobytes())
-
-
 def _synthetic_voice(rng: np.random.Generator, seconds: float, sampling_rate: int) -> np.ndarray:
     """A voice-like clip: a harmonic tone with a gliding pitch, a syllable-rate envelope and a little noise."""
     t = np.arange(int(seconds * sampling_rate)) / sampling_rate
@@ -403,7 +393,7 @@ def make_synthetic_dataset(
     for index in range(num_samples):
         seconds = float(rng.uniform(min_seconds, max_seconds))
         audio_name = f"audio/{index:04d}.wav"
-        _write_wav(output_dir / audio_name, _synthetic_voice(rng, seconds, sampling_rate), sampling_rate)
+        (output_dir / audio_name).write_bytes(wav_bytes(_synthetic_voice(rng, seconds, sampling_rate), sampling_rate))
         text = " ".join(rng.choice(words, size=int(rng.integers(min_words, max_words + 1))).tolist())
         num_tokens = int(rng.integers(min_speech_tokens, max_speech_tokens + 1))
         speech_tokens = rng.integers(0, speech_vocab, size=num_tokens).tolist()
