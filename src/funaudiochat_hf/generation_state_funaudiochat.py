@@ -4,7 +4,8 @@ A generator holds, for one model: the decode workspaces (static KV caches and pe
 weight copies the fast backends read (`DecodeWeights`: fused CRQ projections, padded / folded heads, own-weight kernel
 views), the CUDA graphs recorded on its workspaces, its compiled step functions and the text head's side stream.
 `memory_bytes()` reports what its tensors take; `close()` (or leaving a `with` block) frees them. Nothing of this
-lives in module-level state, and nothing is set on the model or its config during a call.
+lives in module-level state, and nothing is set on the model or its config during a call (the speech decoder takes
+its device's defaults once, at its first call there: `CosyVoice3Token2Wav.apply_device_defaults`).
 
 `model.generate_speech(...)` uses the model's default generator (made at the first call, grown when a call needs a
 larger batch or cache, closed by `model.clear_speech_caches()`), or the one passed as `speech_generator=`.
