@@ -159,8 +159,11 @@ def test_compact_feature_padding_matches_on_valid_frames(processor, golden, prom
         )
     for key in ("input_ids", "speech_ids", "speech_attention_mask", "feature_exist_mask"):
         assert torch.equal(compact[key], full[key])
-    with pytest.raises(ValueError, match="`padding` must be"):
+    with pytest.raises(ValueError, match="`feature_padding` must be"):
         processor(text=prompt, audio=clips[:1], feature_padding="shortest")
+    # Refused before the clips are read: a path that does not exist is not looked at.
+    with pytest.raises(ValueError, match="`feature_padding` must be"):
+        processor(text=prompt, audio=["/nonexistent/question.wav"], feature_padding="shortest")
 
 
 def test_json_item_without_path_has_no_features(processor):

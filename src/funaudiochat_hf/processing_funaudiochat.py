@@ -407,6 +407,8 @@ class FunAudioChatProcessor(ProcessorMixin):
             check_text_length(prompt, f"Prompt {index}")
         if padding_side not in (None, "left", "right"):
             raise ValueError(f"`padding_side` must be 'left' or 'right', got {padding_side!r}.")
+        if feature_padding not in ("longest", "max_length"):  # before the clips are decoded and tokenized
+            raise ValueError(f"`feature_padding` must be 'longest' or 'max_length', got {feature_padding!r}.")
 
         audio_inputs: dict[str, Any] = {}
         if audio is not None:
