@@ -118,6 +118,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "tf32 (float32 + torch.backends.cuda.matmul.allow_tf32 = True); bfloat16 / float16\n"
         "(use_low_precision_estimator()). A precision check row compares it with float32",
     )
+    p.add_argument(
+        "--channels-last-vocoder", action="store_true",
+        help="run HiFT's filter channels-last in every decoder row (decoder.hift.use_channels_last_convolutions())",
+    )
     p.add_argument("--decoder-tests", default="offline,stream", help="which decoder measurements to run")
     p.add_argument("--decoder-modes", default=None, help="decoder modes (default: --modes)")
     p.add_argument(
@@ -334,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                     if "mel_snr_db" in row:
                         log(f"  -> mel SNR {row['mel_snr_db']:.1f} dB, wav SNR {row['wav_snr_db']:.1f} dB vs float32")
                 apply_decoder_precision(state["decoder"], args.decoder_precision)
+                if args.channels_last_vocoder:
+                    state["decoder"].hift.use_channels_last_convolutions()
+                results.data["decoder_model"]["hift_channels_last"] = state["decoder"].hift.channels_last_convolutions
             else:
                 state["decoder"], results.data["decoder_model"] = None, value
         if state["decoder"] is None:

@@ -271,8 +271,9 @@ def render_markdown(data: dict) -> str:
     if data["decoder"] or data.get("decoder_model"):
         precision = meta.get("decoder_precision", "float32")
         streaming = meta.get("stream_options", "streaming_decoder() defaults")
+        layout = "; HiFT's filter channels-last" if meta.get("vocoder_layout") == "channels-last" else ""
         parts += [
-            f"### CosyVoice3 decoder ({precision} estimator; streaming: {streaming}), random weights",
+            f"### CosyVoice3 decoder ({precision} estimator{layout}; streaming: {streaming}), random weights",
             "",
             render_decoder(data),
             "",

@@ -108,6 +108,7 @@ def environment_info(args: argparse.Namespace, argv: list[str]) -> dict:
         "decoder_compile": (args.decoder_compile_config or "compile_estimator() defaults")
         + (" + compile_vocoder()" if args.compile_vocoder else ""),
         "decoder_precision": args.decoder_precision,
+        "vocoder_layout": "channels-last" if args.channels_last_vocoder else "default",
         "stream_options": args.stream_options or "streaming_decoder() defaults",
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }

@@ -122,9 +122,28 @@ def test_decoder_precision_and_stream_options(tmp_path):
     assert [(r["mode"], r["test"]) for r in data["decoder"]] == [("eager", "stream 1 s"), ("eager", "stream 2 s")]
     assert all("flow windows padded to 8/16/24/28 tokens" in r["notes"] for r in data["decoder"])
     assert "Precision check (bfloat16 vs float32" in proc.stdout
+    assert data["decoder_model"]["hift_channels_last"] is False
     # A decoder-only run names the decoder's compile settings, not generate_speech's.
     header = (tmp_path / "benchmark.md").read_text()
     assert "compiled = decoder `" in header and "generate_speech(backend=" not in header
+    assert "channels-last" not in header
+
+
+def test_channels_last_vocoder_runs_every_decoder_row_with_that_layout(tmp_path):
+    """--channels-last-vocoder: HiFT's filter channels-last before the decoder rows, named in the decoder's header."""
+    proc = _run(
+        ["--tiny", "--device", "cpu", "--parts", "decoder", "--modes", "eager", "--decoder-tests", "offline,stream",
+         "--decoder-seconds", "1", "--channels-last-vocoder"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmark.json").read_text())
+    assert data["decoder_model"]["hift_channels_last"] is True
+    assert data["meta"]["vocoder_layout"] == "channels-last"
+    rows = {(r["mode"], r["test"]): r for r in data["decoder"]}
+    assert set(rows) == {("eager", "offline 1 s"), ("eager", "stream 1 s")}
+    assert all(r["rtf"] > 0 and not r.get("status") for r in rows.values())
+    assert "HiFT's filter channels-last" in (tmp_path / "benchmark.md").read_text()
 
 
 def test_time_budget_skips_remaining_work(tmp_path):
