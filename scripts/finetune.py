@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -394,9 +395,9 @@ def merge_saved_adapter(base_model: str, adapter_dir: Path, model_kwargs: dict):
 
 def run(argv: list[str] | None = None) -> None:
     """The command line: `main`, one line for a bad setting, file or data (`--debug`: the traceback), and on success
-    the process group destroyed while the interpreter is still alive. Left to the interpreter's exit, gloo's worker
-    threads could abort a finished rank ("terminate called without an active exception", SIGABRT) and fail the run.
-    Not on failure: a rank that raised must not wait in a collective for the others."""
+    the process group destroyed while the interpreter is still alive (`end_process_group`). Left to the interpreter's
+    exit, gloo's worker threads could abort a finished rank ("terminate called without an active exception", SIGABRT)
+    and fail the run. Not on failure: a rank that raised must not wait in a collective for the others."""
     try:
         main(argv)
     except (ValueError, OSError) as error:
@@ -404,7 +405,29 @@ def run(argv: list[str] | None = None) -> None:
             raise
         sys.exit(f"error: {one_line_error(error)}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        end_process_group()
+
+
+# How long a rank whose run succeeded waits for its process group's teardown.
+TEARDOWN_TIMEOUT_SECONDS = 60.0
+
+
+def end_process_group(timeout: float = TEARDOWN_TIMEOUT_SECONDS) -> None:
+    """`torch.distributed.destroy_process_group()`, waited for at most `timeout` s. It has been seen to hang in a rank
+    whose run had finished, its files written, after the other rank had destroyed its group and exited (a CI run of
+    two gloo processes; pytorch/pytorch#75097): the launcher then waited for that rank for good. Past the timeout the
+    rank says so and exits at once, successfully: the interpreter's own exit would meet the same stuck teardown."""
+    teardown = threading.Thread(target=torch.distributed.destroy_process_group, name="process-group-teardown",
+                                daemon=True)  # fmt: skip
+    teardown.start()
+    teardown.join(timeout)
+    if teardown.is_alive():
+        logger.warning("The process group's teardown did not end within %g s; exiting without it (the run's files are "
+                       "written).", timeout)  # fmt: skip
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

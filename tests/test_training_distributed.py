@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from unittest import mock
 
@@ -273,28 +274,34 @@ def _torchrun(argv: list[str], fsdp: Path | None = None, mixed_precision: str = 
 
 
 def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """`command` in a process group of its own, with faulthandler on in it and its children (the launcher's ranks).
-    If it has not ended after `timeout` s, each process of the group gets SIGABRT in turn, the launcher first: each
-    Python process prints where every one of its threads is, and the test fails with that and what they printed
+    """`command` with faulthandler on in it and its children (the launcher's ranks), every one of them marked
+    (`RUN_MARK`). If it has not ended after `timeout` s, each marked process gets SIGABRT in turn, the launcher first:
+    each Python process prints where every one of its threads is, and the test fails with that and what they printed
     before (a run that once hung after training had finished gave no clue where it waited). In turn, because their
-    dumps share one stderr and would interleave; the launcher first, because a rank that ends first lets it return."""
+    dumps share one stderr and would interleave; the launcher first, because a rank that ends first lets it return.
+    Found by their mark, not their process group: torchrun starts each rank in a session of its own, and a rank whose
+    launcher has died is an orphan; one that outlived its launcher holds the output pipes, and waiting for them then
+    never ended (a CI run hung for good). Whatever survives the dumps is killed."""
+    mark = uuid.uuid4().hex
     process = subprocess.Popen(
-        command, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        command, env={**env, "PYTHONFAULTHANDLER": "1", RUN_MARK: mark}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        others = sorted(pid for pid in _process_group(process.pid) if pid != process.pid)
+        others = sorted(pid for pid in _processes_of_run(mark) if pid != process.pid)
         for pid in (process.pid, *others):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
                 time.sleep(DUMP_SECONDS)
         try:
             stdout, stderr = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # not even a dump: kill it
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
+        except subprocess.TimeoutExpired:  # not even a dump: kill them all
+            for pid in (process.pid, *_processes_of_run(mark)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stdout, stderr = process.communicate(timeout=30)
         pytest.fail(f"the run hung for {timeout} s; its output and each process's threads:\n{stdout[-3000:]}\n"
                     f"{stderr[-12000:]}")  # fmt: skip
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
@@ -302,15 +309,18 @@ def run_or_dump_stacks(command: list[str], env: dict, timeout: float) -> subproc
 
 # What a process aborted by `run_or_dump_stacks` gets to print its threads before the next one is aborted.
 DUMP_SECONDS = 0.5
+# The environment variable that marks every process of one `run_or_dump_stacks` run (its value: the run's id).
+RUN_MARK = "FUNAUDIOCHAT_TEST_RUN"
 
 
-def _process_group(group: int) -> list[int]:
-    """The ids of the processes in process group `group` (Linux: read from /proc)."""
+def _processes_of_run(mark: str) -> list[int]:
+    """The ids of the live processes whose environment holds `RUN_MARK` = `mark` (Linux: read from /proc)."""
+    needle = f"{RUN_MARK}={mark}".encode()
     members = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == group:
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as environ:
+                if needle in environ.read().split(b"\0"):
                     members.append(int(entry))
     return members
 
@@ -563,6 +573,28 @@ def test_every_process_waits_for_the_writer_then_destroys_its_process_group(fine
     assert calls[-2:] == ["wait", "end"] and calls.count("end") == 1
 
 
+def test_a_stuck_process_group_teardown_ends_the_finished_rank_successfully():
+    """`destroy_process_group` once hung in a rank whose run had finished (CI, two gloo processes): the script's
+    teardown waits for it at most its timeout, then exits with status 0 and says why; a teardown that ends is just
+    waited for."""
+    code = (
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
+        "import finetune, torch\n"
+        "torch.distributed.destroy_process_group = lambda: print('destroyed', flush=True)\n"
+        "finetune.end_process_group(timeout=5)\n"
+        "torch.distributed.destroy_process_group = lambda: threading.Event().wait()\n"
+        "finetune.end_process_group(timeout=0.5)\n"
+        "print('not reached', flush=True)\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["destroyed"], result.stdout
+    assert "teardown did not end within 0.5 s" in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+
+
 def test_only_the_writing_process_saves_the_processor(tmp_path, monkeypatch):
     """Under FSDP every process runs `Trainer._save` (to join the gathers); the processor must not be written by all
     of them at once into the same folder."""
@@ -587,9 +619,9 @@ def test_a_hung_run_fails_with_where_each_process_waits():
     """A parent and its child both hang (as torchrun and a rank): the test fails within the timeout, with both
     processes' Python stacks, one after the other."""
     rank = "import time\\ndef rank_waits(): time.sleep(60)\\nrank_waits()"
-    script = (
+    script = (  # the rank in a session of its own, as torchrun starts them
         "import subprocess, sys\n"
-        f"child = subprocess.Popen([sys.executable, '-c', '{rank}'])\n"
+        f"child = subprocess.Popen([sys.executable, '-c', '{rank}'], start_new_session=True)\n"
         "def launcher_waits(): child.wait()\n"
         "launcher_waits()\n"
     )
@@ -600,3 +632,32 @@ def test_a_hung_run_fails_with_where_each_process_waits():
     # whole lines, one process after the other (they shared stderr and once interleaved), the launcher first
     assert '"<string>", line 3 in launcher_waits' in message and '"<string>", line 2 in rank_waits' in message, message
     assert message.index("in launcher_waits") < message.index("in rank_waits"), message
+
+
+def _alive_running(code: str) -> list[int]:
+    """Live processes whose command line holds `code`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if code.encode() in cmdline.read():
+                    found.append(int(entry))
+    return found
+
+
+def test_a_rank_that_outlives_its_launcher_is_dumped_and_ended():
+    """The CI hang: the launcher ended, its rank (in a session of its own, now an orphan) hung and held the output
+    pipes, and the wait for them never ended. The test now fails within the timeout with the rank's stack, and the
+    rank is gone."""
+    rank = "import time\\ndef orphan_rank_waits(): time.sleep(60)\\norphan_rank_waits()"
+    script = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', '{rank}'], start_new_session=True)\n"
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_or_dump_stacks([sys.executable, "-c", script], dict(os.environ), timeout=3)
+    assert time.monotonic() - started < 30
+    message = str(failure.value)
+    assert "the run hung for 3 s" in message and '"<string>", line 2 in orphan_rank_waits' in message, message
+    deadline = time.monotonic() + 5
+    while _alive_running("orphan_rank_waits") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_running("orphan_rank_waits")
