@@ -314,15 +314,20 @@ RUN_MARK = "FUNAUDIOCHAT_TEST_RUN"
 
 
 def _processes_of_run(mark: str) -> list[int]:
-    """The ids of the live processes whose environment holds `RUN_MARK` = `mark` (Linux: read from /proc)."""
+    """The ids of the live processes whose environment holds `RUN_MARK` = `mark`."""
     needle = f"{RUN_MARK}={mark}".encode()
-    members = []
+    return _processes_where("environ", lambda environ: needle in environ.split(b"\0"))
+
+
+def _processes_where(proc_file: str, matches) -> list[int]:
+    """The ids of the live processes whose `/proc/<id>/<proc_file>` (bytes) `matches` (Linux)."""
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as environ:
-                if needle in environ.read().split(b"\0"):
-                    members.append(int(entry))
-    return members
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/{proc_file}", "rb") as content:
+                if matches(content.read()):
+                    found.append(int(entry))
+    return found
 
 
 def _losses(output_dir: Path) -> list[list[float]]:
@@ -636,13 +641,7 @@ def test_a_hung_run_fails_with_where_each_process_waits():
 
 def _alive_running(code: str) -> list[int]:
     """Live processes whose command line holds `code`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                if code.encode() in cmdline.read():
-                    found.append(int(entry))
-    return found
+    return _processes_where("cmdline", lambda cmdline: code.encode() in cmdline)
 
 
 def test_a_rank_that_outlives_its_launcher_is_dumped_and_ended():
